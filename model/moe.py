@@ -1,0 +1,142 @@
+"""Mixture-of-experts MLP: FP32 router, top-k selection with an aux-loss-free bias, dropless
+dispatch to SwiGLU experts, Switch balancing loss, router z-loss, and the anticipatory-routing seam.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import Tensor, nn
+
+from model.config import MoEConfig
+from model.layers import at_least_fp32
+from model.swiglu import SwiGLU, clamp_hits, swiglu
+
+
+class MoEOutput(NamedTuple):
+    y: Tensor              # same shape as the input
+    aux_loss: Tensor       # scalar: balance_coef·L_bal + router_z_coef·z_router, with grad
+    balance_loss: Tensor   # scalar L_bal, with grad
+    router_z: Tensor       # scalar z_router, with grad
+    load_E: Tensor         # (E,) fp32 detached: assignments per expert
+    route_ids_Nk: Tensor   # (N, k) int64: the experts each token went to
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts with stacked weights: w_gate_up (E, 2H, D), w_down (E, D, H)."""
+
+    def __init__(self, n_experts: int, d_model: int, hidden: int, limit: float | None):
+        super().__init__()
+        self.limit = limit
+        self.w_gate_up = nn.Parameter(torch.empty(n_experts, 2 * hidden, d_model))
+        self.w_down = nn.Parameter(torch.empty(n_experts, d_model, hidden))
+        self.record_stats = False
+        self.clamp_hits = torch.zeros((), dtype=torch.int64)
+        self.clamp_total = torch.zeros((), dtype=torch.int64)
+
+    def init_weights(self, std: float, resid_std: float) -> None:
+        nn.init.normal_(self.w_gate_up, std=std)
+        nn.init.normal_(self.w_down, std=resid_std)  # writes into the residual stream
+
+    def forward(self, x_MD: Tensor, counts: list[int]) -> Tensor:
+        """x_MD holds the tokens sorted by expert, counts[e] rows for expert e."""
+        outs, hits, total = [], 0, 0
+        # WARN: every expert runs, even on zero rows (an empty matmul): then every parameter is in
+        # the autograd graph every step, as DDP / FSDP require without find_unused_parameters.
+        for e, x_mD in enumerate(torch.split(x_MD, counts)):
+            gate_mH, up_mH = F.linear(x_mD, self.w_gate_up[e]).chunk(2, dim=-1)
+            outs.append(F.linear(swiglu(gate_mH, up_mH, self.limit), self.w_down[e]))
+            if self.record_stats:
+                hits, total = hits + clamp_hits(gate_mH, up_mH, self.limit), total + gate_mH.numel()
+        if self.record_stats:
+            self.clamp_hits = torch.as_tensor(hits, dtype=torch.int64, device=x_MD.device)
+            self.clamp_total = torch.tensor(total, dtype=torch.int64, device=x_MD.device)
+        return torch.cat(outs)
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: MoEConfig, d_model: int, limit: float | None):
+        super().__init__()
+        self.cfg = cfg
+        self.n_experts, self.top_k = cfg.n_experts, cfg.top_k
+        self.router = nn.Linear(d_model, cfg.n_experts, bias=False)
+        self.experts = GroupedExperts(cfg.n_experts, d_model, cfg.expert_hidden, limit)
+        self.shared = SwiGLU(d_model, cfg.expert_hidden, limit) if cfg.shared_expert else None
+        # DeepSeek-V3 aux-loss-free balancing: a per-expert bias that shifts *selection* only.
+        # NOTE: persistent, so it is saved in checkpoints; it is training state, not a constant.
+        self.register_buffer("bias_E", torch.zeros(cfg.n_experts, dtype=torch.float32))
+
+    def init_weights(self, std: float, resid_std: float) -> None:
+        nn.init.normal_(self.router.weight, std=std)
+        self.experts.init_weights(std, resid_std)
+        if self.shared is not None:
+            self.shared.init_weights(std, resid_std)
+
+    def router_logits(self, x_ND: Tensor) -> Tensor:
+        # WARN: FP32 even under autocast: a bf16 softmax over E logits rounds near-ties, and the
+        # top-k choice flips between otherwise identical steps (DeepSeek-V3 keeps the gate in FP32).
+        dtype = at_least_fp32(x_ND.dtype)
+        with torch.autocast(device_type=x_ND.device.type, enabled=False):
+            return F.linear(x_ND.to(dtype), self.router.weight.to(dtype))
+
+    def scores(self, logits_NE: Tensor) -> Tensor:
+        return logits_NE.softmax(-1) if self.cfg.score == "softmax" else logits_NE.sigmoid()
+
+    def forward(self, x: Tensor, route_ids_Nk: Tensor | None = None) -> MoEOutput:
+        """x: (..., D). route_ids_Nk, when given, replaces top-k selection (anticipatory routing)."""
+        N, E, k = x[..., 0].numel(), self.n_experts, self.top_k
+        x_ND = x.reshape(N, x.shape[-1])
+        logits_NE = self.router_logits(x_ND)
+        scores_NE = self.scores(logits_NE)
+
+        if route_ids_Nk is None:
+            # The bias moves which experts win, never how much they weigh (DeepSeek-V3 §2.1.2).
+            route_ids_Nk = torch.topk(scores_NE.detach() + self.bias_E, k, dim=-1).indices
+        elif route_ids_Nk.shape != (N, k):
+            raise ValueError(f"route_ids shape {tuple(route_ids_Nk.shape)} != (N, model.moe.top_k) = {(N, k)}")
+        else:
+            route_ids_Nk = route_ids_Nk.long()
+        # Gates come from the *current* scores at the chosen ids, so the router always gets gradient.
+        gates_Nk = scores_NE.gather(-1, route_ids_Nk)
+        if self.cfg.norm_topk or self.cfg.score == "sigmoid":
+            gates_Nk = gates_Nk / gates_Nk.sum(-1, keepdim=True)
+
+        # Dropless dispatch: sort the N·k assignments by expert, run each expert on its rows.
+        ids_M = rearrange(route_ids_Nk, "n k -> (n k)")
+        order_M = torch.argsort(ids_M, stable=True)
+        token_M = order_M // k
+        counts_E = torch.bincount(ids_M, minlength=E)
+        # NOTE: .tolist() is one host sync per MoE layer (split sizes must be Python ints); a grouped
+        # GEMM kernel would avoid it, at the cost of the readable per-expert loop.
+        out_MD = self.experts(x_ND[token_M], counts_E.tolist())
+        weighted_MD = out_MD.to(gates_Nk.dtype) * rearrange(gates_Nk, "n k -> (n k) 1")[order_M]
+        # NOTE: the k contributions of a token are summed in (at least) FP32, like every reduction.
+        y_ND = torch.zeros(N, x.shape[-1], dtype=gates_Nk.dtype, device=x.device)
+        y_ND = y_ND.index_add(0, token_M, weighted_MD)
+        if self.shared is not None:
+            y_ND = y_ND + self.shared(x_ND)
+
+        load_E = counts_E.detach().to(torch.float32)
+        # Switch balance loss: E·Σ_e f_e·P_e is 1 at uniform routing; f carries no gradient, P does.
+        probs_NE = scores_NE if self.cfg.score == "softmax" else scores_NE / scores_NE.sum(-1, keepdim=True)
+        f_E = load_E.to(probs_NE.dtype) / (N * k)
+        balance = E * (f_E * probs_NE.mean(0)).sum()
+        # Router z-loss (ST-MoE): keeps router logits small so the softmax stays out of saturation.
+        router_z = torch.logsumexp(logits_NE, dim=-1).square().mean()
+        aux = self.cfg.balance_coef * balance + self.cfg.router_z_coef * router_z
+        return MoEOutput(y_ND.to(x.dtype).reshape(x.shape), aux, balance, router_z, load_E, route_ids_Nk)
+
+    @torch.no_grad()
+    def update_bias(self, load_E: Tensor) -> None:
+        """DeepSeek-V3: bias_e += gamma · sign(mean(load) - load_e).
+
+        The caller passes the load summed over micro-batches and all-reduced across ranks, so every
+        rank applies the same update and the buffers never diverge.
+        """
+        gamma = self.cfg.bias_update_speed
+        if gamma == 0:
+            return
+        load_E = load_E.to(self.bias_E)
+        self.bias_E += gamma * torch.sign(load_E.mean() - load_E)

@@ -1,0 +1,50 @@
+"""SwiGLU MLP with the DeepSeek-V4 activation clamp, and its clamp telemetry."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+def swiglu(gate: Tensor, up: Tensor, limit: float | None) -> Tensor:
+    """silu(gate) * up, or with limit L: silu(min(gate, L)) * clamp(up, -L, L).
+
+    WARN: a hard clamp has zero gradient outside the bound: an element pinned at L stops learning
+    through that path until it comes back inside. The clamp bounds the activation, not the weights.
+    NOTE: silu is bounded below (min ≈ -0.28), so the gate is only clamped from above.
+    """
+    if limit is None:
+        return F.silu(gate) * up
+    return F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
+
+
+def clamp_hits(gate: Tensor, up: Tensor, limit: float | None) -> Tensor:
+    """Detached count of elements the clamp changes (gate > L or |up| > L); 0 when off."""
+    if limit is None:
+        return torch.zeros((), dtype=torch.int64, device=gate.device)
+    return ((gate.detach() > limit) | (up.detach().abs() > limit)).sum()
+
+
+class SwiGLU(nn.Module):
+    """down(swiglu(gate, up)) with gate and up from one fused matmul; no biases."""
+
+    def __init__(self, d_model: int, hidden: int, limit: float | None):
+        super().__init__()
+        self.limit = limit
+        self.w_gate_up = nn.Linear(d_model, 2 * hidden, bias=False)
+        self.w_down = nn.Linear(hidden, d_model, bias=False)
+        self.record_stats = False
+        # NOTE: tensors, never Python numbers: reading them must not force a device sync in forward.
+        self.clamp_hits = torch.zeros((), dtype=torch.int64)
+        self.clamp_total = torch.zeros((), dtype=torch.int64)
+
+    def init_weights(self, std: float, resid_std: float) -> None:
+        nn.init.normal_(self.w_gate_up.weight, std=std)
+        nn.init.normal_(self.w_down.weight, std=resid_std)  # writes into the residual stream
+
+    def forward(self, x_BTD: Tensor) -> Tensor:
+        gate_BTH, up_BTH = self.w_gate_up(x_BTD).chunk(2, dim=-1)
+        if self.record_stats:
+            self.clamp_hits = clamp_hits(gate_BTH, up_BTH, self.limit)
+            self.clamp_total = torch.tensor(gate_BTH.numel(), dtype=torch.int64, device=gate_BTH.device)
+        return self.w_down(swiglu(gate_BTH, up_BTH, self.limit))

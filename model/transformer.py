@@ -1,0 +1,136 @@
+"""Decoder-only transformer: pre-norm blocks of attention and a dense or MoE SwiGLU MLP."""
+from __future__ import annotations
+
+import math
+
+import torch
+from einops import rearrange
+from torch import Tensor, nn
+
+from model.config import ModelConfig
+from model.layers import Attention, rope_tables
+from model.loss import ModelOutput, token_losses
+from model.moe import MoE, MoEOutput
+from model.swiglu import SwiGLU
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, index: int):
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        if cfg.is_moe_layer(index):
+            self.mlp = MoE(cfg.moe, cfg.d_model, cfg.swiglu_clamp)
+        else:
+            self.mlp = SwiGLU(cfg.d_model, cfg.ffn_hidden, cfg.swiglu_clamp)
+
+    def forward(self, x_BTD: Tensor, cos_TF: Tensor, sin_TF: Tensor,
+                route_ids_BTk: Tensor | None) -> tuple[Tensor, MoEOutput | None]:
+        x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), cos_TF, sin_TF)
+        h_BTD = self.mlp_norm(x_BTD)
+        if isinstance(self.mlp, MoE):
+            ids_Nk = None if route_ids_BTk is None else rearrange(route_ids_BTk, "b t k -> (b t) k")
+            moe = self.mlp(h_BTD, ids_Nk)
+            return x_BTD + moe.y, moe
+        return x_BTD + self.mlp(h_BTD), None
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        cfg.validate()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
+        self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.head.weight = self.tok_emb.weight
+        # NOTE: non-persistent: derived from the config, so never worth a checkpoint entry.
+        cos_TF, sin_TF = rope_tables(cfg.seq_len, cfg.head_dim, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos_TF, persistent=False)
+        self.register_buffer("rope_sin", sin_TF, persistent=False)
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """N(0, init_std) everywhere; projections into the residual stream get init_std/sqrt(2·n_layers).
+
+        GPT-2 scaling: the residual stream sums 2·n_layers such outputs, so each one is shrunk to keep
+        the variance of the final residual independent of depth.
+        """
+        std = self.cfg.init_std
+        resid_std = std / math.sqrt(2 * self.cfg.n_layers)
+        nn.init.normal_(self.tok_emb.weight, std=std)
+        if not self.cfg.tie_embeddings:
+            nn.init.normal_(self.head.weight, std=std)
+        for block in self.blocks:
+            block.attn.init_weights(std, resid_std)
+            block.mlp.init_weights(std, resid_std)
+            block.attn_norm.reset_parameters()
+            block.mlp_norm.reset_parameters()
+        self.norm.reset_parameters()
+
+    def _trunk(self, tokens_BT: Tensor, routes: dict[int, Tensor] | None):
+        T = tokens_BT.shape[1]
+        if T > self.cfg.seq_len:
+            raise ValueError(f"input length {T} > model.seq_len={self.cfg.seq_len}")
+        routes = routes or {}
+        stray = sorted(set(routes) - {i for i, _ in self.moe_layers()})
+        if stray:
+            raise ValueError(f"routes given for layer {stray[0]}, which is not an MoE layer")
+        x_BTD = self.tok_emb(tokens_BT)
+        moe_outs: dict[int, MoEOutput] = {}
+        for i, block in enumerate(self.blocks):
+            # NOTE: an MoE layer missing from `routes` routes itself.
+            x_BTD, moe = block(x_BTD, self.rope_cos, self.rope_sin, routes.get(i))
+            if moe is not None:
+                moe_outs[i] = moe
+        return self.norm(x_BTD), moe_outs
+
+    def forward(self, tokens_BT: Tensor, labels_BT: Tensor | None = None,
+                routes: dict[int, Tensor] | None = None, return_logits: bool = False) -> ModelOutput:
+        """routes: {layer: expert ids (B, T, k)} replaces top-k selection at those layers."""
+        x_BTD, moe_outs = self._trunk(tokens_BT, routes)
+        logits_BTV = self.head(x_BTD)
+        dev, B = tokens_BT.device, tokens_BT.shape[0]
+        zero = torch.zeros((), dtype=torch.float32, device=dev)
+        aux = sum((m.aux_loss for m in moe_outs.values()), zero)
+        if labels_BT is None:
+            losses = None
+            loss_sum = z_sum = zero
+            n_valid = torch.zeros((), dtype=torch.int64, device=dev)
+            n_valid_B = torch.zeros(B, dtype=torch.int64, device=dev)
+            loss_sum_B = torch.zeros(B, dtype=torch.float32, device=dev)
+        else:
+            losses = token_losses(logits_BTV, labels_BT)
+            loss_sum, z_sum, n_valid = losses.loss_sum, losses.z_sum, losses.n_valid
+            loss_sum_B, n_valid_B = losses.loss_sum_B, losses.n_valid_B
+        return ModelOutput(
+            loss_sum=loss_sum, z_sum=z_sum, aux_loss=aux, n_valid=n_valid,
+            loss_sum_B=loss_sum_B, n_valid_B=n_valid_B,
+            logit_max=logits_BTV.detach().abs().max().float(),
+            moe_load={i: m.load_E for i, m in moe_outs.items()},
+            moe_aux={i: torch.stack([m.balance_loss, m.router_z]).detach() for i, m in moe_outs.items()},
+            logits=logits_BTV if (return_logits or losses is None) else None,
+        )
+
+    @torch.no_grad()
+    def compute_routes(self, tokens_BT: Tensor) -> dict[int, Tensor]:
+        """The routing-only forward: top-k expert ids (B, T, k) chosen at each MoE layer."""
+        _, moe_outs = self._trunk(tokens_BT, None)
+        B = tokens_BT.shape[0]
+        return {i: rearrange(m.route_ids_Nk, "(b t) k -> b t k", b=B) for i, m in moe_outs.items()}
+
+    def moe_layers(self) -> list[tuple[int, MoE]]:
+        return [(i, b.mlp) for i, b in enumerate(self.blocks) if isinstance(b.mlp, MoE)]
+
+    def swiglus(self) -> list[tuple[str, nn.Module]]:
+        """Every module with SwiGLU clamp telemetry (record_stats, clamp_hits, clamp_total)."""
+        return [(n, m) for n, m in self.named_modules() if hasattr(m, "record_stats")]
+
+    def num_params(self, exclude_embedding: bool = False) -> int:
+        """Unique parameters (a tied head counts once); optionally without the token embedding."""
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.tok_emb.weight.numel() if exclude_embedding else n

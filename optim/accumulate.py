@@ -1,0 +1,111 @@
+"""Token-normalised gradient accumulation: the forward/backward half of one optimizer step.
+
+The objective of a step is the mean loss per valid label token of the *global* batch:
+
+    L = (Σ_mb Σ_tokens ce + z·Σ lse²) / N_valid  +  Σ_mb (n_mb / N_valid) · aux_mb
+
+where N_valid is counted over every micro-batch on every rank *before* any forward. Averaging a mean
+per micro-batch instead would give each token of a short micro-batch more weight than a token of a
+long one (course note 004: accumulate the loss sum and the token count, divide once).
+
+NOTE: DDP and FSDP *average* gradients over ranks (÷ world), so each rank back-propagates
+world · L_rank; the average then equals the gradient of L exactly (world is a power of two here, so
+the multiply is exact in floating point).
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+
+from parallel.dist import all_reduce_max, all_reduce_sum
+from parallel.wrap import no_sync
+
+
+@dataclass
+class StepSums:
+    """Detached per-rank sums of one step, ready to be all-reduced together for logging."""
+
+    loss_sum: torch.Tensor
+    z_sum: torch.Tensor
+    aux_weighted: torch.Tensor  # Σ_mb n_mb · aux_mb (divide by N_valid for the step's aux)
+    logit_max: torch.Tensor
+    loss_by_source: torch.Tensor  # (S,) CE sums
+    tokens_by_source: torch.Tensor  # (S,) valid-token counts
+    samples_by_source: torch.Tensor  # (S,) documents
+    moe_load: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> (E,) summed over micro-batches
+
+
+def count_valid_tokens(micro_batches, device) -> torch.Tensor:
+    """Global number of valid label tokens of this step, agreed by all ranks before any forward."""
+    n = torch.tensor([float(sum(mb.n_valid for mb in micro_batches))], dtype=torch.float64, device=device)
+    return all_reduce_sum(n)
+
+
+def forward_backward(wrapped, micro_batches, n_valid_global: torch.Tensor, z_coef: float,
+                     world: int, n_sources: int, autocast=None, routes=None) -> StepSums:
+    """Run every micro-batch forward and backward; gradients accumulate in .grad.
+
+    `wrapped` is what parallel.wrap_model returned (DDP all-reduces on the last micro-batch only).
+    `routes`, when given, is one precomputed routing dict per micro-batch (anticipatory routing).
+    """
+    scale = world / n_valid_global.item()
+    device = micro_batches[0].tokens.device
+    sums = StepSums(
+        loss_sum=torch.zeros((), device=device), z_sum=torch.zeros((), device=device),
+        aux_weighted=torch.zeros((), device=device), logit_max=torch.zeros((), device=device),
+        loss_by_source=torch.zeros(n_sources, device=device),
+        tokens_by_source=torch.zeros(n_sources, device=device),
+        samples_by_source=torch.zeros(n_sources, device=device),
+    )
+    for i, mb in enumerate(micro_batches):
+        last = i == len(micro_batches) - 1
+        with no_sync(wrapped, last):
+            with autocast() if autocast is not None else contextlib.nullcontext():
+                out = wrapped(mb.tokens, mb.labels, routes=None if routes is None else routes[i])
+            n_mb = out.n_valid.to(torch.float32)
+            objective = (out.loss_sum + z_coef * out.z_sum) * scale + out.aux_loss * (n_mb * scale)
+            objective.backward()
+        sums.loss_sum += out.loss_sum.detach()
+        sums.z_sum += out.z_sum.detach()
+        sums.aux_weighted += out.aux_loss.detach() * n_mb
+        sums.logit_max = torch.maximum(sums.logit_max, out.logit_max)
+        sums.loss_by_source.index_add_(0, mb.sources, out.loss_sum_B.float())
+        sums.tokens_by_source.index_add_(0, mb.sources, out.n_valid_B.float())
+        sums.samples_by_source.index_add_(0, mb.sources, torch.ones_like(mb.sources, dtype=torch.float32))
+        for layer, load in out.moe_load.items():
+            sums.moe_load[layer] = sums.moe_load.get(layer, 0) + load
+    return sums
+
+
+
+def reduce_step_sums(sums: StepSums, n_valid_global: float) -> dict:
+    """Every rank's sums → global step statistics, in one SUM all-reduce (+ one MAX when distributed).
+
+    The MoE loads ride in the same collective because the balancing-bias update needs them global on
+    every rank anyway (each rank must move its bias copy identically).
+    """
+    layers = sorted(sums.moe_load)
+    S = sums.loss_by_source.numel()
+    packed = torch.cat([torch.stack([sums.loss_sum, sums.z_sum, sums.aux_weighted]).float(),
+                        sums.loss_by_source, sums.tokens_by_source, sums.samples_by_source,
+                        *[sums.moe_load[l].float() for l in layers]])
+    packed = all_reduce_sum(packed).tolist()
+    logit_max = all_reduce_max(sums.logit_max.detach().clone().float()).item()
+    by_src = packed[3:3 + 3 * S]
+    loads, at = {}, 3 + 3 * S
+    for l in layers:
+        E = sums.moe_load[l].numel()
+        loads[l] = torch.tensor(packed[at:at + E])
+        at += E
+    return {
+        "loss": packed[0] / n_valid_global,
+        "z_loss": packed[1] / n_valid_global,
+        "aux_loss": packed[2] / n_valid_global,
+        "loss_sum_by_source": by_src[:S],
+        "tokens_by_source": by_src[S:2 * S],
+        "samples_by_source": by_src[2 * S:],
+        "logit_max": logit_max,
+        "moe_load": loads,
+    }

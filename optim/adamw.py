@@ -1,0 +1,51 @@
+"""AdamW over the parameter-group contract.
+
+    θ ← (1 − η·λ)·θ − η · m̂ / (√v̂ + ε)
+
+Weight decay is decoupled (AdamW, Loshchilov & Hutter): λ shrinks θ directly and never enters the
+adaptive denominator, so a group with λ = 0 (biases, norms, embeddings, router) is never pulled to 0.
+"""
+
+from collections.abc import Mapping
+
+import torch
+import torch.nn as nn
+
+from optim.groups import build_param_groups
+
+
+def _fused_supported(params: list[torch.Tensor]) -> bool:
+    """True when torch has a fused AdamW kernel for every param's device and dtype."""
+    try:  # WARN: private helper; if torch moves it we lose fusion, not correctness.
+        from torch.optim.optimizer import _get_fused_kernels_supported_devices
+    except ImportError:
+        return False
+    devices = _get_fused_kernels_supported_devices()
+    return all(p.device.type in devices and torch.is_floating_point(p) for p in params)
+
+
+def build_optimizer(model: nn.Module, cfg: Mapping) -> tuple[torch.optim.AdamW, list[dict]]:
+    """AdamW (fused where supported, else foreach) over build_param_groups(model, cfg), and its table.
+
+    cfg is the `optim` node: lr, betas, eps, weight_decay, groups.
+    """
+    betas = tuple(float(b) for b in cfg.get("betas", (0.9, 0.95)))
+    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        raise ValueError(f"optim.betas={list(betas)}: expected two values in [0, 1)")
+    eps = float(cfg.get("eps", 1e-8))
+    if not eps > 0:
+        raise ValueError(f"optim.eps={eps}: must be > 0")
+
+    groups, table = build_param_groups(model, cfg)
+    params = [p for g in groups for p in g["params"]]
+    # NOTE: AdamW allocates m and v like the parameter, so FP32 masters are what keep the moments FP32.
+    for name, p in model.named_parameters():
+        if p.requires_grad and p.dtype != torch.float32:
+            raise ValueError(f"optim: parameter {name} is {p.dtype}; "
+                             "optimizer state needs FP32 master weights")
+
+    fused = _fused_supported(params)
+    opt = torch.optim.AdamW(groups, lr=float(cfg["lr"]), betas=betas, eps=eps,
+                            weight_decay=float(cfg.get("weight_decay", 0.0)),
+                            fused=fused, foreach=not fused)
+    return opt, table

@@ -1,0 +1,86 @@
+"""Global-norm gradient clipping that stays global when gradients are sharded.
+
+    ‖g‖ = sqrt(Σ_ranks Σ_i g_i²)          g ← g · min(1, c / (‖g‖ + ε))
+
+"Global" means the whole model's gradient, not this rank's piece of it. A gradient is either
+  - replicated: a plain tensor (DDP: every rank holds the full, already averaged gradient) or a
+    DTensor without Shard placements. Its squares are summed locally and NOT all-reduced — doing so
+    would count it once per rank (√world too large a norm);
+  - sharded: a DTensor with a Shard placement (FSDP2). Each rank sums the squares of its local shard
+    and one all_reduce(SUM) over the shard process group adds the pieces.
+A mix of both is handled by reducing only the sharded partial sum.
+"""
+
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Partial, Shard
+
+
+def _is_sharded(g: torch.Tensor) -> bool:
+    if not isinstance(g, DTensor):
+        return False
+    if any(isinstance(pl, Partial) for pl in g.placements):
+        raise ValueError(f"clip_grad_norm: gradient with placements {g.placements} is an unreduced "
+                         "partial sum; reduce it before clipping")
+    return any(isinstance(pl, Shard) for pl in g.placements)
+
+
+def _sum_of_squares(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Σ_i t_i² over all tensors, accumulated in FP32 (a BF16 sum of squares saturates early)."""
+    if not tensors:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)
+    return torch.stack([n.to(device) for n in norms]).square().sum()
+
+
+@torch.no_grad()
+def clip_grad_norm(
+    params: Iterable[torch.Tensor], max_norm: float | None, eps: float = 1e-6,
+    group: dist.ProcessGroup | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clip the gradients of `params` in place to global norm `max_norm`; return (pre-clip norm, coef).
+
+    g ← g · min(1, c / (‖g‖ + ε)), with ‖g‖ over every shard on every rank of `group` (default: the
+    1-D device mesh the sharded gradients live on).
+    max_norm None or <= 0: only measure (coef = 1). A non-finite norm is returned as is and the grads are
+    left untouched (coef = 1): the caller decides to skip the step. Both results are 0-d FP32 tensors on
+    the grads' device; nothing here syncs with the host.
+
+    WARN: every rank of `group` must call this with the same set of sharded gradients (the all_reduce
+    is collective). With a 2-D mesh (HSDP: replicate × shard) pass the shard group, or replicas add up.
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    device = grads[0].device if grads else torch.device("cpu")
+    is_sharded = [_is_sharded(g) for g in grads]
+    sharded = [g for g, s in zip(grads, is_sharded) if s]
+    replicated = [g for g, s in zip(grads, is_sharded) if not s]
+
+    if sharded and group is None:
+        mesh = sharded[0].device_mesh
+        if mesh.ndim != 1 or any(g.device_mesh != mesh for g in sharded):
+            raise ValueError("clip_grad_norm: sharded gradients on a multi-dim mesh or on several meshes "
+                             "need an explicit shard `group`")
+        group = mesh.get_group()
+    # under no_grad, to_local() is the DTensor's own storage: the in-place scale below reaches it.
+    sharded = [g.to_local() for g in sharded]
+    replicated = [g.to_local() if isinstance(g, DTensor) else g for g in replicated]
+
+    sq_sharded = _sum_of_squares(sharded, device)
+    if sharded:
+        dist.all_reduce(sq_sharded, op=dist.ReduceOp.SUM, group=group)
+    norm = (sq_sharded + _sum_of_squares(replicated, device)).sqrt()
+
+    one = torch.ones((), dtype=torch.float32, device=device)
+    if max_norm is None or max_norm <= 0:
+        return norm, one
+    # NOTE: torch.where instead of `if norm.isfinite()` keeps the host out of it; × 1.0 is exact,
+    # so non-finite and below-threshold norms leave every grad bit-identical.
+    coef = torch.where(norm.isfinite(), (max_norm / (norm + eps)).clamp(max=1.0), one)
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for g in sharded + replicated:
+        by_device.setdefault(g.device, []).append(g)
+    for dev, gs in by_device.items():
+        torch._foreach_mul_(gs, coef.to(dev))
+    return norm, coef

@@ -1,0 +1,152 @@
+"""The parameter-group contract: which tensors decay, and at what learning rate.
+
+Every trainable parameter gets a set of *kinds*, decided by the module that owns it, and the config's
+rules (first match wins) send it to a named group. Parameters no rule matches go to group "default"
+(weight_decay = optim.weight_decay, lr_scale = 1). Config (conf/optim/adamw.yaml):
+
+    groups:
+      - {name: no_decay, kinds: [bias, norm, embedding, router, expert_bias], weight_decay: 0.0}
+      - {name: attn, names: ["*.attn.*"], lr_scale: 0.5}
+
+A rule matches a parameter when any of its `kinds` is among the parameter's kinds OR its qualified
+name matches any of its `names` patterns (fnmatch, case-sensitive).
+
+NOTE: a rule that matches nothing is an error, not an empty group. Renaming `RMSNorm` to `RmsNorm`
+or moving the router must not silently start decaying gains and routing logits — that is exactly
+the bug this contract exists to catch.
+"""
+
+from collections.abc import Mapping
+from fnmatch import fnmatchcase
+
+import torch.nn as nn
+
+KINDS = ("bias", "norm", "embedding", "router", "expert_bias")
+RULE_KEYS = {"name", "kinds", "names", "weight_decay", "lr_scale"}
+DEFAULT_GROUP = "default"
+
+
+def _module_kinds(module: nn.Module, module_name: str, param_name: str) -> set[str]:
+    """Kinds of one parameter as seen from one owning module."""
+    qual = f"{module_name}.{param_name}" if module_name else param_name
+    cls = type(module).__name__
+    kinds = set()
+    if param_name == "bias":
+        kinds.add("bias")
+    # NOTE: class names ending in "Norm" too, so a hand-written model.RMSNorm is caught like nn.RMSNorm.
+    if isinstance(module, (nn.RMSNorm, nn.LayerNorm)) or cls.endswith("Norm"):
+        kinds.add("norm")
+    if isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
+        kinds.add("embedding")
+    if ".router." in f".{qual}" or qual.endswith("router.weight"):
+        kinds.add("router")
+    if "expert_bias" in qual:
+        kinds.add("expert_bias")
+    return kinds
+
+
+def param_kinds(model: nn.Module) -> dict[str, set[str]]:
+    """Qualified name -> kinds, for every trainable parameter, each tensor once.
+
+    A tied tensor (head weight = embedding weight) is one parameter with several owners; its kinds are
+    the union over owners, so the tied head counts under `embedding` whichever module registered first.
+    """
+    kinds_by_id: dict[int, set[str]] = {}
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        for param_name, p in module.named_parameters(recurse=False):
+            kinds_by_id.setdefault(id(p), set()).update(_module_kinds(module, module_name, param_name))
+        if "Router" in type(module).__name__:  # the whole subtree: a Router's inner Linear routes too
+            for p in module.parameters():
+                kinds_by_id.setdefault(id(p), set()).add("router")
+    # named_parameters() deduplicates tied tensors and keeps the first name: one entry per tensor.
+    return {n: kinds_by_id[id(p)] for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _check_rule(i: int, rule: Mapping) -> tuple[str, tuple[str, ...], tuple[str, ...]]:
+    key = f"optim.groups[{i}]"
+    if not isinstance(rule, Mapping):
+        raise ValueError(f"{key}={rule!r}: expected a mapping with name/kinds/names")
+    extra = set(rule) - RULE_KEYS
+    if extra:
+        raise ValueError(f"{key} has unknown keys {sorted(extra)}: expected {sorted(RULE_KEYS)}")
+    name = str(rule.get("name", f"group{i}"))
+    kinds = tuple(rule.get("kinds") or ())
+    names = tuple(rule.get("names") or ())
+    bad = [k for k in kinds if k not in KINDS]
+    if bad:
+        raise ValueError(f"{key}.kinds={list(kinds)}: unknown kind {bad[0]!r}, "
+                         f"expected one of {', '.join(KINDS)}")
+    if not kinds and not names:
+        raise ValueError(f"{key} ({name}) gives neither kinds nor names: it could match nothing")
+    if name == DEFAULT_GROUP:
+        raise ValueError(f"{key}.name={name}: reserved for parameters that no rule matches")
+    return name, kinds, names
+
+
+def _matches(rule: dict, pname: str, kinds: set[str]) -> bool:
+    return bool(rule["kinds"] & kinds) or any(fnmatchcase(pname, pat) for pat in rule["names"])
+
+
+def _nonneg(value, key: str) -> float:
+    value = float(value)
+    if not value >= 0:  # NOTE: also rejects NaN
+        raise ValueError(f"{key}={value}: must be >= 0")
+    return value
+
+
+def build_param_groups(model: nn.Module, cfg: Mapping) -> tuple[list[dict], list[dict]]:
+    """Torch param-group dicts and a summary table (one row per group) for `model` under `cfg`.
+
+    Group dicts carry params, name, weight_decay, lr_scale and lr = cfg.lr · lr_scale. Parameters keep
+    model.named_parameters() order inside each group, so optimizer state maps back deterministically.
+    """
+    base_lr = float(cfg["lr"])
+    if not base_lr > 0:
+        raise ValueError(f"optim.lr={cfg['lr']}: must be > 0")
+    base_wd = _nonneg(cfg.get("weight_decay", 0.0), "optim.weight_decay")
+
+    rules = []
+    for i, rule in enumerate(cfg.get("groups") or ()):
+        name, kinds, names = _check_rule(i, rule)
+        if any(name == r["name"] for r in rules):
+            raise ValueError(f"optim.groups[{i}].name={name}: duplicate group name")
+        wd = _nonneg(rule.get("weight_decay", base_wd), f"optim.groups[{i}].weight_decay")
+        lr_scale = _nonneg(rule.get("lr_scale", 1.0), f"optim.groups[{i}].lr_scale")
+        rules.append(dict(name=name, kinds=set(kinds), names=names, weight_decay=wd, lr_scale=lr_scale))
+    default = dict(name=DEFAULT_GROUP, weight_decay=base_wd, lr_scale=1.0)
+
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    members: dict[str, list[str]] = {r["name"]: [] for r in rules + [default]}
+    for pname, kinds in param_kinds(model).items():
+        hit = next((r for r in rules if _matches(r, pname, kinds)), default)
+        members[hit["name"]].append(pname)
+
+    for i, r in enumerate(rules):
+        if not members[r["name"]]:
+            raise ValueError(f"optim.groups[{i}] ({r['name']}) matches no parameter")
+    placed = [n for names in members.values() for n in names]
+    assert len(placed) == len(set(placed)) == len(params), "every trainable parameter in exactly one group"
+
+    groups, table = [], []
+    for r in rules + [default]:
+        names = members[r["name"]]
+        if not names:  # only the default group may end up empty
+            continue
+        tensors = [params[n] for n in names]
+        groups.append(dict(params=tensors, name=r["name"], weight_decay=r["weight_decay"],
+                           lr_scale=r["lr_scale"], lr=base_lr * r["lr_scale"]))
+        table.append(dict(group=r["name"], tensors=len(tensors), parameters=sum(p.numel() for p in tensors),
+                          weight_decay=r["weight_decay"], lr_scale=r["lr_scale"]))
+    return groups, table
+
+
+def format_table(table: list[dict]) -> str:
+    """Fixed-width text of the group table, with a total line, for printing at start."""
+    head = f"{'group':<16} {'tensors':>8} {'parameters':>12} {'weight_decay':>13} {'lr_scale':>9}"
+    lines = [head, "-" * len(head)]
+    for row in table:
+        lines.append(f"{row['group']:<16} {row['tensors']:>8d} {row['parameters']:>12,d} "
+                     f"{row['weight_decay']:>13g} {row['lr_scale']:>9g}")
+    lines.append(f"{'total':<16} {sum(r['tensors'] for r in table):>8d} "
+                 f"{sum(r['parameters'] for r in table):>12,d}")
+    return "\n".join(lines)

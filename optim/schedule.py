@@ -1,0 +1,89 @@
+"""Learning-rate schedules as a pure factor of the step: lr(s) = peak_lr · lr_factor(s, T, cfg).
+
+Config (the `optim.schedule` node; T = train.steps comes from the trainer):
+
+    {name: cosine, warmup_steps: 100, min_lr_ratio: 0.1, decay_steps: null}   # wsd: decay_fraction: 0.2
+
+Step s counts optimizer steps from 0; the run's last step is T − 1. With W warmup steps, D decay steps
+and r = min_lr_ratio:
+
+    warmup   s < W:   f = (s + 1) / W                       first step 1/W (> 0), step W−1 at 1.0
+    decay:            p = clamp((s − s₀ + 1) / D, 0, 1)     step s₀ already one step in, s₀+D−1 at r
+        cosine        f = r + (1 − r) · ½(1 + cos πp)       s₀ = W, D = decay_steps or T − W
+        linear        f = 1 − (1 − r) · p                   s₀ = W, D = decay_steps or T − W
+        wsd           f = 1 before s₀, then linear          D = decay_steps or round(decay_fraction·T),
+                                                            s₀ = T − D (the last D steps decay)
+        constant      f = 1
+
+NOTE: neither phase wastes a step: warmup never sits at 0 and the last step already trains at r·peak.
+Steps past the end hold at r (cosine, linear, wsd), so a longer resumed run does not restart the cycle.
+"""
+
+import math
+from collections.abc import Mapping
+
+import torch
+from torch.optim.lr_scheduler import LambdaLR
+
+SCHEDULES = ("cosine", "linear", "wsd", "constant")
+
+
+def _phases(cfg: Mapping, total_steps: int) -> tuple[str, int, int, int, float]:
+    """Validated (name, W, s₀, D, r) of a schedule over total_steps; ValueError names the bad key."""
+    name = cfg.get("name", "cosine")
+    if name not in SCHEDULES:
+        raise ValueError(f"optim.schedule.name={name}: expected one of {', '.join(SCHEDULES)}")
+    if not (isinstance(total_steps, int) and total_steps > 0):
+        raise ValueError(f"train.steps={total_steps}: must be a positive integer")
+    warmup = cfg.get("warmup_steps", 0) or 0
+    if not (isinstance(warmup, int) and 0 <= warmup <= total_steps):
+        raise ValueError(f"optim.schedule.warmup_steps={warmup}: must be an integer in "
+                         f"[0, train.steps={total_steps}]")
+    ratio = float(cfg.get("min_lr_ratio", 0.0))
+    if not 0.0 <= ratio <= 1.0:
+        raise ValueError(f"optim.schedule.min_lr_ratio={ratio}: must be in [0, 1]")
+    decay = cfg.get("decay_steps")
+    if decay is not None and not (isinstance(decay, int) and decay > 0):
+        raise ValueError(f"optim.schedule.decay_steps={decay}: must be a positive integer or null")
+
+    if name != "wsd":
+        return name, warmup, warmup, decay or max(total_steps - warmup, 1), ratio
+    if decay is None:
+        fraction = float(cfg.get("decay_fraction", 0.2))
+        if not 0.0 < fraction <= 1.0:
+            raise ValueError(f"optim.schedule.decay_fraction={fraction}: must be in (0, 1]")
+        decay = max(round(fraction * total_steps), 1)
+    if warmup + decay > total_steps:
+        raise ValueError(f"optim.schedule: warmup_steps={warmup} + decay steps={decay} "
+                         f"exceed train.steps={total_steps}")
+    return name, warmup, total_steps - decay, decay, ratio
+
+
+def _factor(step: int, name: str, warmup: int, start: int, decay: int, ratio: float) -> float:
+    if step < warmup:
+        return (step + 1) / warmup
+    if name == "constant" or step < start:
+        return 1.0
+    p = min(max((step - start + 1) / decay, 0.0), 1.0)
+    if name == "cosine":
+        return ratio + (1.0 - ratio) * 0.5 * (1.0 + math.cos(math.pi * p))
+    return 1.0 - (1.0 - ratio) * p  # linear and the decay tail of wsd
+
+
+def lr_factor(step: int, total_steps: int, cfg: Mapping) -> float:
+    """Multiplier of the peak lr at optimizer step `step` (0-based) of a `total_steps` run."""
+    return _factor(step, *_phases(cfg, total_steps))
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: Mapping, total_steps: int) -> LambdaLR:
+    """LambdaLR applying lr_factor to every group's own lr (so lr_scale survives).
+
+    NOTE: LambdaLR's state_dict is the step counter (last_epoch) and base lrs; the factor is recomputed
+    from the config, so resume is exact as long as the schedule config and train.steps are unchanged.
+    """
+    phases = _phases(cfg, total_steps)  # validate once, up front, not at the first step
+
+    def factor(step: int) -> float:
+        return _factor(step, *phases)
+
+    return LambdaLR(optimizer, factor)

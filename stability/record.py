@@ -1,0 +1,54 @@
+"""StepRecord: one JSON line per optimizer step, the spine every other tool reads.
+
+Laid out as the course notes' four-layer timeline (input → forward → backward/update → system), all
+keyed by the same `step`, cumulative `tokens` and `ckpt_id`, so the first quantity that deviated can be
+found by reading one file (runs/<run>/metrics.jsonl).
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class StepRecord:
+    # keys
+    step: int
+    tokens: int  # cumulative valid label tokens, all ranks
+    ckpt_id: str | None = None
+    # input layer
+    batch: dict[str, int] = field(default_factory=dict)  # global sample ids [first, first + size)
+    source_mix: dict[str, int] = field(default_factory=dict)  # documents per source
+    valid_tokens: int = 0
+    tokens_by_source: dict[str, int] = field(default_factory=dict)
+    # forward layer
+    loss: float = math.nan  # CE per valid token of the global batch
+    loss_by_source: dict[str, float] = field(default_factory=dict)
+    z_loss: float = math.nan  # mean logsumexp² per valid token (before its coefficient)
+    aux_loss: float = 0.0  # MoE balancing + router z, token-weighted over micro-batches
+    logit_max: float = math.nan
+    expert_load: dict[str, list[float]] = field(default_factory=dict)  # layer -> share of assignments
+    # backward / update layer
+    lr: float = math.nan
+    grad_norm: float = math.nan  # global, before clipping
+    clip_coef: float = 1.0
+    skipped: bool = False
+    # system layer
+    time_s: dict[str, float] = field(default_factory=dict)  # data, fwd_bwd, optim, log, total
+    tokens_per_s: float = 0.0  # positions processed (incl. padding) per second of step time
+    memory_mb: float = 0.0
+    world: int = 1
+    events: list[str] = field(default_factory=list)
+    eval: dict[str, Any] | None = None  # present on steps that ran an evaluation
+
+    def to_json(self) -> str:
+        # NOTE: allow_nan keeps NaN/inf visible as JSON's non-standard tokens; a diverged run must
+        # log its NaN, not crash the logger or silently write null.
+        return json.dumps(asdict(self), separators=(",", ":"), allow_nan=True)
+
+
+def read_records(path) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]

@@ -1,0 +1,83 @@
+"""Where StepRecords go: a JSONL file (the source of truth), the console, and wandb.
+
+Only rank 0 builds sinks; other ranks get an empty list, so the loop never asks which rank it is.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from stability.record import StepRecord
+
+WANDB_MODES = ("offline", "online", "disabled")
+
+
+class JsonlSink:
+    def __init__(self, path: Path):
+        # NOTE: line buffering, so a crash or SIGKILL loses at most the line being written.
+        self.f = open(path, "a", buffering=1)
+
+    def write(self, rec: StepRecord) -> None:
+        self.f.write(rec.to_json() + "\n")
+
+    def close(self) -> None:
+        self.f.close()
+
+
+class ConsoleSink:
+    """A progress bar, plus one compact line every `every` steps and on every evaluation."""
+
+    def __init__(self, total_steps: int, every: int, floor: float | None, progress: bool):
+        self.every, self.floor = every, floor
+        self.bar = tqdm(total=total_steps, desc="train", unit="step", disable=not progress, dynamic_ncols=True)
+
+    def write(self, rec: StepRecord) -> None:
+        self.bar.update(1)
+        self.bar.set_postfix(loss=f"{rec.loss:.4f}", gnorm=f"{rec.grad_norm:.3f}", refresh=False)
+        if rec.eval is not None:
+            ev = rec.eval
+            gap = f" (floor {ev['floor']:.4f}, gap {ev['loss'] - ev['floor']:+.4f})" if ev.get("floor") is not None else ""
+            self.bar.write(f"eval  step {rec.step:>6} | val loss {ev['loss']:.4f}{gap}")
+        if self.every and (rec.step % self.every == 0 or rec.events):
+            ev = f" | {'; '.join(rec.events)}" if rec.events else ""
+            self.bar.write(
+                f"step {rec.step:>6} | loss {rec.loss:.4f} | lr {rec.lr:.2e} | gnorm {rec.grad_norm:.3f}"
+                f" clip {rec.clip_coef:.2f} | {rec.tokens_per_s / 1e3:.1f}k tok/s"
+                f" | {rec.time_s.get('total', math.nan) * 1e3:.0f} ms{ev}"
+            )
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+class WandbSink:
+    """wandb on rank 0 only, offline by default, written under the run directory."""
+
+    def __init__(self, mode: str, project: str, run_dir: Path, name: str, config: dict):
+        import wandb  # imported lazily: ~1 s, and never needed when disabled
+
+        self.run = wandb.init(project=project, name=name, dir=str(run_dir), mode=mode, config=config)
+
+    def write(self, rec: StepRecord) -> None:
+        row = {"loss": rec.loss, "lr": rec.lr, "grad_norm": rec.grad_norm, "clip_coef": rec.clip_coef,
+               "z_loss": rec.z_loss, "aux_loss": rec.aux_loss, "logit_max": rec.logit_max,
+               "tokens_per_s": rec.tokens_per_s, "tokens": rec.tokens}
+        row.update({f"loss/{k}": v for k, v in rec.loss_by_source.items()})
+        if rec.eval is not None:
+            row.update({f"eval/{k}": v for k, v in rec.eval.items() if isinstance(v, (int, float))})
+        self.run.log(row, step=rec.step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def build_sinks(log_cfg, run_dir: Path, total_steps: int, floor: float | None, name: str, config: dict) -> list:
+    mode = log_cfg.wandb
+    if mode not in WANDB_MODES:
+        raise ValueError(f"logging.wandb={mode}: expected one of {', '.join(WANDB_MODES)}")
+    sinks = [JsonlSink(run_dir / "metrics.jsonl"), ConsoleSink(total_steps, log_cfg.log_every, floor, log_cfg.progress)]
+    if mode != "disabled":
+        sinks.append(WandbSink(mode, log_cfg.wandb_project, run_dir, name, config))
+    return sinks

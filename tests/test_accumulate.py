@@ -1,0 +1,113 @@
+"""Token-normalised accumulation and data-parallel equivalence of the step's gradient half."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from data import build_data
+from data.batch import IGNORE_INDEX, Batch
+from data.loader import Loader
+from model import ModelConfig, Transformer
+from optim import build_optimizer, clip_grad_norm
+from optim.accumulate import count_valid_tokens, forward_backward
+
+DATA = {"kind": "synthetic", "seq_len": 32, "min_doc_len": 16, "seed": 3,
+        "sources": [{"name": "markov", "kind": "markov", "weight": 0.6, "alphabet": 16, "order": 2, "support": 3,
+                     "concentration": 0.5},
+                    {"name": "copy", "kind": "copy", "weight": 0.4, "alphabet": 16, "segment": 5}]}
+
+
+def tiny_model(vocab, seq_len, moe=False, seed=0):
+    torch.manual_seed(seed)
+    cfg = {"vocab_size": vocab, "seq_len": seq_len, "d_model": 32, "n_layers": 2, "n_heads": 2,
+           "swiglu_clamp": 10.0}
+    if moe:  # balancing bias only: the Switch loss is a per-micro-batch mean and not split-invariant
+        cfg["moe"] = {"n_experts": 4, "top_k": 2, "expert_hidden": 32, "first_dense": 1, "every": 1,
+                      "balance_coef": 0.0, "router_z_coef": 0.0}
+    return Transformer(ModelConfig.from_dict(cfg))
+
+
+def grads(model):
+    return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+
+def unequal_batch(ds):
+    """A batch whose micro-batches carry very different numbers of valid labels."""
+    b = ds.samples(range(8))
+    labels = b.labels.clone()
+    labels[:4, 3:] = IGNORE_INDEX  # first half: 3 labels each; second half: >= 15 each
+    return Batch(tokens=b.tokens, labels=labels, sources=b.sources, sample_ids=b.sample_ids, floor=None)
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_accumulated_gradient_equals_full_batch_gradient(moe):
+    ds = build_data(DATA)
+    batch = unequal_batch(ds)
+    counts = [mb.n_valid for mb in batch.micro_batches(2)]
+    assert counts[0] * 3 < counts[1]  # the test means something only if the counts differ
+
+    full = tiny_model(ds.vocab_size, 32, moe)
+    n = count_valid_tokens([batch], "cpu")
+    forward_backward(full, [batch], n, z_coef=1e-3, world=1, n_sources=2)
+    g_full = grads(full)
+
+    acc = tiny_model(ds.vocab_size, 32, moe)
+    micro = batch.micro_batches(2)
+    forward_backward(acc, micro, count_valid_tokens(micro, "cpu"), z_coef=1e-3, world=1, n_sources=2)
+    g_acc = grads(acc)
+    assert (g_acc - g_full).norm() / g_full.norm() < 1e-6
+
+    # The bug the course warns about: mean per micro-batch, then average the means.
+    naive = tiny_model(ds.vocab_size, 32, moe)
+    for mb in micro:
+        out = naive(mb.tokens, mb.labels)
+        ((out.loss_sum + 1e-3 * out.z_sum) / out.n_valid / len(micro) + out.aux_loss / len(micro)).backward()
+    assert (grads(naive) - g_full).norm() / g_full.norm() > 1e-2
+
+
+def _ddp_worker(rank, world, path, steps, store):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    from parallel import Dist, wrap_model
+
+    dist = Dist(rank=rank, world=world, local_rank=rank, device=torch.device("cpu"), backend="gloo")
+    torch.save(run_steps(dist, steps, micro=2 // world), f"{path}.{rank}")
+    torch.distributed.destroy_process_group()
+
+
+def run_steps(dist, steps, micro):
+    from parallel import wrap_model
+
+    ds = build_data(DATA)
+    model = tiny_model(ds.vocab_size, 32, moe=True)
+    opt, _ = build_optimizer(model, {"lr": 1e-2, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1,
+                                     "groups": [{"name": "no_decay", "kinds": ["norm", "embedding", "router"],
+                                                 "weight_decay": 0.0}]})
+    wrapped = wrap_model(model, "auto", dist)
+    loader = Loader(ds, 8, dist.rank, dist.world)
+    norms = []
+    for _ in range(steps):
+        mbs = loader.next().micro_batches(micro)
+        forward_backward(wrapped, mbs, count_valid_tokens(mbs, "cpu"), 1e-4, dist.world, 2)
+        norm, _ = clip_grad_norm(model.parameters(), 0.5)
+        norms.append(norm.item())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return {"params": {k: v.detach().clone() for k, v in model.state_dict().items()}, "norms": norms}
+
+
+@pytest.mark.distributed
+def test_ddp_parameters_match_single_process(tmp_path):
+    from parallel import Dist
+
+    single = run_steps(Dist(0, 1, 0, torch.device("cpu"), None), steps=4, micro=2)
+    mp.spawn(_ddp_worker, args=(2, str(tmp_path / "out"), 4, str(tmp_path / "store")), nprocs=2, join=True)
+    for rank in range(2):
+        got = torch.load(tmp_path / f"out.{rank}")
+        assert got["norms"] == pytest.approx(single["norms"], rel=1e-5)
+        for k, v in single["params"].items():
+            torch.testing.assert_close(got["params"][k], v, rtol=1e-5, atol=1e-6, msg=k)

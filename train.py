@@ -1,0 +1,192 @@
+"""ballast: train a small dense / MoE transformer — the story of one run, top to bottom.
+
+    python train.py                                          # quickstart: dense + MoE, synthetic data
+    python train.py +experiment=shakespeare_char data.path=input.txt
+    torchrun --standalone --nproc_per_node=2 train.py +experiment=dense_tiny
+
+One optimizer step (DESIGN §3): count the global valid tokens → forward/backward every micro-batch on
+(loss_sum + z·z_sum)/N_valid (+ aux) → clip by the global norm → step → schedule → one StepRecord.
+"""
+from __future__ import annotations
+
+import resource
+import sys
+import time
+from pathlib import Path
+
+import hydra
+import torch
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from data import build_data
+from data.loader import Loader, eval_batches
+from model import ModelConfig, Transformer
+from optim import build_optimizer, build_scheduler, clip_grad_norm, format_table
+from optim.accumulate import count_valid_tokens, forward_backward, reduce_step_sums
+from parallel import all_reduce_sum, barrier, destroy, init_distributed, wrap_model
+from stability.plots import plot_losses
+from stability.record import StepRecord, read_records
+from stability.sinks import build_sinks
+
+
+@hydra.main(config_path="conf", config_name="config", version_base=None)
+def main(cfg: DictConfig) -> None:
+    dist = init_distributed(cfg.device)
+    try:
+        run = build(cfg, dist)
+    except ValueError as e:  # every config problem surfaces here as one line naming the key
+        print(f"ballast: config error: {e}", file=sys.stderr)
+        destroy()
+        sys.exit(2)
+    try:
+        train(cfg, dist, **run)
+    finally:
+        destroy()
+
+
+def build(cfg: DictConfig, dist) -> dict:
+    check_train_cfg(cfg, dist.world)
+    if cfg.threads:
+        torch.set_num_threads(int(cfg.threads))
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    if dist.is_main and (run_dir / "metrics.jsonl").exists():
+        raise ValueError(f"hydra.run.dir={run_dir} already holds a run; pick a new directory")
+    torch.manual_seed(cfg.seed)  # same seed on every rank → identical initial weights
+
+    dataset = build_data(OmegaConf.to_container(cfg.data, resolve=True))
+    model_cfg = ModelConfig.from_dict({**OmegaConf.to_container(cfg.model, resolve=True),
+                                       "vocab_size": dataset.vocab_size, "seq_len": dataset.seq_len})
+    model = Transformer(model_cfg).to(dist.device)
+    optimizer, group_table = build_optimizer(model, OmegaConf.to_container(cfg.optim, resolve=True))
+    scheduler = build_scheduler(optimizer, OmegaConf.to_container(cfg.optim.schedule, resolve=True), cfg.train.steps)
+    wrapped = wrap_model(model, cfg.parallel.mode, dist)
+    loader = Loader(dataset, cfg.train.batch_size, dist.rank, dist.world)
+    evals = eval_batches(dataset, cfg.train.eval_samples, cfg.train.eval_batch_size, dist.rank, dist.world)
+    floor = dataset.expected_floor() if hasattr(dataset, "expected_floor") else None
+
+    if dist.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
+        print(f"run dir {run_dir} | {dist.world} process(es) on {dist.device} | data {dataset.fingerprint[:12]}")
+        print(dataset.describe())
+        print(f"model: {model.num_params() / 1e6:.3f}M parameters, "
+              f"{sum(model_cfg.is_moe_layer(i) for i in range(model_cfg.n_layers))} MoE layer(s) of {model_cfg.n_layers}")
+        print(format_table(group_table))
+    sinks = build_sinks(cfg.logging, run_dir, cfg.train.steps, floor, cfg.run_name,
+                        OmegaConf.to_container(cfg, resolve=True)) if dist.is_main else []
+    barrier()
+    return dict(model=model, wrapped=wrapped, optimizer=optimizer, scheduler=scheduler, loader=loader,
+                evals=evals, dataset=dataset, sinks=sinks, run_dir=run_dir)
+
+
+def train(cfg, dist, model, wrapped, optimizer, scheduler, loader, evals, dataset, sinks, run_dir) -> None:
+    tc, names = cfg.train, dataset.source_names
+    tokens_seen = 0
+    for step in range(1, tc.steps + 1):
+        t0 = time.perf_counter()
+        batch = loader.next()
+        first_id = int(batch.sample_ids[0]) - dist.rank * (tc.batch_size // dist.world)
+        micro = [mb.to(dist.device) for mb in batch.micro_batches(tc.micro_batches)]
+        n_valid = count_valid_tokens(micro, dist.device)  # global, before any forward
+        t1 = time.perf_counter()
+
+        sums = forward_backward(wrapped, micro, n_valid, tc.z_loss, dist.world, len(names))
+        t2 = time.perf_counter()
+
+        norm, coef = clip_grad_norm(model.parameters(), tc.max_grad_norm)
+        lr = optimizer.param_groups[0]["lr"] / optimizer.param_groups[0].get("lr_scale", 1.0)
+        events = []
+        if torch.isfinite(norm):
+            optimizer.step()
+        else:  # NOTE: a non-finite gradient would poison the weights and both Adam moments for good
+            events.append(f"non-finite grad norm ({norm.item()}): optimizer step skipped")
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        t3 = time.perf_counter()
+
+        stats = reduce_step_sums(sums, n_valid.item())
+        for layer, moe in model.moe_layers():  # aux-loss-free balancing from the global loads
+            moe.update_bias(stats["moe_load"][layer].to(dist.device))
+        tokens_seen += int(n_valid.item())
+        ev = evaluate(model, evals, names, dist.device) if step % tc.eval_every == 0 or step == tc.steps else None
+        t4 = time.perf_counter()
+
+        rec = StepRecord(
+            step=step, tokens=tokens_seen, world=dist.world,
+            batch={"first": first_id, "size": tc.batch_size},
+            source_mix={n: int(c) for n, c in zip(names, stats["samples_by_source"])},
+            valid_tokens=int(n_valid.item()),
+            tokens_by_source={n: int(c) for n, c in zip(names, stats["tokens_by_source"])},
+            loss=stats["loss"], z_loss=stats["z_loss"], aux_loss=stats["aux_loss"], logit_max=stats["logit_max"],
+            loss_by_source={n: s / c for n, s, c in zip(names, stats["loss_sum_by_source"], stats["tokens_by_source"]) if c},
+            expert_load={str(l): (load / load.sum()).tolist() for l, load in stats["moe_load"].items()},
+            lr=lr, grad_norm=norm.item(), clip_coef=coef.item(), skipped=bool(events),
+            time_s={"data": t1 - t0, "fwd_bwd": t2 - t1, "optim": t3 - t2, "log_eval": t4 - t3, "total": t4 - t0},
+            tokens_per_s=tc.batch_size * dataset.seq_len / (t4 - t0), memory_mb=peak_memory_mb(dist.device),
+            events=events, eval=ev,
+        )
+        for sink in sinks:
+            sink.write(rec)
+    finish(cfg, sinks, run_dir, dataset)
+
+
+@torch.no_grad()
+def evaluate(model, batches, names, device) -> dict:
+    """Loss per valid token on the fixed validation samples, by source, beside the exact floor."""
+    S = len(names)
+    acc = torch.zeros(3 + 2 * S, dtype=torch.float64)  # loss, tokens, floor, loss by source, tokens by source
+    for b in batches:
+        b = b.to(device)
+        out = model(b.tokens, b.labels)
+        acc[0] += out.loss_sum.item()
+        acc[1] += out.n_valid.item()
+        if b.floor is not None:
+            acc[2] += b.floor.double().sum().item()
+        acc[3:3 + S].index_add_(0, b.sources.cpu(), out.loss_sum_B.double().cpu())
+        acc[3 + S:].index_add_(0, b.sources.cpu(), out.n_valid_B.double().cpu())
+    acc = all_reduce_sum(acc.to(device)).cpu().tolist()
+    result = {"loss": acc[0] / acc[1], "tokens": int(acc[1]),
+              "floor": acc[2] / acc[1] if batches and batches[0].floor is not None else None}
+    result["by_source"] = {n: acc[3 + i] / acc[3 + S + i] for i, n in enumerate(names) if acc[3 + S + i]}
+    return result
+
+
+def finish(cfg, sinks, run_dir: Path, dataset) -> None:
+    for sink in sinks:
+        sink.close()
+    if not sinks:
+        return
+    records = read_records(run_dir / "metrics.jsonl")
+    last = next(r["eval"] for r in reversed(records) if r.get("eval"))
+    if cfg.logging.plot:
+        plot_losses(records, run_dir / "loss.png", last["floor"])
+    floor = f" | exact floor {last['floor']:.4f} | gap {last['loss'] - last['floor']:+.4f} nats" if last["floor"] is not None else ""
+    by_src = "  ".join(f"{n} {v:.4f}" for n, v in last["by_source"].items())
+    print(f"final eval loss {last['loss']:.4f}{floor}\n  by source: {by_src}\n  metrics: {run_dir / 'metrics.jsonl'}")
+
+
+def check_train_cfg(cfg, world: int) -> None:
+    tc = cfg.train
+    for key in ("steps", "batch_size", "micro_batches", "eval_every", "eval_samples", "eval_batch_size"):
+        if int(tc[key]) <= 0:
+            raise ValueError(f"train.{key}={tc[key]}: must be a positive integer")
+    if tc.batch_size % (world * tc.micro_batches):
+        raise ValueError(f"train.batch_size={tc.batch_size} is not divisible by world size {world} × "
+                         f"train.micro_batches={tc.micro_batches}")
+    if tc.max_grad_norm is not None and tc.max_grad_norm < 0:
+        raise ValueError(f"train.max_grad_norm={tc.max_grad_norm}: must be >= 0 or null")
+    if tc.z_loss < 0:
+        raise ValueError(f"train.z_loss={tc.z_loss}: must be >= 0")
+    if cfg.data.kind == "text" and OmegaConf.is_missing(cfg.data, "path"):
+        raise ValueError("data.path is required for data=text (e.g. data.path=input.txt)")
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+if __name__ == "__main__":
+    main()
