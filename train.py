@@ -61,6 +61,8 @@ def build(cfg: DictConfig, dist) -> dict:
     optimizer, group_table = build_optimizer(model, OmegaConf.to_container(cfg.optim, resolve=True))
     scheduler = build_scheduler(optimizer, OmegaConf.to_container(cfg.optim.schedule, resolve=True), cfg.train.steps)
     wrapped = wrap_model(model, cfg.parallel.mode, dist)
+    if cfg.train.compile:  # fuses the elementwise ops between matmuls (norms, RoPE, SwiGLU, loss)
+        wrapped = torch.compile(wrapped)
     loader = Loader(dataset, cfg.train.batch_size, dist.rank, dist.world)
     evals = eval_batches(dataset, cfg.train.eval_samples, cfg.train.eval_batch_size, dist.rank, dist.world)
     floor = dataset.expected_floor() if hasattr(dataset, "expected_floor") else None
@@ -85,8 +87,8 @@ def train(cfg, dist, model, wrapped, optimizer, scheduler, loader, evals, datase
     tokens_seen = 0
     for step in range(1, tc.steps + 1):
         t0 = time.perf_counter()
+        first_id = loader.samples_consumed  # the global batch is sample ids [first_id, first_id + batch_size)
         batch = loader.next()
-        first_id = int(batch.sample_ids[0]) - dist.rank * (tc.batch_size // dist.world)
         micro = [mb.to(dist.device) for mb in batch.micro_batches(tc.micro_batches)]
         n_valid = count_valid_tokens(micro, dist.device)  # global, before any forward
         t1 = time.perf_counter()
@@ -178,6 +180,9 @@ def check_train_cfg(cfg, world: int) -> None:
         raise ValueError(f"train.max_grad_norm={tc.max_grad_norm}: must be >= 0 or null")
     if tc.z_loss < 0:
         raise ValueError(f"train.z_loss={tc.z_loss}: must be >= 0")
+    if tc.compile and cfg.model.get("moe"):
+        raise ValueError("train.compile=true: MoE dispatch has data-dependent shapes (one recompile per "
+                         "expert-load pattern); compile dense models only")
     if cfg.data.kind == "text" and OmegaConf.is_missing(cfg.data, "path"):
         raise ValueError("data.path is required for data=text (e.g. data.path=input.txt)")
 

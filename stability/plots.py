@@ -1,4 +1,4 @@
-"""End-of-run picture: train and eval loss with the data's exact floor, on a log-step axis."""
+"""End-of-run picture: train and eval loss with the exact loss floor of the evaluation tokens."""
 from __future__ import annotations
 
 from pathlib import Path

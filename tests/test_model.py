@@ -129,11 +129,11 @@ def test_attention_matches_naive_reference_with_complex_rope():
     q, k, v = attn.qkv(x).split([H * d, K * d, K * d], -1)
     q, k, v = q.view(2, 7, H, d), k.view(2, 7, K, d), v.view(2, 7, K, d)
 
-    def rope(z, t):  # pair (z[i], z[i + d/2]) as a complex number, rotated by t·theta^(-2i/d)
-        c = torch.complex(z[..., : d // 2], z[..., d // 2:])
+    def rope(z, t):  # pair (z[2i], z[2i+1]) as a complex number, rotated by t·theta^(-2i/d)
+        c = torch.complex(z[..., 0::2], z[..., 1::2])
         ang = t * cfg.rope_theta ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
         c = c * torch.polar(torch.ones_like(ang), ang)
-        return torch.cat([c.real, c.imag], -1)
+        return torch.stack([c.real, c.imag], -1).flatten(-2)
 
     y = torch.zeros(2, 7, H, d, dtype=torch.float64)
     for b in range(2):
@@ -150,7 +150,7 @@ def test_attention_matches_naive_reference_with_complex_rope():
 def test_rope_scores_depend_only_on_relative_position():
     cos, sin = rope_tables(32, 8, 10000.0)
     q, k = torch.randn(8), torch.randn(8)
-    at = lambda z, t: apply_rope(z.view(1, 1, 1, 8).expand(1, 1, 32, 8), cos, sin)[0, 0, t]
+    at = lambda z, t: apply_rope(z.view(1, 1, 1, 8).expand(1, 32, 1, 8), cos, sin)[0, t, 0]
     assert at(q, 9) @ at(k, 4) == pytest.approx((at(q, 25) @ at(k, 20)).item(), rel=1e-4)
     assert at(q, 9) @ at(k, 4) != pytest.approx((at(q, 9) @ at(k, 5)).item(), rel=1e-4)
 
@@ -295,3 +295,14 @@ def test_config_validation_names_the_key(changes, message):
         cfg.validate()
     with pytest.raises(ValueError, match=message):
         Transformer(cfg)
+
+
+def test_rope_real_form_used_under_compile_equals_complex_form():
+    from unittest import mock
+
+    cos, sin = rope_tables(16, 8, 10000.0)
+    x = torch.randn(2, 16, 3, 8)
+    eager = apply_rope(x, cos, sin)
+    with mock.patch("torch.compiler.is_compiling", return_value=True):
+        traced = apply_rope(x, cos, sin)
+    torch.testing.assert_close(traced, eager, rtol=1e-6, atol=1e-6)
