@@ -19,12 +19,14 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+from checkpoint import Checkpointer, TrainState, resume_options
 from data import build_data
 from data.loader import Loader, eval_batches
 from model import ModelConfig, Transformer
-from optim import build_optimizer, build_scheduler, clip_grad_norm, format_table
+from optim import build_optimizer, build_scheduler, format_table
 from optim.accumulate import count_valid_tokens, forward_backward, reduce_step_sums
 from parallel import all_reduce_sum, barrier, destroy, init_distributed, wrap_model
+from precision import build_recipe, optimizer_step
 from stability.plots import plot_losses
 from stability.record import StepRecord, read_records
 from stability.sinks import build_sinks
@@ -42,6 +44,7 @@ def main(cfg: DictConfig) -> None:
     try:
         train(cfg, dist, **run)
     finally:
+        run["ckpt"].close()  # the run is not over until its last async save is published
         destroy()
 
 
@@ -50,19 +53,23 @@ def build(cfg: DictConfig, dist) -> dict:
     if cfg.threads:
         torch.set_num_threads(int(cfg.threads))
     run_dir = Path(HydraConfig.get().runtime.output_dir)
-    if dist.is_main and (run_dir / "metrics.jsonl").exists():
+    config = OmegaConf.to_container(cfg, resolve=True)
+    if dist.is_main and (run_dir / "metrics.jsonl").exists() and not resume_options(config["resume"])[0]:
         raise ValueError(f"hydra.run.dir={run_dir} already holds a run; pick a new directory")
     torch.manual_seed(cfg.seed)  # same seed on every rank → identical initial weights
+    recipe = build_recipe(config["precision"], dist.device)  # te_fp8 without CUDA/TE stops here, in one line
 
     dataset = build_data(OmegaConf.to_container(cfg.data, resolve=True))
     model_cfg = ModelConfig.from_dict({**OmegaConf.to_container(cfg.model, resolve=True),
                                        "vocab_size": dataset.vocab_size, "seq_len": dataset.seq_len})
     model = Transformer(model_cfg).to(dist.device)
-    optimizer, group_table = build_optimizer(model, OmegaConf.to_container(cfg.optim, resolve=True))
-    scheduler = build_scheduler(optimizer, OmegaConf.to_container(cfg.optim.schedule, resolve=True), cfg.train.steps)
-    wrapped = wrap_model(model, cfg.parallel.mode, dist)
+    recipe.convert(model)  # swaps eligible Linears (FP8): before sharding and before the optimizer
+    wrapped = wrap_model(model, dist=dist, **{**config["parallel"], **recipe.fsdp_dtypes()})  # before the optimizer: FSDP2 swaps the params
     if cfg.train.compile:  # fuses the elementwise ops between matmuls (norms, RoPE, SwiGLU, loss)
         wrapped = torch.compile(wrapped)
+    optimizer, group_table = build_optimizer(model, OmegaConf.to_container(cfg.optim, resolve=True))
+    scheduler = build_scheduler(optimizer, OmegaConf.to_container(cfg.optim.schedule, resolve=True), cfg.train.steps)
+    scaler = recipe.make_scaler()  # None unless fp16
     loader = Loader(dataset, cfg.train.batch_size, dist.rank, dist.world)
     evals = eval_batches(dataset, cfg.train.eval_samples, cfg.train.eval_batch_size, dist.rank, dist.world)
     floor = dataset.expected_floor() if hasattr(dataset, "expected_floor") else None
@@ -75,17 +82,24 @@ def build(cfg: DictConfig, dist) -> dict:
         print(f"model: {model.num_params() / 1e6:.3f}M parameters, "
               f"{sum(model_cfg.is_moe_layer(i) for i in range(model_cfg.n_layers))} MoE layer(s) of {model_cfg.n_layers}")
         print(format_table(group_table))
-    sinks = build_sinks(cfg.logging, run_dir, cfg.train.steps, floor, cfg.run_name,
-                        OmegaConf.to_container(cfg, resolve=True)) if dist.is_main else []
+        table = recipe.table()
+        print(table.to_markdown())
+        table.save(run_dir)
+    sinks = build_sinks(cfg.logging, run_dir, cfg.train.steps, floor, cfg.run_name, config) if dist.is_main else []
+    state = TrainState(model, optimizer, scheduler, loader, config, dist.rank, dist.world,
+                       extras={"loss_scaler": scaler} if scaler else {})
+    ckpt = Checkpointer(config, dist, run_dir, state)
+    ckpt.resume()  # last: restores every RNG stream just before the first step
     barrier()
     return dict(model=model, wrapped=wrapped, optimizer=optimizer, scheduler=scheduler, loader=loader,
-                evals=evals, dataset=dataset, sinks=sinks, run_dir=run_dir)
+                evals=evals, dataset=dataset, sinks=sinks, run_dir=run_dir, ckpt=ckpt, recipe=recipe, scaler=scaler)
 
 
-def train(cfg, dist, model, wrapped, optimizer, scheduler, loader, evals, dataset, sinks, run_dir) -> None:
+def train(cfg, dist, model, wrapped, optimizer, scheduler, loader, evals, dataset, sinks, run_dir, ckpt,
+          recipe, scaler) -> None:
     tc, names = cfg.train, dataset.source_names
-    tokens_seen = 0
-    for step in range(1, tc.steps + 1):
+    tokens_seen = ckpt.state.tokens  # 0 unless resumed
+    for step in range(ckpt.state.step + 1, ckpt.last_step + 1):  # last_step < train.steps under checkpoint.stop_after
         t0 = time.perf_counter()
         first_id = loader.samples_consumed  # the global batch is sample ids [first_id, first_id + batch_size)
         batch = loader.next()
@@ -93,16 +107,18 @@ def train(cfg, dist, model, wrapped, optimizer, scheduler, loader, evals, datase
         n_valid = count_valid_tokens(micro, dist.device)  # global, before any forward
         t1 = time.perf_counter()
 
-        sums = forward_backward(wrapped, micro, n_valid, tc.z_loss, dist.world, len(names))
+        sums = forward_backward(wrapped, micro, n_valid, tc.z_loss, dist.world, len(names),
+                                autocast=recipe.autocast, loss_scale=scaler.scale if scaler else None)
         t2 = time.perf_counter()
 
-        norm, coef = clip_grad_norm(model.parameters(), tc.max_grad_norm)
         lr = optimizer.param_groups[0]["lr"] / optimizer.param_groups[0].get("lr_scale", 1.0)
+        # unscale → finite check agreed by all ranks → clip → step, or a counted skip (precision/step.py)
+        res = optimizer_step(model.parameters(), optimizer, scaler, tc.max_grad_norm)
+        norm, coef = res.norm, res.coef
         events = []
-        if torch.isfinite(norm):
-            optimizer.step()
-        else:  # NOTE: a non-finite gradient would poison the weights and both Adam moments for good
-            events.append(f"non-finite grad norm ({norm.item()}): optimizer step skipped")
+        if res.skipped:  # NOTE: a non-finite gradient would poison the weights and both Adam moments for good
+            events.append(f"non-finite grad norm ({norm.item()}) at loss scale {res.loss_scale}: optimizer step "
+                          f"skipped ({res.skipped_total if res.skipped_total is not None else 1} so far)")
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         t3 = time.perf_counter()
@@ -111,8 +127,10 @@ def train(cfg, dist, model, wrapped, optimizer, scheduler, loader, evals, datase
         for layer, moe in model.moe_layers():  # aux-loss-free balancing from the global loads
             moe.update_bias(stats["moe_load"][layer].to(dist.device))
         tokens_seen += int(n_valid.item())
-        ev = evaluate(model, evals, names, dist.device) if step % tc.eval_every == 0 or step == tc.steps else None
+        ev = evaluate(model, evals, names, dist.device) if step % tc.eval_every == 0 or step == ckpt.last_step else None
         t4 = time.perf_counter()
+        ckpt.maybe_save(step, tokens_seen)  # the snapshot point: after the update, before the next batch
+        t5 = time.perf_counter()
 
         rec = StepRecord(
             step=step, tokens=tokens_seen, world=dist.world,
@@ -123,13 +141,15 @@ def train(cfg, dist, model, wrapped, optimizer, scheduler, loader, evals, datase
             loss=stats["loss"], z_loss=stats["z_loss"], aux_loss=stats["aux_loss"], logit_max=stats["logit_max"],
             loss_by_source={n: s / c for n, s, c in zip(names, stats["loss_sum_by_source"], stats["tokens_by_source"]) if c},
             expert_load={str(l): (load / load.sum()).tolist() for l, load in stats["moe_load"].items()},
-            lr=lr, grad_norm=norm.item(), clip_coef=coef.item(), skipped=bool(events),
-            time_s={"data": t1 - t0, "fwd_bwd": t2 - t1, "optim": t3 - t2, "log_eval": t4 - t3, "total": t4 - t0},
-            tokens_per_s=tc.batch_size * dataset.seq_len / (t4 - t0), memory_mb=peak_memory_mb(dist.device),
-            events=events, eval=ev,
+            lr=lr, grad_norm=norm.item(), clip_coef=coef.item(), skipped=res.skipped, loss_scale=res.loss_scale,
+            time_s={"data": t1 - t0, "fwd_bwd": t2 - t1, "optim": t3 - t2, "log_eval": t4 - t3, "ckpt": t5 - t4,
+                    "total": t5 - t0},
+            tokens_per_s=tc.batch_size * dataset.seq_len / (t5 - t0), memory_mb=peak_memory_mb(dist.device),
+            events=events + ckpt.pop_events(), eval=ev, ckpt_id=ckpt.ckpt_id,
         )
         for sink in sinks:
             sink.write(rec)
+    ckpt.close()
     finish(cfg, sinks, run_dir, dataset)
 
 

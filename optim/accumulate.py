@@ -44,11 +44,15 @@ def count_valid_tokens(micro_batches, device) -> torch.Tensor:
 
 
 def forward_backward(wrapped, micro_batches, n_valid_global: torch.Tensor, z_coef: float,
-                     world: int, n_sources: int, autocast=None, routes=None) -> StepSums:
+                     world: int, n_sources: int, autocast=None, routes=None,
+                     loss_scale: float | None = None) -> StepSums:
     """Run every micro-batch forward and backward; gradients accumulate in .grad.
 
     `wrapped` is what parallel.wrap_model returned (DDP all-reduces on the last micro-batch only).
+    `autocast`, when given, is a callable returning the recipe's context for each forward.
     `routes`, when given, is one precomputed routing dict per micro-batch (anticipatory routing).
+    `loss_scale` S, when given, back-propagates S·objective (FP16): the .grads come out S times too
+    large and must be unscaled before anything reads them (precision/step.py). The sums are unscaled.
     """
     scale = world / n_valid_global.item()
     device = micro_batches[0].tokens.device
@@ -66,6 +70,8 @@ def forward_backward(wrapped, micro_batches, n_valid_global: torch.Tensor, z_coe
                 out = wrapped(mb.tokens, mb.labels, routes=None if routes is None else routes[i])
             n_mb = out.n_valid.to(torch.float32)
             objective = (out.loss_sum + z_coef * out.z_sum) * scale + out.aux_loss * (n_mb * scale)
+            if loss_scale is not None:
+                objective = objective * loss_scale
             objective.backward()
         sums.loss_sum += out.loss_sum.detach()
         sums.z_sum += out.z_sum.detach()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -79,6 +80,12 @@ def barrier() -> None:
 
 def destroy() -> None:
     if tdist.is_initialized():
+        # WARN: a gloo worker thread releases each finished collective's tensors itself, and freeing
+        # a tensor Python has already dropped takes the GIL. A group destroyed from Python (GIL held)
+        # joins its workers: if one is still releasing, the process hangs at exit (seen in 2 of 3 DDP
+        # runs). Sleeping hands the GIL over so the release finishes. No barrier: on the config-error
+        # path the other ranks may be inside another collective.
+        time.sleep(0.05)
         tdist.destroy_process_group()
 
 

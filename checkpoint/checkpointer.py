@@ -1,0 +1,194 @@
+"""The checkpoint side of train.py: resume once at start, save at the snapshot point, wait at exit.
+
+    ckpt = Checkpointer(cfg, dist, run_dir, state)   # validates checkpoint.* and resume.*
+    ckpt.resume()                                      # no-op unless resume=... is set
+    for step in range(ckpt.state.step + 1, ckpt.last_step + 1):
+        ...optimizer step...
+        stall_s = ckpt.maybe_save(step, tokens)       # the snapshot point: after the update
+        rec.ckpt_id, rec.events = ckpt.ckpt_id, events + ckpt.pop_events()
+    ckpt.close()                                       # waits for the last async write
+"""
+from __future__ import annotations
+
+import datetime
+import json
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch.distributed as tdist
+from torch.distributed.checkpoint import FileSystemReader
+
+from checkpoint import publish
+from checkpoint.resume import check_config, check_data, check_model, check_progress, check_versions
+from checkpoint.saver import Saver
+from checkpoint.state import TrainState, read_blobs, versions
+from parallel.dist import broadcast_object
+
+CKPT_KEYS = {"every", "dir", "mode", "keep_last", "keep_every", "verify_hashes", "stop_after"}
+RESUME_KEYS = {"path", "allow_data_change", "allow_config_change"}
+
+
+def _int(value, key: str, lo: int, allow_none: bool = False) -> int | None:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        raise ValueError(f"{key}={value}: must be an integer >= {lo}" + (" or null" if allow_none else ""))
+    return value
+
+
+def resume_options(resume) -> tuple[str | None, bool, list[str]]:
+    """(what to resume from, allow_data_change, allow_config_change) from `resume=latest` or the full node."""
+    if resume is None or isinstance(resume, str):  # `resume=latest` replaces the node with a string
+        return resume, False, []
+    if not isinstance(resume, Mapping):
+        raise ValueError(f"resume={resume!r}: expected latest, a checkpoint path, or resume.path=...")
+    extra = set(resume) - RESUME_KEYS
+    if extra:
+        raise ValueError(f"resume.{sorted(extra)[0]}: unknown key, expected one of {sorted(RESUME_KEYS)}")
+    allowed = resume.get("allow_config_change") or []
+    if isinstance(allowed, str) or not all(isinstance(k, str) for k in allowed):
+        raise ValueError(f"resume.allow_config_change={allowed!r}: expected a list of config keys")
+    return resume.get("path"), bool(resume.get("allow_data_change", False)), list(allowed)
+
+
+class Checkpointer:
+    def __init__(self, cfg: Mapping, dist, run_dir: Path, state: TrainState):
+        ck = cfg["checkpoint"]
+        extra = set(ck) - CKPT_KEYS
+        if extra:
+            raise ValueError(f"checkpoint.{sorted(extra)[0]}: unknown key, expected one of {sorted(CKPT_KEYS)}")
+        steps = cfg["train"]["steps"]
+        self.every = _int(ck["every"], "checkpoint.every", 0)
+        self.stop_after = _int(ck["stop_after"], "checkpoint.stop_after", 1, allow_none=True)
+        if self.stop_after is not None and self.stop_after > steps:
+            raise ValueError(f"checkpoint.stop_after={self.stop_after}: beyond train.steps={steps}")
+        self.last_step = self.stop_after or steps  # the schedule still spans train.steps
+        self.verify_hashes = bool(ck["verify_hashes"])
+        self.spec, self.allow_data_change, self.allow_config = resume_options(cfg.get("resume"))
+        self.root = Path(ck["dir"]) if ck["dir"] else run_dir / "checkpoints"
+        self.dist, self.run_dir, self.state = dist, run_dir, state
+        self.ckpt_id: str | None = None  # the checkpoint this run last published or resumed from
+        self._events: list[str] = []
+        saving = self.every > 0 or self.stop_after is not None
+        group = tdist.new_group(backend="gloo") if saving and dist.world > 1 else None
+        self.saver = Saver(self.root, ck["mode"], _int(ck["keep_last"], "checkpoint.keep_last", 1),
+                           _int(ck["keep_every"], "checkpoint.keep_every", 1, allow_none=True), dist.rank, group)
+        if saving and not self.spec and publish.list_steps(self.root):  # every rank sees it and stops
+            raise ValueError(f"checkpoint.dir={self.root} already holds checkpoints of another run; "
+                             f"pass resume=latest to continue it, or choose another checkpoint.dir")
+        if dist.is_main:
+            for name in publish.clean_stale(self.root):
+                self._note(f"checkpoint: removed {name}, left by an interrupted save")
+
+    def _note(self, line: str) -> None:
+        if self.dist.is_main:
+            print(line, flush=True)
+        self._events.append(line)
+
+    def resume(self) -> None:
+        """Load the checkpoint `resume` names into the state, after checking it is the same run."""
+        if not self.spec:
+            return
+        found = None
+        if self.dist.is_main:
+            try:
+                if self.spec == publish.LATEST and not self.root.is_dir():
+                    raise ValueError(f"resume=latest: no {self.root}; continue a run with hydra.run.dir=<its run dir> "
+                                     f"resume=latest, or pass resume=<checkpoint path>")
+                path, notes = publish.resolve(str(self.spec), self.root, self.verify_hashes)
+                found = (str(path), notes)
+            except ValueError as e:
+                found = str(e)
+        found = broadcast_object(found)  # rank 0 decides, so every rank loads the same checkpoint
+        if isinstance(found, str):
+            raise ValueError(found)
+        path, notes = Path(found[0]), found[1]
+        for line in notes:
+            self._note(f"checkpoint: {line}")
+        name = path.name
+        blobs = read_blobs(path, ("meta", "loader", "progress"))
+        meta = blobs["meta"]
+        saved_shapes = {k[len("model."):]: tuple(md.size) for k, md in
+                        FileSystemReader(str(path)).read_metadata().state_dict_metadata.items()
+                        if k.startswith("model.") and hasattr(md, "size")}
+        notes = check_config(meta["config"], self.state.config, self.allow_config, name)
+        check_model(saved_shapes, self.state.tensors()[0], name)
+        notes += check_data(blobs["loader"]["fingerprint"], self.state.loader.dataset.fingerprint,
+                            self.allow_data_change, name)
+        check_progress(blobs["progress"]["step"], self.last_step, name)
+        notes += check_versions(meta["versions"], versions())
+        if meta["world"] != self.dist.world:
+            fresh = f"; ranks >= {meta['world']} have no saved RNG streams" if self.dist.world > meta["world"] else ""
+            notes.append(f"resume: world size {meta['world']} -> {self.dist.world}; the data cursor continues at "
+                         f"{blobs['loader']['samples_consumed']} samples consumed{fresh}")
+        self.state.load(path, meta["world"], self.allow_data_change)
+        if self.dist.is_main:
+            moved = supersede_records(self.run_dir / "metrics.jsonl", self.state.step)
+            if moved:
+                notes.append(f"resume: moved {moved} record(s) after step {self.state.step} "
+                             f"to metrics.superseded.jsonl")
+        self.ckpt_id = name
+        self._note(f"resumed from {path} (step {self.state.step}, {self.state.tokens} tokens)")
+        for line in notes:
+            self._note(line)
+
+    def due(self, step: int) -> bool:
+        return step == self.stop_after or (self.every > 0 and (step % self.every == 0 or step == self.last_step))
+
+    def maybe_save(self, step: int, tokens: int) -> float:
+        """The snapshot point. Returns the training stall in seconds (0 when no save is due)."""
+        self.state.step, self.state.tokens = step, tokens
+        if not self.due(step):
+            return 0.0
+        name = publish.step_name(step)
+        info = {"name": name, "step": step, "tokens": tokens, "world": self.dist.world,
+                "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+        stall = self.saver.save(name, self.state.state_dict(), info)
+        self._collect()
+        if self.saver.mode == "async":
+            self._note(f"checkpoint {name}: snapshot taken, writing in the background (stall {stall:.3f} s)")
+        return stall
+
+    def _collect(self) -> None:
+        for name, seconds, error in self.saver.finished():
+            if error is None:
+                self.ckpt_id = name
+                self._note(f"checkpoint {name} published to {self.root} ({seconds:.2f} s)")
+            else:
+                self._note(f"checkpoint {name} FAILED ({error}); last complete: {self.ckpt_id}")
+
+    def pop_events(self) -> list[str]:
+        self._collect()
+        events, self._events = self._events, []
+        return events
+
+    def close(self) -> list[str]:
+        """Wait for the last write (the run is not over until it is published); return its events."""
+        self.saver.wait()
+        return self.pop_events()
+
+
+def supersede_records(path: Path, step: int) -> int:
+    """Keep metrics.jsonl the story of this run: records after the resumed step (replayed now) move
+    to metrics.superseded.jsonl. Truncates in place, so an open append handle stays valid."""
+    if not path.exists():
+        return 0
+    with open(path, "r+b") as f:
+        keep_bytes, tail = 0, []
+        for line in iter(f.readline, b""):
+            if not tail and line.strip() and _step_of(line) <= step:
+                keep_bytes = f.tell()
+            elif line.strip():
+                tail.append(line)  # NOTE: a torn last line (killed mid-write) goes too
+        if tail:
+            with open(path.with_name("metrics.superseded.jsonl"), "ab") as out:
+                out.writelines(tail)
+            f.truncate(keep_bytes)
+    return len(tail)
+
+
+def _step_of(line: bytes) -> float:
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return float("inf")

@@ -1,0 +1,122 @@
+"""TrainState: everything that decides what the next step computes, as one DCP state dict.
+
+    model      parameters and persistent buffers (the MoE balancing bias is training state)
+    optim      AdamW moments and step counts, param groups — keyed by parameter name, not position
+    scheduler  LambdaLR counter (the factor itself is recomputed from the config)
+    loader     samples consumed + data fingerprint (the whole data cursor)
+    progress   step, cumulative valid tokens
+    rng        rank<r>: that rank's Python / NumPy / torch / CUDA streams
+    guard      the stability guard's state (empty until the guard exists)
+    extras     any other stateful piece the step owns (the fp16 loss scaler), by name
+    meta       resolved config, library versions, world size
+
+Model and optimizer tensors go through torch.distributed.checkpoint.state_dict, so the same code
+saves a plain, DDP or FSDP2 model: FSDP2 hands over DTensor shards, DCP writes each rank's shard
+and reshards on load to whatever world size the reader has.
+"""
+from __future__ import annotations
+
+import pickle
+import platform
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from checkpoint import rng
+
+BLOBS = ("progress", "scheduler", "loader", "guard", "extras", "meta")
+
+
+def versions() -> dict:
+    return {"torch": torch.__version__, "numpy": np.__version__, "python": platform.python_version()}
+
+
+def _blob(obj) -> bytes:
+    # NOTE: small Python state travels as one pickled blob per key: DCP would otherwise flatten
+    # every list and dict into its own entry. Checkpoints are trusted files, as with torch.load.
+    return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def read_tensors(path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint, full (unsharded) and keyed by its flat DCP name
+    ("model.tok_emb.weight", "optim.state.tok_emb.weight.exp_avg"), for offline comparison."""
+    entries = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    sd = {k: torch.empty(md.size, dtype=md.properties.dtype) for k, md in entries.items()
+          if isinstance(md, TensorStorageMetadata)}
+    dcp.load(sd, checkpoint_id=str(path))
+    return sd
+
+
+def read_blobs(path, keys=("meta",)) -> dict:
+    """Unpickled Python state of a checkpoint, without touching the model tensors."""
+    sd = {k: b"" for k in keys}
+    dcp.load(sd, checkpoint_id=str(path))
+    return {k: pickle.loads(v) for k, v in sd.items()}
+
+
+@dataclass
+class TrainState:
+    model: torch.nn.Module  # the unwrapped module (fully_shard converts it in place)
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    loader: object  # data.Loader
+    config: dict  # resolved run config
+    rank: int = 0
+    world: int = 1
+    step: int = 0
+    tokens: int = 0
+    guard: dict = field(default_factory=dict)  # filled by the stability guard (a later issue)
+    extras: dict = field(default_factory=dict)  # name -> object with state_dict() / load_state_dict()
+
+    def tensors(self) -> tuple[dict, dict]:
+        """(model, optimizer) state dicts keyed by parameter name; DTensor shards under FSDP2.
+
+        WARN: on an optimizer that never stepped, torch initialises the moments with a zero-lr step
+        (step count 1); a run saved before its first optimizer step would not resume bit-identically.
+        """
+        return get_state_dict(self.model, self.optimizer)
+
+    def state_dict(self) -> dict:
+        model_sd, optim_sd = self.tensors()
+        return {
+            "model": model_sd,
+            "optim": optim_sd,
+            "progress": _blob({"step": self.step, "tokens": self.tokens}),
+            "scheduler": _blob(self.scheduler.state_dict()),
+            "loader": _blob(self.loader.state_dict()),
+            "guard": _blob(self.guard),
+            "extras": _blob({k: v.state_dict() for k, v in self.extras.items()}),
+            "meta": _blob({"config": self.config, "versions": versions(), "world": self.world}),
+            "rng": {f"rank{self.rank}": _blob(rng.capture())},
+        }
+
+    def load(self, path, saved_world: int, allow_data_change: bool = False) -> None:
+        """Load checkpoint `path` (already checked) into this state.
+
+        A rank the saving run did not have (world grew) keeps its freshly seeded RNG streams.
+        """
+        model_sd, optim_sd = self.tensors()
+        has_rng = self.rank < saved_world
+        sd = {"model": model_sd, "optim": optim_sd, **{k: b"" for k in BLOBS}}
+        if has_rng:
+            sd["rng"] = {f"rank{self.rank}": b""}
+        dcp.load(sd, checkpoint_id=str(path))
+        set_state_dict(self.model, self.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        blobs = {k: pickle.loads(sd[k]) for k in BLOBS}
+        self.scheduler.load_state_dict(blobs["scheduler"])
+        self.loader.load_state_dict(blobs["loader"], allow_data_change=allow_data_change)
+        self.step, self.tokens = blobs["progress"]["step"], blobs["progress"]["tokens"]
+        self.guard = blobs["guard"]
+        for name, obj in self.extras.items():
+            if name not in blobs["extras"]:
+                raise ValueError(f"resume: checkpoint {Path(path).name} holds no {name} state (saved: "
+                                 f"{sorted(blobs['extras']) or 'none'})")
+            obj.load_state_dict(blobs["extras"][name])
+        if has_rng:
+            # NOTE: last, so nothing between here and the first step draws from the restored streams.
+            rng.restore(pickle.loads(sd["rng"][f"rank{self.rank}"]))

@@ -1,0 +1,47 @@
+"""Precision recipes (fp32, bf16, fp16, fp8_block, fp8_tensor, te_fp8) and the per-run precision table.
+
+    recipe = build_recipe(cfg.precision, device)   # a Recipe: autocast, convert, scaler, FSDP policy, table
+    model = recipe.convert(model)                   # before the optimizer: it may swap modules
+    ... forward_backward(..., autocast=recipe.autocast, loss_scale=scaler.scale if scaler else None)
+    result = optimizer_step(model.parameters(), optimizer, scaler, max_grad_norm)
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from precision.amp import Bf16Recipe, Fp16Recipe
+from precision.fp8 import Fp8Recipe
+from precision.recipe import Recipe
+from precision.step import StepResult, optimizer_step
+from precision.table import ModuleDecision, PrecisionTable
+
+# NOTE: te_fp8 is imported lazily: precision/te.py is import-safe, but nothing pays for it unless asked.
+RECIPES = ("fp32", "bf16", "fp16", "fp8_block", "fp8_tensor", "te_fp8")
+
+
+def build_recipe(cfg: Mapping | None, device: torch.device | str = "cpu") -> Recipe:
+    """The recipe named by cfg["name"] (a plain mapping or an OmegaConf node; None means fp32)."""
+    if cfg is None:
+        cfg = {"name": "fp32"}
+    if hasattr(cfg, "_metadata"):
+        from omegaconf import OmegaConf
+        cfg = OmegaConf.to_container(cfg, resolve=True)
+    name = cfg.get("name")
+    if name == "fp32":
+        return Recipe(cfg, device)
+    if name == "bf16":
+        return Bf16Recipe(cfg, device)
+    if name == "fp16":
+        return Fp16Recipe(cfg, device)
+    if name in ("fp8_block", "fp8_tensor"):
+        return Fp8Recipe(cfg, device)
+    if name == "te_fp8":
+        from precision.te import TeRecipe
+        return TeRecipe(cfg, device)
+    raise ValueError(f"precision.name={name!r}: expected one of {', '.join(RECIPES)}")
+
+
+__all__ = ["RECIPES", "ModuleDecision", "PrecisionTable", "Recipe", "StepResult", "build_recipe",
+           "optimizer_step"]

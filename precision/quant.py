@@ -1,0 +1,109 @@
+"""FP8 (E4M3) quantisers with online amax: per 1×128 tile, per 128×128 block, or per tensor.
+
+A quantised tensor is q · s: q in float8_e4m3fn, s an FP32 dequantisation scale shared by a group,
+
+    s = amax(group) / 448          q = cast_e4m3(clamp(x / s, -448, 448))
+
+so the largest element of every group lands on E4M3's largest finite value (448). E4M3 keeps 3
+mantissa bits: a normal value rounds with relative error <= 2^-4; below 2^-6 (in units of s) it is
+subnormal, with absolute error <= 2^-10 · s. One outlier inflates s for its whole group, pushing the
+group's ordinary elements down into that subnormal range — hence small groups (DeepSeek-V3 §3.3.1).
+
+Groups (kinds):
+    "tile"   1×T along the last dim of a 2-D tensor: activations, output gradients. scale (R, ⌈C/T⌉)
+    "block"  T×T: weights. scale (⌈R/T⌉, ⌈C/T⌉); the blocks of W^T are the transposed blocks of W
+    "tensor" one scale for the whole tensor: the per-tensor baseline. scale ()
+Partial groups at the edges are zero-padded before the amax: zeros change neither amax nor product.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = 448.0
+TILE = 128
+# NOTE: a group whose amax is below this is scaled as if its amax were this: s stays a normal FP32
+# number, so an all-zero or denormal group never divides 0/0 (NaN) or x/0 (inf).
+AMAX_FLOOR = 1e-30
+KINDS = ("tile", "block", "tensor")
+
+
+class QTensor(NamedTuple):
+    data: torch.Tensor   # float8_e4m3fn, the shape of the original 2-D tensor
+    scale: torch.Tensor  # float32 dequantisation scales (see the module docstring for the shape)
+    kind: str            # "tile" | "block" | "tensor"
+    tile: int = TILE
+
+    def dequantize(self) -> torch.Tensor:
+        return dequantize(self)
+
+    def t(self) -> "QTensor":
+        """The transpose, exact without requantising: only a block's (or the tensor's) group is
+        symmetric. A tile is not: 1×T tiles of x are T×1 tiles of x^T, which is why the backward
+        pass quantises the transposed operands afresh ("re-tiling")."""
+        if self.kind == "tile":
+            raise ValueError("a 1×T tiled tensor has no exact transpose; quantise the transpose instead")
+        scale = self.scale.t() if self.kind == "block" else self.scale
+        return QTensor(self.data.t(), scale, self.kind, self.tile)
+
+
+def cast_e4m3(x_scaled: torch.Tensor) -> torch.Tensor:
+    """Clamp, then cast. WARN: without the clamp a value past 448 becomes NaN on CUDA (E4M3fn has
+    no inf); rounding x/s can overshoot 448 by half an ulp even when s comes from the amax."""
+    return x_scaled.clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+
+
+def _scale(amax: torch.Tensor) -> torch.Tensor:
+    # NOTE: NaN/inf amax passes through (clamp keeps NaN, inf/448 = inf): a non-finite input must
+    # reach the output as non-finite, where the step's finite check sees it, not be quietly zeroed.
+    return amax.float().clamp(min=AMAX_FLOOR) / E4M3_MAX
+
+
+def _pad_to(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    R, C = x.shape
+    return F.pad(x, (0, -C % cols, 0, -R % rows)) if (R % rows or C % cols) else x
+
+
+def quantize(x: torch.Tensor, kind: str, tile: int = TILE) -> QTensor:
+    """Quantise a 2-D tensor with one online amax per group of the given kind."""
+    if kind not in KINDS:
+        raise ValueError(f"quantize: kind={kind!r}, expected one of {', '.join(KINDS)}")
+    if x.dim() != 2:
+        raise ValueError(f"quantize: expected a 2-D tensor, got shape {tuple(x.shape)}")
+    x = x.float()
+    R, C = x.shape
+    if kind == "tensor":
+        scale = _scale(x.abs().amax() if x.numel() else x.new_zeros(()))
+        return QTensor(cast_e4m3(x / scale), scale, kind, tile)
+    if kind == "tile":
+        x_RGt = rearrange(_pad_to(x, 1, tile), "r (g t) -> r g t", t=tile)
+        scale_RG = _scale(x_RGt.abs().amax(-1) if R else x_RGt.new_zeros(0, x_RGt.shape[1]))
+        q_RGt = cast_e4m3(x_RGt / scale_RG[..., None])
+        return QTensor(rearrange(q_RGt, "r g t -> r (g t)")[:, :C], scale_RG, kind, tile)
+    x_blk = rearrange(_pad_to(x, tile, tile), "(bn tn) (bk tk) -> bn bk tn tk", tn=tile, tk=tile)
+    scale_NK = _scale(x_blk.abs().amax(dim=(-2, -1)))
+    q_blk = cast_e4m3(x_blk / scale_NK[..., None, None])
+    return QTensor(rearrange(q_blk, "bn bk tn tk -> (bn tn) (bk tk)")[:R, :C], scale_NK, kind, tile)
+
+
+def expand_scale(q: QTensor) -> torch.Tensor:
+    """The per-element scale, shape of q.data (the inverse of the grouping above)."""
+    R, C = q.data.shape
+    if q.kind == "tensor":
+        return q.scale.expand(R, C)
+    if q.kind == "tile":
+        return q.scale.repeat_interleave(q.tile, dim=1)[:, :C]
+    return q.scale.repeat_interleave(q.tile, dim=0).repeat_interleave(q.tile, dim=1)[:R, :C]
+
+
+def dequantize(q: QTensor) -> torch.Tensor:
+    return q.data.float() * expand_scale(q)
+
+
+def fake_quantize(x: torch.Tensor, kind: str, tile: int = TILE) -> torch.Tensor:
+    """x → FP8 → x's dtype: what the FP8 GEMM actually multiplies."""
+    return dequantize(quantize(x, kind, tile)).to(x.dtype)

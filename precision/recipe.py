@@ -1,0 +1,160 @@
+"""What a precision recipe answers, so train.py asks and never branches on a recipe's name.
+
+    recipe.autocast()      context for each micro-batch's forward
+    recipe.convert(model)  swap modules in place (before the optimizer is built); records decisions
+    recipe.make_scaler()   a DynamicLossScaler, or None
+    recipe.fsdp_policy()   FSDP2 MixedPrecisionPolicy (param all-gather / gradient reduce dtypes)
+    recipe.table()         the PrecisionTable to print and save
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from model.moe import GroupedExperts, MoE
+from model.layers import Attention
+from optim.scaler import DynamicLossScaler
+from precision.table import ModuleDecision, PrecisionTable
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def mixed_precision_policy(param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None):
+    """FSDP2's MixedPrecisionPolicy (its import path moved in torch 2.6)."""
+    try:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+    except ImportError:
+        from torch.distributed._composable.fsdp import MixedPrecisionPolicy
+    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+
+
+def module_roles(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
+    """(name, module, role) for every module a recipe has an opinion on.
+
+    Roles: embedding, head, router, norm, attention (the core: QK^T, softmax, PV inside SDPA),
+    experts (stacked GroupedExperts weights), linear (every other nn.Linear: a conversion candidate).
+    NOTE: the router and the head are found by position (MoE.router, the model's `head`), not by
+    shape, so a renamed or resized layer cannot slip into FP8 unnoticed.
+    """
+    routers = {id(m.router) for m in model.modules() if isinstance(m, MoE)}
+    head = getattr(model, "head", None)
+    roles = []
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Embedding):
+            roles.append((name, m, "embedding"))
+        elif m is head:
+            roles.append((name, m, "head"))
+        elif id(m) in routers:
+            roles.append((name, m, "router"))
+        elif isinstance(m, (nn.RMSNorm, nn.LayerNorm)) or type(m).__name__.endswith("Norm"):
+            roles.append((name, m, "norm"))
+        elif isinstance(m, Attention):
+            roles.append((name, m, "attention"))
+        elif isinstance(m, GroupedExperts):
+            roles.append((name, m, "experts"))
+        elif isinstance(m, nn.Linear):
+            roles.append((name, m, "linear"))
+    return roles
+
+
+def swap_module(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+
+
+def scaler_from_cfg(cfg: Mapping | None) -> DynamicLossScaler:
+    cfg = dict(cfg or {})
+    known = {"init", "growth_factor", "backoff_factor", "growth_interval", "min_scale"}
+    for key in cfg:
+        if key not in known:
+            raise ValueError(f"precision.loss_scale.{key}: unknown key (expected some of {', '.join(sorted(known))})")
+    return DynamicLossScaler(init_scale=float(cfg.get("init", 2.0**16)),
+                             growth_factor=float(cfg.get("growth_factor", 2.0)),
+                             backoff_factor=float(cfg.get("backoff_factor", 0.5)),
+                             growth_interval=cfg.get("growth_interval", 2000),
+                             min_scale=float(cfg.get("min_scale", 1.0)))
+
+
+def dtype_from_cfg(cfg: Mapping, key: str, allowed=("bfloat16", "float16")) -> torch.dtype | None:
+    v = cfg.get(key)
+    if v is None:
+        return None
+    if v not in allowed:
+        raise ValueError(f"precision.{key}={v!r}: expected null or one of {', '.join(allowed)}")
+    return DTYPES[v]
+
+
+class Recipe:
+    """Base: FP32 everywhere. Subclasses override what they change."""
+
+    name = "fp32"
+    KEYS: frozenset[str] = frozenset({"name"})
+
+    def __init__(self, cfg: Mapping, device: torch.device | str = "cpu"):
+        for key in cfg:
+            if key not in self.KEYS:
+                raise ValueError(f"precision.{key}: unknown key for precision={self.name} "
+                                 f"(expected some of {', '.join(sorted(self.KEYS))})")
+        self.cfg = dict(cfg)
+        self.device = torch.device(device)
+        self.modules: list[ModuleDecision] = []
+        self.converted = False
+
+    # --- what train.py calls ---------------------------------------------------------------------
+    def autocast(self):
+        return contextlib.nullcontext()
+
+    def convert(self, model: nn.Module) -> nn.Module:
+        self.modules = self.decide(model)
+        self.converted = True
+        return model
+
+    def make_scaler(self) -> DynamicLossScaler | None:
+        return None
+
+    def fsdp_policy(self):
+        return mixed_precision_policy(None, None)
+
+    def fsdp_dtypes(self) -> dict[str, str]:
+        """fsdp_policy() as parallel.wrap_model's options: {"param_dtype": ..., "reduce_dtype": ...}."""
+        pol, names = self.fsdp_policy(), {v: k for k, v in DTYPES.items()}
+        return {"param_dtype": names.get(pol.param_dtype, "float32"),
+                "reduce_dtype": names.get(pol.reduce_dtype, "float32")}
+
+    def table(self) -> PrecisionTable:
+        notes = [] if self.converted else ["convert(model) not called yet: module list omitted"]
+        if self.converted and not self.modules:
+            notes.append("every module computes in fp32")
+        return PrecisionTable(self.name, self.rows(), list(self.modules), notes + self.notes())
+
+    # --- what subclasses describe ----------------------------------------------------------------
+    def decide(self, model: nn.Module) -> list[ModuleDecision]:
+        return []
+
+    def notes(self) -> list[str]:
+        if self.device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32:
+            return ["torch.backends.cuda.matmul.allow_tf32 is on: FP32 matmuls round inputs to TF32"]
+        return []
+
+    def rows(self) -> dict[str, str]:
+        return {
+            "matmul inputs": "fp32",
+            "accumulation": "fp32",
+            "activations": "fp32",
+            "master weights": "fp32",
+            "gradients": "fp32 (.grad in the parameter dtype)",
+            "reduction": "fp32 (loss sums, softmax/logsumexp, grad-norm sum of squares)",
+            "communication": self.comm_row(),
+            "optimizer state": "fp32 (AdamW exp_avg, exp_avg_sq)",
+            "loss scaling": "none",
+        }
+
+    def comm_row(self) -> str:
+        pol = self.fsdp_policy()
+        gather = SHORT.get(pol.param_dtype, "fp32") if pol.param_dtype else "fp32"
+        reduce = SHORT.get(pol.reduce_dtype, "fp32") if pol.reduce_dtype else "fp32"
+        return f"DDP: fp32 gradient all-reduce; FSDP2: params all-gathered in {gather}, grads reduce-scattered in {reduce}"

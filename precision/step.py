@@ -1,0 +1,67 @@
+"""The update half of a step, in the only safe order under loss scaling:
+
+    unscale (g ← g/S) → finite check agreed by all ranks → global-norm clip → step, or a counted skip
+    → scaler update (back off on overflow, grow after a clean interval)
+
+Why this order (course note 004): the clip threshold c is meant for the true gradient. Clipping the
+scaled gradient S·g compares S·‖g‖ with c, i.e. clips at c/S: the coefficient comes out S times too
+small whenever S·‖g‖ > c. And the finite check must be one decision for all ranks: under FSDP each rank
+sees only its shard, so an inf on one rank must stop the step on every rank, or the replicas diverge.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import NamedTuple
+
+import torch
+
+from optim.clip import clip_grad_norm
+from optim.scaler import DynamicLossScaler
+from parallel.dist import all_reduce_max
+
+
+class StepResult(NamedTuple):
+    norm: torch.Tensor       # global grad norm before clipping (of the unscaled gradient); inf/NaN on overflow
+    coef: torch.Tensor       # clip coefficient applied (1 when skipped)
+    skipped: bool            # True: optimizer.step() was not called
+    loss_scale: float | None  # the S this step's backward used (None without a scaler)
+    skipped_total: int | None  # the scaler's count of overflow skips so far (None without a scaler)
+
+
+@torch.no_grad()
+def found_nonfinite(params: list[torch.Tensor]) -> bool:
+    """Any inf/NaN in any local gradient on any rank: one MAX all-reduce of a flag, then one host sync.
+
+    NOTE: max |g| via the inf-norm, not ‖g‖²: a sum of squares overflows to inf for large *finite*
+    gradients, which would turn a clip into a skip.
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    grads = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+    device = grads[0].device if grads else torch.device("cpu")
+    grads = [g for g in grads if g.numel()]  # an FSDP shard can be empty; its inf-norm is undefined
+    flag = torch.zeros((), dtype=torch.float32, device=device)
+    if grads:
+        amax = torch.stack([n.to(device) for n in torch._foreach_norm(grads, float("inf"))]).max()
+        flag = (~torch.isfinite(amax)).float()
+    return bool(all_reduce_max(flag).item())
+
+
+def optimizer_step(params: Iterable[torch.Tensor], optimizer: torch.optim.Optimizer,
+                   scaler: DynamicLossScaler | None, max_grad_norm: float | None) -> StepResult:
+    """Unscale → agreed finite check → clip → step or skip → scaler update. Does not zero the grads.
+
+    Without a scaler a non-finite gradient is skipped the same way (train.py's StepRecord marks it).
+    """
+    params = list(params)
+    scale = scaler.scale if scaler is not None else None
+    if scaler is not None:
+        scaler.unscale_(params)
+    overflow = found_nonfinite(params)
+    # NOTE: clip runs on every rank either way: with sharded gradients it is a collective. On overflow
+    # it returns the non-finite norm with coef = 1 and leaves the gradients alone.
+    norm, coef = clip_grad_norm(params, max_grad_norm)
+    if not overflow:
+        optimizer.step()
+    if scaler is not None:
+        scaler.update(overflow)
+    return StepResult(norm, coef, overflow, scale, scaler.skipped_steps if scaler is not None else None)
