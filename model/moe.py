@@ -40,14 +40,18 @@ class GroupedExperts(nn.Module):
         nn.init.normal_(self.w_gate_up, std=std)
         nn.init.normal_(self.w_down, std=resid_std)  # writes into the residual stream
 
+    def linear(self, x: Tensor, w: Tensor) -> Tensor:
+        """One expert matmul; a precision recipe overrides only this (precision/fp8_linear.py)."""
+        return F.linear(x, w)
+
     def forward(self, x_MD: Tensor, counts: list[int]) -> Tensor:
         """x_MD holds the tokens sorted by expert, counts[e] rows for expert e."""
         outs, hits, total = [], 0, 0
         # WARN: every expert runs, even on zero rows (an empty matmul): then every parameter is in
         # the autograd graph every step, as DDP / FSDP require without find_unused_parameters.
         for e, x_mD in enumerate(torch.split(x_MD, counts)):
-            gate_mH, up_mH = F.linear(x_mD, self.w_gate_up[e]).chunk(2, dim=-1)
-            outs.append(F.linear(swiglu(gate_mH, up_mH, self.limit), self.w_down[e]))
+            gate_mH, up_mH = self.linear(x_mD, self.w_gate_up[e]).chunk(2, dim=-1)
+            outs.append(self.linear(swiglu(gate_mH, up_mH, self.limit), self.w_down[e]))
             if self.record_stats:
                 hits, total = hits + clamp_hits(gate_mH, up_mH, self.limit), total + gate_mH.numel()
         if self.record_stats:

@@ -16,7 +16,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from model.moe import GroupedExperts
-from model.swiglu import clamp_hits, swiglu
 from precision.fp8_gemm import gemm_nt
 from precision.quant import quantize
 
@@ -96,8 +95,7 @@ class Fp8Linear(nn.Linear):
 class Fp8GroupedExperts(GroupedExperts):
     """GroupedExperts with each expert's two matmuls in FP8; its weights quantised per expert.
 
-    WARN: the loop mirrors GroupedExperts.forward with `linear` swapped; a test runs both with
-    linear=F.linear and requires bit-identical outputs, so the two cannot drift apart unnoticed.
+    Only `linear` is overridden: the dispatch loop and clamp telemetry are GroupedExperts' own.
     """
 
     def __init__(self, n_experts: int, d_model: int, hidden: int, limit: float | None, scaling: str = "block"):
@@ -115,18 +113,6 @@ class Fp8GroupedExperts(GroupedExperts):
 
     def linear(self, x: Tensor, w: Tensor) -> Tensor:
         return fp8_linear(x, w, None, self.scaling)
-
-    def forward(self, x_MD: Tensor, counts: list[int]) -> Tensor:
-        outs, hits, total = [], 0, 0
-        for e, x_mD in enumerate(torch.split(x_MD, counts)):
-            gate_mH, up_mH = self.linear(x_mD, self.w_gate_up[e]).chunk(2, dim=-1)
-            outs.append(self.linear(swiglu(gate_mH, up_mH, self.limit), self.w_down[e]))
-            if self.record_stats:
-                hits, total = hits + clamp_hits(gate_mH, up_mH, self.limit), total + gate_mH.numel()
-        if self.record_stats:
-            self.clamp_hits = torch.as_tensor(hits, dtype=torch.int64, device=x_MD.device)
-            self.clamp_total = torch.tensor(total, dtype=torch.int64, device=x_MD.device)
-        return torch.cat(outs)
 
     def extra_repr(self) -> str:
         return f"fp8=e4m3, scaling={self.scaling}"
