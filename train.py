@@ -5,7 +5,8 @@
     torchrun --standalone --nproc_per_node=2 train.py +experiment=dense_tiny
 
 One optimizer step (DESIGN §3): count the global valid tokens → forward/backward every micro-batch on
-(loss_sum + z·z_sum)/N_valid (+ aux) → clip by the global norm → step → schedule → one StepRecord.
+(loss_sum + z·z_sum)/N_valid (+ aux) → clip by the global norm → the guard may veto → step → schedule
+→ telemetry → one StepRecord → the guard may roll back (stability/guard.py).
 """
 from __future__ import annotations
 
@@ -27,9 +28,15 @@ from optim import build_optimizer, build_scheduler, format_table
 from optim.accumulate import count_valid_tokens, forward_backward, reduce_step_sums
 from parallel import all_reduce_sum, barrier, destroy, init_distributed, wrap_model
 from precision import build_recipe, optimizer_step
+from stability.anticipatory import AnticipatoryRouting
+from stability.events import EventLog
+from stability.faults import FaultInjector
+from stability.guard import Guard, GuardAbort
+from stability.inputs import input_stats
 from stability.plots import plot_losses
 from stability.record import StepRecord, read_records
 from stability.sinks import build_sinks
+from stability.telemetry import Telemetry, moe_summary, nonfinite_flags
 
 
 @hydra.main(config_path="conf", config_name="config", version_base=None)
@@ -43,8 +50,12 @@ def main(cfg: DictConfig) -> None:
         sys.exit(2)
     try:
         train(cfg, dist, **run)
+    except GuardAbort as e:  # the guard gave up: say why in one line; the last good checkpoint stands
+        print(f"ballast: guard: {e}", file=sys.stderr)
+        sys.exit(3)
     finally:
         run["ckpt"].close()  # the run is not over until its last async save is published
+        run["events"].close()
         destroy()
 
 
@@ -86,50 +97,98 @@ def build(cfg: DictConfig, dist) -> dict:
         print(table.to_markdown())
         table.save(run_dir)
     sinks = build_sinks(cfg.logging, run_dir, cfg.train.steps, floor, cfg.run_name, config) if dist.is_main else []
+    events = EventLog(run_dir, dist.is_main)
+    faults = FaultInjector(config["fault"], model=model, optimizer=optimizer, loader=loader,
+                           data_cfg=config["data"], dist=dist)
+    faults.wrap(wrapped)  # a missing-reduction drill hooks DDP's gradient communication
+    telemetry = Telemetry(model, int(cfg.telemetry.every))
+    is_moe = bool(model.moe_layers())
+    an = config["guard"]["anticipatory"]
+    routing = AnticipatoryRouting(model, loader, cfg.train.micro_batches, an["delay"], dist.device,
+                                  recipe.autocast) if is_moe and an["enabled"] else None
     state = TrainState(model, optimizer, scheduler, loader, config, dist.rank, dist.world,
-                       extras={"loss_scaler": scaler} if scaler else {})
+                       extras={"loss_scaler": scaler, "faults": faults} if scaler else {"faults": faults})
+    guard = Guard(config["guard"], state=state, ckpt=None, events=events, routing=routing, is_moe=is_moe)
+    state.guard = guard
     ckpt = Checkpointer(config, dist, run_dir, state)
+    guard.ckpt = ckpt
     ckpt.resume()  # last: restores every RNG stream just before the first step
+    guard.start(state.step)
     barrier()
     return dict(model=model, wrapped=wrapped, optimizer=optimizer, scheduler=scheduler, loader=loader,
-                evals=evals, dataset=dataset, sinks=sinks, run_dir=run_dir, ckpt=ckpt, recipe=recipe, scaler=scaler)
+                evals=evals, dataset=dataset, sinks=sinks, run_dir=run_dir, ckpt=ckpt, recipe=recipe, scaler=scaler,
+                events=events, faults=faults, telemetry=telemetry, routing=routing, guard=guard)
 
 
 def train(cfg, dist, model, wrapped, optimizer, scheduler, loader, evals, dataset, sinks, run_dir, ckpt,
-          recipe, scaler) -> None:
+          recipe, scaler, events, faults, telemetry, routing, guard) -> None:
     tc, names = cfg.train, dataset.source_names
-    tokens_seen = ckpt.state.tokens  # 0 unless resumed
-    for step in range(ckpt.state.step + 1, ckpt.last_step + 1):  # last_step < train.steps under checkpoint.stop_after
+    step, tokens_seen = ckpt.state.step, ckpt.state.tokens  # 0 unless resumed
+    while step < ckpt.last_step:  # last_step < train.steps under checkpoint.stop_after
+        step += 1  # NOTE: a while loop, because a guard rollback moves the step back
         t0 = time.perf_counter()
+        faults.before_batch(step)
         first_id = loader.samples_consumed  # the global batch is sample ids [first_id, first_id + batch_size)
-        batch = loader.next()
+        batch = faults.corrupt(step, first_id, loader.next())
         micro = [mb.to(dist.device) for mb in batch.micro_batches(tc.micro_batches)]
+        routes = routing.routes_for(step, first_id) if routing is not None else None  # None unless on
         n_valid = count_valid_tokens(micro, dist.device)  # global, before any forward
+        inputs = input_stats(micro, dist.device, dataset.vocab_size, getattr(dataset, "bos_ids", None))
         t1 = time.perf_counter()
 
-        sums = forward_backward(wrapped, micro, n_valid, tc.z_loss, dist.world, len(names),
+        measure = telemetry.wants(step)
+        if measure:
+            telemetry.start(step)
+        faults.before_forward(step)
+        sums = forward_backward(wrapped, micro, n_valid, tc.z_loss, dist.world, len(names), routes=routes,
                                 autocast=recipe.autocast, loss_scale=scaler.scale if scaler else None)
+        # the global loss before the update: the guard judges the step before it is applied
+        stats = reduce_step_sums(sums, n_valid.item())
         t2 = time.perf_counter()
 
+        factor = faults.lr_factor(step)  # 1.0 unless an LR-spike drill is running
+        for g in optimizer.param_groups:
+            g["lr"] *= factor
         lr = optimizer.param_groups[0]["lr"] / optimizer.param_groups[0].get("lr_scale", 1.0)
-        # unscale → finite check agreed by all ranks → clip → step, or a counted skip (precision/step.py)
-        res = optimizer_step(model.parameters(), optimizer, scaler, tc.max_grad_norm)
+        if measure:
+            telemetry.before_update()
+
+        loss_by_source = {n: s / c for n, s, c in zip(names, stats["loss_sum_by_source"], stats["tokens_by_source"]) if c}
+
+        def veto(norm, overflow):  # the guard's pre-update checkpoint: loss (by source), grad norm, finite flags
+            flags = nonfinite_flags(stats["loss"], stats["logit_max"], norm.item())
+            return guard.before_update(step, stats["loss"], norm.item(), flags, scaled=scaler is not None,
+                                       fingerprint=loader.dataset.fingerprint, loss_by_source=loss_by_source)
+
+        # unscale → finite check agreed by all ranks → clip → guard veto → step, or a counted skip
+        res = optimizer_step(model.parameters(), optimizer, scaler, tc.max_grad_norm, veto=veto)
         norm, coef = res.norm, res.coef
-        events = []
-        if res.skipped:  # NOTE: a non-finite gradient would poison the weights and both Adam moments for good
-            events.append(f"non-finite grad norm ({norm.item()}) at loss scale {res.loss_scale}: optimizer step "
-                          f"skipped ({res.skipped_total if res.skipped_total is not None else 1} so far)")
+        for g in optimizer.param_groups:
+            g["lr"] /= factor
+        post = telemetry.finish(coef, optimizer) if measure else {}
+        faults.after_update(step)
+        events_now = []
+        if res.skipped and not res.vetoed:  # NOTE: a non-finite gradient would poison the weights and moments
+            events_now.append(f"non-finite grad norm ({norm.item()}) at loss scale {res.loss_scale}: optimizer "
+                              f"step skipped ({res.skipped_total if res.skipped_total is not None else 1} so far)")
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         t3 = time.perf_counter()
 
-        stats = reduce_step_sums(sums, n_valid.item())
         for layer, moe in model.moe_layers():  # aux-loss-free balancing from the global loads
             moe.update_bias(stats["moe_load"][layer].to(dist.device))
+        moe_stats = moe_summary(stats["moe_load"])
+        worst = max((m["max_violation"] for m in moe_stats.values()), default=None)
+        for e in faults.pop_events():  # the injected fault, in the same story as the guard's actions
+            info = {k: v for k, v in e.items() if k not in ("step", "kind")}
+            events.emit(e["step"], "fault", ", ".join(f"{k}={v}" for k, v in info.items()), **info)
+        verdict = guard.after_update(step, first_id, int(n_valid.item()), post, stats["loss"], worst)
         tokens_seen += int(n_valid.item())
         ev = evaluate(model, evals, names, dist.device) if step % tc.eval_every == 0 or step == ckpt.last_step else None
         t4 = time.perf_counter()
-        ckpt.maybe_save(step, tokens_seen)  # the snapshot point: after the update, before the next batch
+        # the snapshot point: after the update, before the next batch; never a state the guard fired on
+        ckpt.maybe_save(step, tokens_seen, healthy=guard.healthy())
+        guard.maybe_snapshot(step)
         t5 = time.perf_counter()
 
         rec = StepRecord(
@@ -137,18 +196,26 @@ def train(cfg, dist, model, wrapped, optimizer, scheduler, loader, evals, datase
             batch={"first": first_id, "size": tc.batch_size},
             source_mix={n: int(c) for n, c in zip(names, stats["samples_by_source"])},
             valid_tokens=int(n_valid.item()),
-            tokens_by_source={n: int(c) for n, c in zip(names, stats["tokens_by_source"])},
+            tokens_by_source={n: int(c) for n, c in zip(names, stats["tokens_by_source"])}, inputs=inputs,
             loss=stats["loss"], z_loss=stats["z_loss"], aux_loss=stats["aux_loss"], logit_max=stats["logit_max"],
-            loss_by_source={n: s / c for n, s, c in zip(names, stats["loss_sum_by_source"], stats["tokens_by_source"]) if c},
+            loss_by_source=loss_by_source,
             expert_load={str(l): (load / load.sum()).tolist() for l, load in stats["moe_load"].items()},
             lr=lr, grad_norm=norm.item(), clip_coef=coef.item(), skipped=res.skipped, loss_scale=res.loss_scale,
+            layers=post.get("layers", {}), moe=moe_stats, update_ratio_max=post.get("update_ratio_max"),
+            nonfinite={**nonfinite_flags(stats["loss"], stats["logit_max"], norm.item()), **post.get("nonfinite", {})},
+            replica=post.get("replica", {}), guard=guard.record(),
+            routing=routing.info(step) if routing is not None else {},
             time_s={"data": t1 - t0, "fwd_bwd": t2 - t1, "optim": t3 - t2, "log_eval": t4 - t3, "ckpt": t5 - t4,
                     "total": t5 - t0},
             tokens_per_s=tc.batch_size * dataset.seq_len / (t5 - t0), memory_mb=peak_memory_mb(dist.device),
-            events=events + ckpt.pop_events(), eval=ev, ckpt_id=ckpt.ckpt_id,
+            events=events_now + events.pop() + ckpt.pop_events(), eval=ev, ckpt_id=ckpt.ckpt_id,
         )
         for sink in sinks:
             sink.write(rec)
+        if verdict.rollback:  # restore a recent good TrainState; the loop continues from its step
+            step = guard.rollback(step)
+            tokens_seen = ckpt.state.tokens
+        guard.end_step(step)
     ckpt.close()
     finish(cfg, sinks, run_dir, dataset)
 

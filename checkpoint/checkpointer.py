@@ -132,13 +132,43 @@ class Checkpointer:
         for line in notes:
             self._note(line)
 
+    def load_before(self, max_step: int, skip_extras: tuple[str, ...] = ()) -> str | None:
+        """Guard rollback from disk: load the newest complete checkpoint saved at step <= max_step.
+
+        Waits for an in-flight async save first (it may be the very one we want). Returns its name, or
+        None when there is none; the checks of resume() are not repeated: it is this run's own.
+        """
+        self.saver.wait()
+        self._collect()
+        found = None
+        if self.dist.is_main:
+            for step, path in sorted(publish.list_steps(self.root), reverse=True):
+                if step <= max_step and publish.check(path, self.verify_hashes) is None:
+                    found = str(path)
+                    break
+        found = broadcast_object(found)
+        if found is None:
+            return None
+        path = Path(found)
+        self.state.load(path, read_blobs(path, ("meta",))["meta"]["world"], allow_data_change=True,
+                        skip_extras=skip_extras)
+        return path.name
+
     def due(self, step: int) -> bool:
         return step == self.stop_after or (self.every > 0 and (step % self.every == 0 or step == self.last_step))
 
-    def maybe_save(self, step: int, tokens: int) -> float:
-        """The snapshot point. Returns the training stall in seconds (0 when no save is due)."""
+    def maybe_save(self, step: int, tokens: int, healthy: bool = True) -> float:
+        """The snapshot point. Returns the training stall in seconds (0 when no save is due).
+
+        healthy=False (the guard fired on this step's state): a due save is withheld, so the last good
+        checkpoint is never replaced by a suspect one.
+        """
         self.state.step, self.state.tokens = step, tokens
         if not self.due(step):
+            return 0.0
+        if not healthy:
+            self._note(f"checkpoint at step {step} withheld: the guard fired on this step; "
+                       f"last complete: {self.ckpt_id}")
             return 0.0
         name = publish.step_name(step)
         info = {"name": name, "step": step, "tokens": tokens, "world": self.dist.world,

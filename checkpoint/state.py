@@ -6,7 +6,7 @@
     loader     samples consumed + data fingerprint (the whole data cursor)
     progress   step, cumulative valid tokens
     rng        rank<r>: that rank's Python / NumPy / torch / CUDA streams
-    guard      the stability guard's state (empty until the guard exists)
+    guard      the stability guard's state: detector histories, counters, anticipatory routing
     extras     any other stateful piece the step owns (the fp16 loss scaler), by name
     meta       resolved config, library versions, world size
 
@@ -16,6 +16,7 @@ and reshards on load to whatever world size the reader has.
 """
 from __future__ import annotations
 
+import copy
 import pickle
 import platform
 from dataclasses import dataclass, field
@@ -40,6 +41,10 @@ def _blob(obj) -> bytes:
     # NOTE: small Python state travels as one pickled blob per key: DCP would otherwise flatten
     # every list and dict into its own entry. Checkpoints are trusted files, as with torch.load.
     return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _clone(x):
+    return x.detach().clone() if isinstance(x, torch.Tensor) else copy.deepcopy(x)
 
 
 def read_tensors(path) -> dict[str, torch.Tensor]:
@@ -70,7 +75,7 @@ class TrainState:
     world: int = 1
     step: int = 0
     tokens: int = 0
-    guard: dict = field(default_factory=dict)  # filled by the stability guard (a later issue)
+    guard: object | None = None  # stability.guard.Guard (state_dict / load_state_dict), or None
     extras: dict = field(default_factory=dict)  # name -> object with state_dict() / load_state_dict()
 
     def tensors(self) -> tuple[dict, dict]:
@@ -89,16 +94,17 @@ class TrainState:
             "progress": _blob({"step": self.step, "tokens": self.tokens}),
             "scheduler": _blob(self.scheduler.state_dict()),
             "loader": _blob(self.loader.state_dict()),
-            "guard": _blob(self.guard),
+            "guard": _blob(self.guard.state_dict() if self.guard is not None else {}),
             "extras": _blob({k: v.state_dict() for k, v in self.extras.items()}),
             "meta": _blob({"config": self.config, "versions": versions(), "world": self.world}),
             "rng": {f"rank{self.rank}": _blob(rng.capture())},
         }
 
-    def load(self, path, saved_world: int, allow_data_change: bool = False) -> None:
+    def load(self, path, saved_world: int, allow_data_change: bool = False, skip_extras: tuple[str, ...] = ()) -> None:
         """Load checkpoint `path` (already checked) into this state.
 
         A rank the saving run did not have (world grew) keeps its freshly seeded RNG streams.
+        `skip_extras`: extras left as they are (a guard rollback must not re-arm a fired fault).
         """
         model_sd, optim_sd = self.tensors()
         has_rng = self.rank < saved_world
@@ -111,8 +117,11 @@ class TrainState:
         self.scheduler.load_state_dict(blobs["scheduler"])
         self.loader.load_state_dict(blobs["loader"], allow_data_change=allow_data_change)
         self.step, self.tokens = blobs["progress"]["step"], blobs["progress"]["tokens"]
-        self.guard = blobs["guard"]
+        if self.guard is not None and blobs["guard"]:
+            self.guard.load_state_dict(blobs["guard"])
         for name, obj in self.extras.items():
+            if name in skip_extras:
+                continue
             if name not in blobs["extras"]:
                 raise ValueError(f"resume: checkpoint {Path(path).name} holds no {name} state (saved: "
                                  f"{sorted(blobs['extras']) or 'none'})")
@@ -120,3 +129,33 @@ class TrainState:
         if has_rng:
             # NOTE: last, so nothing between here and the first step draws from the restored streams.
             rng.restore(pickle.loads(sd["rng"][f"rank{self.rank}"]))
+
+    def snapshot(self, skip_extras: tuple[str, ...] = ()) -> dict:
+        """An in-memory copy of this rank's whole state (the guard's rollback ring).
+
+        Tensors are cloned (a state dict shares storage with the live parameters and moments); the
+        guard's own state is left out: the guard decides what of itself a rollback restores.
+        """
+        model_sd, optim_sd = self.tensors()
+        return {
+            "model": {k: _clone(v) for k, v in model_sd.items()},
+            "optim": torch.utils._pytree.tree_map(_clone, optim_sd),
+            "scheduler": copy.deepcopy(self.scheduler.state_dict()),
+            "loader": copy.deepcopy(self.loader.state_dict()),
+            "extras": {k: copy.deepcopy(v.state_dict()) for k, v in self.extras.items() if k not in skip_extras},
+            "rng": rng.capture(), "step": self.step, "tokens": self.tokens,
+        }
+
+    def restore(self, snap: dict) -> None:
+        """Put a snapshot() back: parameters, moments, schedule, data cursor, extras, RNG, progress."""
+        # WARN: Optimizer.load_state_dict may keep the given tensors (no copy when dtype and device
+        # match): hand it clones, or the next steps would write into the snapshot itself.
+        set_state_dict(self.model, self.optimizer, model_state_dict=snap["model"],
+                       optim_state_dict=torch.utils._pytree.tree_map(_clone, snap["optim"]))
+        self.scheduler.load_state_dict(snap["scheduler"])
+        # NOTE: the run's own snapshot: a data switch since (a mixture drill) is the run's, not an accident
+        self.loader.load_state_dict(snap["loader"], allow_data_change=True)
+        for name, sd in snap["extras"].items():
+            self.extras[name].load_state_dict(sd)
+        self.step, self.tokens = snap["step"], snap["tokens"]
+        rng.restore(snap["rng"])

@@ -31,6 +31,19 @@ class Loader:
         self.samples_consumed += self.batch_size
         return self.dataset.samples(range(start, start + b), self.split)
 
+    def peek(self, k: int) -> Batch:
+        """The local batch that the k-th call of next() from now would return (k = 0: the next one),
+        without moving the cursor. k = -1 is the batch the last next() returned: anticipatory routing
+        with delay 0 routes the batch being trained. Pure, since a sample is a function of its id."""
+        bad = isinstance(k, bool) or not isinstance(k, int)
+        first = -1 if bad else self.samples_consumed + k * self.batch_size
+        if first < 0:
+            raise ValueError(f"peek k={k!r}: must be an integer with a batch at or after sample 0 "
+                             f"(samples_consumed={self.samples_consumed}, batch_size={self.batch_size})")
+        b = self.local_batch_size
+        start = first + self.rank * b
+        return self.dataset.samples(range(start, start + b), self.split)
+
     def state_dict(self) -> dict:
         return {"samples_consumed": self.samples_consumed, "fingerprint": self.dataset.fingerprint}
 

@@ -10,7 +10,7 @@ sees only its shard, so an inf on one rank must stop the step on every rank, or 
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
 import torch
@@ -26,6 +26,7 @@ class StepResult(NamedTuple):
     skipped: bool            # True: optimizer.step() was not called
     loss_scale: float | None  # the S this step's backward used (None without a scaler)
     skipped_total: int | None  # the scaler's count of overflow skips so far (None without a scaler)
+    vetoed: bool = False      # the guard vetoed a finite update (a spike): skipped for that reason
 
 
 @torch.no_grad()
@@ -47,10 +48,13 @@ def found_nonfinite(params: list[torch.Tensor]) -> bool:
 
 
 def optimizer_step(params: Iterable[torch.Tensor], optimizer: torch.optim.Optimizer,
-                   scaler: DynamicLossScaler | None, max_grad_norm: float | None) -> StepResult:
-    """Unscale → agreed finite check → clip → step or skip → scaler update. Does not zero the grads.
+                   scaler: DynamicLossScaler | None, max_grad_norm: float | None,
+                   veto: Callable[[torch.Tensor, bool], bool] | None = None) -> StepResult:
+    """Unscale → agreed finite check → clip → [veto] → step or skip → scaler update. Keeps the grads.
 
     Without a scaler a non-finite gradient is skipped the same way (train.py's StepRecord marks it).
+    `veto(norm, overflow)`, when given, sees the pre-clip norm before the update and may refuse it
+    (the stability guard's skip); it must decide the same on every rank (it gets all-reduced numbers).
     """
     params = list(params)
     scale = scaler.scale if scaler is not None else None
@@ -60,8 +64,10 @@ def optimizer_step(params: Iterable[torch.Tensor], optimizer: torch.optim.Optimi
     # NOTE: clip runs on every rank either way: with sharded gradients it is a collective. On overflow
     # it returns the non-finite norm with coef = 1 and leaves the gradients alone.
     norm, coef = clip_grad_norm(params, max_grad_norm)
-    if not overflow:
+    vetoed = veto is not None and veto(norm, overflow) and not overflow
+    if not (overflow or vetoed):
         optimizer.step()
     if scaler is not None:
-        scaler.update(overflow)
-    return StepResult(norm, coef, overflow, scale, scaler.skipped_steps if scaler is not None else None)
+        scaler.update(overflow)  # NOTE: a vetoed finite step is no overflow: the scale is not backed off
+    return StepResult(norm, coef, overflow or vetoed, scale, scaler.skipped_steps if scaler is not None else None,
+                      vetoed)

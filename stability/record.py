@@ -23,6 +23,7 @@ class StepRecord:
     source_mix: dict[str, int] = field(default_factory=dict)  # documents per source
     valid_tokens: int = 0
     tokens_by_source: dict[str, int] = field(default_factory=dict)
+    inputs: dict[str, float] = field(default_factory=dict)  # valid_frac, label_alignment, top_token_frac, ...
     # forward layer
     loss: float = math.nan  # CE per valid token of the global batch
     loss_by_source: dict[str, float] = field(default_factory=dict)
@@ -30,6 +31,12 @@ class StepRecord:
     aux_loss: float = 0.0  # MoE balancing + router z, token-weighted over micro-batches
     logit_max: float = math.nan
     expert_load: dict[str, list[float]] = field(default_factory=dict)  # layer -> share of assignments
+    # per-layer telemetry (stability/telemetry.py), on telemetry steps only: layer name ->
+    # {act_rms, grad_rms, update_ratio ρ_ℓ, clamp_hit_rate (SwiGLU layers)}
+    layers: dict[str, dict[str, float]] = field(default_factory=dict)
+    moe: dict[str, dict[str, Any]] = field(default_factory=dict)  # MoE layer -> {load, max_violation, dead}
+    nonfinite: dict[str, bool] = field(default_factory=dict)  # loss, logits, grads, optim_state
+    update_ratio_max: float | None = None  # max_ℓ ρ_ℓ (telemetry steps)
     # backward / update layer
     lr: float = math.nan
     grad_norm: float = math.nan  # global, before clipping
@@ -41,6 +48,9 @@ class StepRecord:
     tokens_per_s: float = 0.0  # positions processed (incl. padding) per second of step time
     memory_mb: float = 0.0
     world: int = 1
+    replica: dict[str, float] = field(default_factory=dict)  # cross-rank consistency (spread of per-rank values)
+    guard: dict[str, Any] = field(default_factory=dict)  # detector verdict + action this step
+    routing: dict[str, Any] = field(default_factory=dict)  # anticipatory routing: on, delay, policy versions
     events: list[str] = field(default_factory=list)
     eval: dict[str, Any] | None = None  # present on steps that ran an evaluation
 

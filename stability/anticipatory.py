@@ -1,0 +1,131 @@
+"""Anticipatory routing (DeepSeek-V4; course note 004, 路由时滞与动态稳定守卫): train on expert ids that
+were chosen Δt optimizer steps earlier, while hidden states and gate weights come from the current
+parameters. The guard turns it on after a rollback and off once training is stable again.
+
+Timing (policy version v = optimizer updates applied; step t's forward runs on version t−1):
+
+    step t, after loader.next(), BEFORE the forward (parameters at version t−1):
+        1. routing-only forward (Transformer.compute_routes, no grad) of the batch that will be
+           trained at step t+Δt  →  cached under its batch ID with route version t−1;
+        2. step t's own batch is trained with the ids cached for it.
+    The batch computed at step t is trained at step t+Δt on feature version t+Δt−1, so
+        delay = feature_version − route_version = (t+Δt−1) − (t−1) = Δt.
+
+Δt = 0: step 1 routes the current batch right before its forward, with the same parameters, bias and
+autocast → the same ids as normal top-k routing (bit-for-bit; tested).
+
+Activation (or resume, reset, or any cursor jump) finds no cache entry for the current batch; the
+batches t..t+Δt−1 are then routed at once with version t−1, so their delay ramps 0, 1, .., Δt−1 before
+the steady Δt. info(step) reports the delay actually served at each step.
+
+Batch ID: the global first sample id of a step's batch (loader.samples_consumed before next()); the
+samples of a batch are pure functions of their ids, so Loader.peek(k) rebuilds any upcoming batch
+without moving the cursor. Every rank routes its own local shard.
+
+While OFF nothing runs: no peek, no routing forward, no hook; routes_for returns None at once.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+Routes = list[dict[int, Tensor]]  # one {MoE layer: ids (b, T, k)} per micro-batch
+
+
+@dataclass
+class _Entry:
+    route_version: int  # policy version of the parameters that chose these ids
+    routes: Routes
+
+
+class AnticipatoryRouting:
+    def __init__(self, model, loader, micro_batches: int, delay: int, device, autocast=None):
+        """model: the unwrapped Transformer (compute_routes lives there); loader: the training Loader;
+        micro_batches: train.micro_batches (routes follow the same split); autocast: the recipe's
+        callable returning a context manager, so routing sees the activations training will see."""
+        if isinstance(delay, bool) or not isinstance(delay, int) or delay < 0:
+            raise ValueError(f"guard.anticipatory.delay={delay!r}: must be an integer >= 0")
+        if not model.moe_layers():
+            raise ValueError("guard.anticipatory: the model has no MoE layer to route (model.moe=null)")
+        self.model, self.loader, self.micro_batches = model, loader, micro_batches
+        self.delay, self.device = delay, torch.device(device)
+        self.autocast = autocast if autocast is not None else contextlib.nullcontext
+        self.active = False
+        self.on_since: int | None = None  # first step trained with anticipatory routes
+        self._cache: dict[int, _Entry] = {}  # batch first id -> entry; Δt+1 entries at most
+        self._served: tuple[int, int] | None = None  # (step, route version) of the last routes_for
+
+    def activate(self, step: int) -> None:
+        """Train with anticipatory routes from `step` on (already on: nothing changes)."""
+        if self.active:
+            return
+        self.active, self.on_since = True, step
+        self._cache.clear()
+
+    def deactivate(self, step: int) -> None:
+        """Back to normal routing from step+1 on; drops the cache. Duration: step − on_since + 1."""
+        self.active, self.on_since = False, None
+        self._cache.clear()
+
+    def reset(self) -> None:
+        """After a rollback: the parameters and the cursor changed, so every cached id is stale."""
+        self._cache.clear()
+
+    def routes_for(self, step: int, first_id: int) -> Routes | None:
+        """Call right after step `step`'s loader.next() (first_id = loader.samples_consumed before it).
+
+        Routes the batch Δt steps ahead with the current parameters, then returns this batch's cached
+        routes (one dict per micro-batch, on the device), or None while off.
+        """
+        if not self.active:
+            return None
+        bs = self.loader.batch_size
+        if first_id != self.loader.samples_consumed - bs:
+            raise RuntimeError(f"routes_for(step={step}, first_id={first_id}): the loader has moved on to "
+                               f"{self.loader.samples_consumed}; call it right after that step's next()")
+        if first_id not in self._cache:  # activation, resume, reset or a cursor jump: route t..t+Δt−1 now
+            self._cache.clear()
+            for j in range(self.delay):
+                self._cache[first_id + j * bs] = self._route(j, step)
+        # NOTE: with Δt = 0 this is the current batch, routed just before its own forward.
+        self._cache[first_id + self.delay * bs] = self._route(self.delay, step)
+        entry = self._cache.pop(first_id)  # trained now: its ids are never needed again
+        self._served = (step, entry.route_version)
+        return entry.routes
+
+    @torch.no_grad()
+    def _route(self, j: int, step: int) -> _Entry:
+        """Routes of the batch trained at step+j (peek(j−1): next() of step `step` already ran)."""
+        batch = self.loader.peek(j - 1)
+        routes = []
+        for mb in batch.micro_batches(self.micro_batches):  # the split train.py uses
+            with self.autocast():
+                routes.append(self.model.compute_routes(mb.tokens.to(self.device)))
+        # NOTE: version step−1 assumes every earlier step applied its update; a skipped (non-finite)
+        # step leaves the parameters unchanged, so the true delay can then be smaller than reported.
+        return _Entry(route_version=step - 1, routes=routes)
+
+    def info(self, step: int) -> dict:
+        """The StepRecord `routing` field of a step: {on, delay, feature_version, route_version}.
+
+        A step that got no routes from routes_for ran normal top-k routing: route version = feature
+        version, delay 0, even when the guard turned routing on later in that step.
+        """
+        if self._served is not None and self._served[0] == step:
+            rv = self._served[1]
+            return {"on": True, "delay": step - 1 - rv, "feature_version": step - 1, "route_version": rv}
+        return {"on": False, "delay": 0, "feature_version": step - 1, "route_version": step - 1}
+
+    def state_dict(self) -> dict:
+        # NOTE: the cache is not saved: after a resume the first step routes t..t+Δt−1 afresh with the
+        # resumed parameters, so for Δt steps the delays ramp 0..Δt−1 again (an uninterrupted run would
+        # have used ids from the older parameters, which a checkpoint no longer holds).
+        return {"active": self.active, "on_since": self.on_since, "delay": self.delay}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.active, self.on_since = bool(sd["active"]), sd["on_since"]
+        self._cache.clear()
+        self._served = None

@@ -1,0 +1,154 @@
+"""Spike detector: robust rolling statistics per metric; non-finite values trigger at once.
+
+For each watched metric x (loss, grad norm, max update ratio ...) the detector keeps the last `window`
+*accepted* values and scores a new one by its robust z-score
+
+    z = (x − median) / (1.4826 · MAD + floor),   floor = rel_floor · |median| + 1e-12
+
+(1.4826 · MAD estimates σ for Gaussian noise, and unlike a mean/std it is not dragged by the spike it
+is meant to catch). A value with z > threshold ("up") or |z| > threshold ("both") is a spike. Metrics
+marked `log` are scored on log(x): grad norms and update ratios are scale-free, a ×10 jump matters
+the same at 0.1 as at 10.
+
+  - no z-score until `min_history` values were accepted (a detector with 3 points cries wolf), nor
+    before step `warmup`: the first steps of training are a transient (loss, grad norm and ρ fall by
+    an order of magnitude), not a baseline; their values still fill the history;
+  - a spike is NOT added to the history, so it cannot raise the baseline that should catch the next;
+  - after a spike the metric is in cooldown for `cooldown` steps: further z-spikes are reported as
+    suppressed (one incident, one action). Non-finite values ignore cooldown and minimum history;
+  - the state (histories, cooldowns, counts) is plain Python and rides in the TrainState, so a resumed
+    run does not start blind.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from dataclasses import dataclass
+
+DIRECTIONS = ("up", "both")
+
+
+@dataclass
+class Trigger:
+    metric: str
+    value: float
+    threshold: float  # the z threshold (inf for a non-finite value)
+    median: float | None
+    z: float | None
+    cooldown: int  # steps the metric is now quiet for
+    suppressed: bool = False  # inside an earlier trigger's cooldown: reported, not acted on
+    note: str | None = None   # a trigger that is not a number (an input switch): what changed
+
+    @property
+    def nonfinite(self) -> bool:
+        return not math.isfinite(self.value)
+
+    def describe(self) -> str:
+        if self.note is not None:
+            return f"{self.metric}: {self.note}"
+        if self.nonfinite:
+            return f"{self.metric} is {self.value}"
+        return (f"{self.metric} {self.value:.4g} vs median {self.median:.4g}: robust z {self.z:.1f} > "
+                f"{self.threshold:g}" + (" (in cooldown)" if self.suppressed else ""))
+
+
+def _check_metrics(metrics) -> dict[str, dict]:
+    out = {}
+    for name, spec in dict(metrics).items():
+        spec = dict(spec or {})
+        extra = set(spec) - {"direction", "log"}
+        if extra:
+            raise ValueError(f"guard.detector.metrics.{name}.{sorted(extra)[0]}: unknown key (direction, log)")
+        direction = spec.get("direction", "up")
+        if direction not in DIRECTIONS:
+            raise ValueError(f"guard.detector.metrics.{name}.direction={direction}: expected one of {DIRECTIONS}")
+        out[name] = {"direction": direction, "log": bool(spec.get("log", False))}
+    if not out:
+        raise ValueError("guard.detector.metrics: empty; watch at least one metric (e.g. loss)")
+    return out
+
+
+class SpikeDetector:
+    def __init__(self, metrics: dict, window: int = 50, threshold: float = 6.0, min_history: int = 20,
+                 cooldown: int = 10, warmup: int = 0, rel_floor: float = 1e-3):
+        if window < 3:
+            raise ValueError(f"guard.detector.window={window}: must be >= 3")
+        if not 3 <= min_history <= window:
+            raise ValueError(f"guard.detector.min_history={min_history}: must be in [3, window={window}]")
+        if threshold <= 0:
+            raise ValueError(f"guard.detector.threshold={threshold}: must be > 0")
+        if cooldown < 0:
+            raise ValueError(f"guard.detector.cooldown={cooldown}: must be >= 0")
+        if warmup < 0:
+            raise ValueError(f"guard.detector.warmup={warmup}: must be >= 0")
+        self.metrics = _check_metrics(metrics)
+        self.window, self.threshold, self.min_history = window, threshold, min_history
+        self.cooldown, self.warmup, self.rel_floor = cooldown, warmup, rel_floor
+        self.history: dict[str, deque] = {m: deque(maxlen=window) for m in self.metrics}
+        self.quiet_until: dict[str, int] = {m: 0 for m in self.metrics}  # cooldown ends before this step
+        self.fired = 0  # triggers acted on, over the whole run
+        self.last_trigger_step: int | None = None
+
+    def _score(self, name: str, x: float) -> tuple[float, float] | None:
+        hist = self.history[name]
+        if len(hist) < self.min_history:
+            return None
+        med = statistics.median(hist)
+        mad = statistics.median(abs(h - med) for h in hist)
+        return med, (x - med) / (1.4826 * mad + self.rel_floor * abs(med) + 1e-12)
+
+    def observe(self, step: int, values: dict[str, float]) -> list[Trigger]:
+        """Score this step's values; accept the healthy ones into the history; return the triggers.
+
+        Metrics absent from `values` (or None: e.g. telemetry not measured this step) are skipped. A
+        key "family/member" (loss_by_source/markov) is scored with the spec of `family`, on a history
+        of its own: one source's loss can jump while the mixture's total hides it in batch noise.
+        """
+        triggers = []
+        for name, x in values.items():
+            spec = self.metrics.get(name.split("/")[0])
+            if spec is None or x is None:
+                continue
+            if name not in self.history:
+                self.history[name], self.quiet_until[name] = deque(maxlen=self.window), 0
+            x = float(x)
+            if not math.isfinite(x):
+                triggers.append(Trigger(name, x, math.inf, None, None, self.cooldown))
+                self.quiet_until[name] = step + self.cooldown + 1
+                continue
+            if spec["log"]:
+                if x <= 0:  # log scale: a zero grad norm / update (a skipped step) says nothing
+                    continue
+                x_t = math.log(x)
+            else:
+                x_t = x
+            scored = self._score(name, x_t) if step >= self.warmup else None
+            if scored is not None:
+                med, z = scored
+                spike = z > self.threshold if spec["direction"] == "up" else abs(z) > self.threshold
+                if spike:
+                    suppressed = step < self.quiet_until[name]
+                    shown_med = math.exp(med) if spec["log"] else med
+                    triggers.append(Trigger(name, x, self.threshold, shown_med, z, self.cooldown, suppressed))
+                    if not suppressed:
+                        self.quiet_until[name] = step + self.cooldown + 1
+                    continue  # NOTE: a spike never joins the baseline
+            self.history[name].append(x_t)
+        if any(not t.suppressed for t in triggers):
+            self.fired += 1
+            self.last_trigger_step = step
+        return triggers
+
+    def state_dict(self) -> dict:
+        return {"history": {m: list(h) for m, h in self.history.items()}, "quiet_until": dict(self.quiet_until),
+                "fired": self.fired, "last_trigger_step": self.last_trigger_step}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.history = {m: deque(h, maxlen=self.window) for m, h in sd["history"].items()
+                        if m.split("/")[0] in self.metrics}  # a metric dropped since the save is forgotten
+        self.quiet_until = {m: sd["quiet_until"].get(m, 0) for m in self.history}
+        for m in self.metrics:  # a metric added since the save starts with an empty history
+            self.history.setdefault(m, deque(maxlen=self.window))
+            self.quiet_until.setdefault(m, 0)
+        self.fired, self.last_trigger_step = sd["fired"], sd["last_trigger_step"]

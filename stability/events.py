@@ -1,0 +1,48 @@
+"""events.jsonl: one JSON object per guard action (and per injected fault), the story of an incident.
+
+Kinds written by the guard: trigger, skip, rollback, rollback_failed, anticipatory_on, anticipatory_off,
+recovered; by the fault injector: fault. Every event carries `step` (the optimizer step it belongs to)
+and `kind`; the rest are the fields DESIGN §4 asks for (trigger metric / value / threshold / cooldown,
+rollback checkpoint and data cursor, policy versions and delay, activation duration, recovered steps,
+expert-load and loss trajectories).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+class EventLog:
+    def __init__(self, run_dir: Path | None, is_main: bool = True):
+        # NOTE: rank 0 writes; every rank runs the same guard logic on the same (all-reduced) numbers.
+        self.path = Path(run_dir) / "events.jsonl" if run_dir is not None else None
+        self.f = open(self.path, "a", buffering=1) if (self.path is not None and is_main) else None
+        self.pending: list[str] = []  # one-line summaries for this step's StepRecord.events
+
+    def emit(self, step: int, kind: str, summary: str, **fields) -> None:
+        row = {"step": step, "kind": kind, **fields, "summary": summary}
+        if self.f is not None:
+            self.f.write(json.dumps(row, default=_plain, allow_nan=True) + "\n")
+        self.pending.append(f"{kind}: {summary}")
+
+    def pop(self) -> list[str]:
+        out, self.pending = self.pending, []
+        return out
+
+    def close(self) -> None:
+        if self.f is not None:
+            self.f.close()
+
+
+def _plain(x):
+    if hasattr(x, "tolist"):
+        return x.tolist()
+    return str(x)
+
+
+def read_events(path) -> list[dict]:
+    path = Path(path)
+    if not path.exists():
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]

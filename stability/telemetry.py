@@ -1,0 +1,256 @@
+"""Per-layer telemetry: activation RMS, gradient RMS, update-to-weight ratio, SwiGLU clamp hit-rate,
+non-finite flags and cross-replica checks, every `telemetry.every` optimizer steps.
+
+Course note 004: loss alone cannot tell "the global learning rate is too large" from "a few layers
+misbehave"; per layer,
+
+    act_rms_ℓ  = sqrt(Σ x² / n)          over every micro-batch of the step, every rank
+    grad_rms_ℓ = sqrt(Σ g² / n)          of the TRUE gradient: unscaled (FP16) and before clipping
+    ρ_ℓ        = ‖Δθ_ℓ‖ / (‖θ_ℓ‖ + ε)     Δθ = θ after optimizer.step − θ before; θ before the step
+
+A ρ_ℓ that keeps rising while the loss looks normal exposes precision, init or data problems earlier
+than waiting for a NaN. Layer names: stability/telemetry_layers.py.
+
+In train.py (every call is a no-op returning {} on a step that telemetry skips; all ranks call them):
+
+    telemetry.start(step)                      # before the step's first forward: hooks on
+    sums = forward_backward(...)
+    telemetry.before_update()                  # snapshot θ (one foreach copy into reused buffers)
+    res = optimizer_step(...)                  # unscale → finite check → clip → step or skip
+    tel = telemetry.finish(res.coef, optimizer)   # before zero_grad: the grads are read here
+    ...                                        # every step: stats = reduce_step_sums(...)
+    flags = {**nonfinite_flags(stats["loss"], stats["logit_max"], norm.item()), **tel.pop("nonfinite", {})}
+    StepRecord(..., **tel, nonfinite=flags, moe=moe_summary(stats["moe_load"]))
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.distributed as tdist
+from torch import Tensor, nn
+
+from parallel.dist import all_reduce_max, all_reduce_sum
+from stability.telemetry_layers import ParamLayout, layer_order, local, norms, swiglu_layer
+
+
+class Telemetry:
+    def __init__(self, model: nn.Module, every: int, eps: float = 1e-8):
+        """model: the bare Transformer (not the DDP / compile wrapper), after parallel.wrap_model."""
+        if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+            raise ValueError(f"telemetry.every={every!r} must be an integer >= 0 (0 = off)")
+        if not eps > 0:
+            raise ValueError(f"telemetry.eps={eps!r} must be > 0")
+        self.model, self.every, self.eps = model, every, float(eps)
+        self.active = False
+        if every == 0:  # off: no layout, no buffers, no hooks
+            return
+        self.order = layer_order(model)
+        self.layout = ParamLayout(model, self.order)
+        self.swiglus = [(swiglu_layer(n), m) for n, m in model.swiglus()]
+        self._snap: list[Tensor] | None = None  # θ before the step, reused between steps
+        self._hooks: list = []
+
+    def wants(self, step: int) -> bool:
+        return self.every > 0 and step % self.every == 0
+
+    # ------------------------------------------------------------------ the step
+
+    def start(self, step: int) -> bool:
+        """Hooks on, clamp counting on, if this step records telemetry. Returns whether it does."""
+        if not self.wants(step):
+            return False
+        if self.active:
+            raise RuntimeError(f"telemetry.start({step}): the previous telemetry step was never finished")
+        self.active, self._snapped = True, False
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        if len(trainable) != len(self.layout.params) or any(a is not b for a, b in zip(trainable, self.layout.params)):
+            # NOTE: the parameters were replaced (a wrap after construction, an assign-style load):
+            # stale references would report ρ = 0 forever, so re-read them.
+            self.layout, self._snap = ParamLayout(self.model, self.order), None
+        self._act: dict[str, list[Tensor]] = {k: [] for k in self.order}
+        self._act_n = dict.fromkeys(self.order, 0)
+        self._clamp: dict[str, list[Tensor]] = {k: [] for k, _ in self.swiglus}
+        m = self.model
+        watch: list[tuple[str, nn.Module, Callable]] = [("emb", m.tok_emb, _same)]
+        for i, block in enumerate(m.blocks):
+            watch += [(f"block{i}.attn", block.attn, _same), (f"block{i}.mlp", block.mlp, _mlp_out),
+                      (f"block{i}", block, _first)]  # a Block returns (x, moe)
+        watch.append(("norm", m.norm, _same))
+        if "head" in self.order:
+            watch.append(("head", m.head, _same))
+        self._hooks = [mod.register_forward_hook(self._act_hook(k, pick)) for k, mod, pick in watch]
+        for key, mod in self.swiglus:
+            mod.record_stats = True
+            self._hooks.append(mod.register_forward_hook(self._clamp_hook(key)))
+        return True
+
+    @torch.no_grad()
+    def before_update(self) -> None:
+        """After backward, before the optimizer step: θ_before ← θ, one foreach copy, no allocation
+        after the first telemetry step."""
+        if not self.active:
+            return
+        params = self.layout.local_params()
+        if self._snap is None or any(s.shape != p.shape for s, p in zip(self._snap, params)):
+            self._snap = [torch.empty_like(p) for p in params]
+        torch._foreach_copy_(self._snap, params)
+        self._snapped = True
+
+    @torch.no_grad()
+    def finish(self, coef: float | Tensor, optimizer: torch.optim.Optimizer) -> dict:
+        """After optimizer_step, before zero_grad. `coef` is the clip coefficient optimizer_step applied
+        (the grads hold g·coef, already unscaled under FP16). Collective: every rank must call it.
+
+        Returns {"layers", "update_ratio_max", "nonfinite": {grads, optim_state}, "replica"} ({} when
+        this step records no telemetry).
+        """
+        if not self.active:
+            return {}
+        self._stop()
+        if not self._snapped:
+            raise RuntimeError("telemetry.finish: before_update() was not called this step")
+        lay, dev = self.layout, self.layout.device
+        grad_sq_P = lay.squares(lay.local_grads())
+        theta_sq_P = lay.squares(self._snap)
+        # NOTE: in place into the snapshot: Δθ needs no second buffer. A skipped step gives exactly 0.
+        torch._foreach_sub_(self._snap, lay.local_params())
+        delta_sq_P = lay.squares(self._snap)
+        sharded_3L, replicated_3L = lay.per_layer(torch.stack([grad_sq_P, delta_sq_P, theta_sq_P]))
+
+        # Activations and clamp counts differ per rank (different data) under DDP and FSDP alike.
+        act_keys = [k for k in self.order if self._act_n[k]]
+        clamp_keys = [k for k in self._clamp if self._clamp[k]]
+        act_sq_A = _stack([torch.stack(self._act[k]).to(dev, torch.float64).sum() for k in act_keys], dev)
+        act_n_A = torch.tensor([float(self._act_n[k]) for k in act_keys], dtype=torch.float64, device=dev)
+        clamp_C2 = _stack([torch.stack(self._clamp[k]).to(dev, torch.float64).sum(0) for k in clamp_keys], dev)
+        # ONE all-reduce for every layer's numbers: sharded param sums, activations, clamp counts.
+        L, A = len(lay.keys), len(act_keys)
+        packed = all_reduce_sum(torch.cat([sharded_3L.flatten(), act_sq_A, act_n_A, clamp_C2.flatten()]))
+        # one host sync for all of it
+        flat = torch.cat([(packed[:3 * L].view(3, L) + replicated_3L).flatten(), packed[3 * L:]]).tolist()
+        sums = [flat[:L], flat[L:2 * L], flat[2 * L:3 * L]]  # grad², Δθ², θ² per layer
+        act_sq_r, act_n_r = flat[3 * L:3 * L + A], flat[3 * L + A:3 * L + 2 * A]
+        clamp_r = flat[3 * L + 2 * A:]
+        clamp_r = list(zip(clamp_r[0::2], clamp_r[1::2]))  # (hits, total) per SwiGLU layer
+        coef = float(coef)
+
+        layers: dict[str, dict[str, float]] = {k: {} for k in self.order}
+        for k, sq, n in zip(act_keys, act_sq_r, act_n_r):
+            layers[k]["act_rms"] = math.sqrt(sq / n)
+        ratios = []
+        for i, k in enumerate(lay.keys):
+            g_sq, d_sq, t_sq = sums[0][i], sums[1][i], sums[2][i]
+            layers[k]["grad_rms"] = math.sqrt(g_sq / lay.numel[i]) / coef  # g·coef → g
+            layers[k]["update_ratio"] = math.sqrt(d_sq) / (math.sqrt(t_sq) + self.eps)
+            ratios.append(layers[k]["update_ratio"])
+        for k, (hits, total) in zip(clamp_keys, clamp_r):
+            layers[k]["clamp_hit_rate"] = hits / total if total else 0.0
+        # NOTE: a NaN ratio must surface, and Python's max() drops or keeps NaN depending on order.
+        ratio_max = math.nan if any(math.isnan(r) for r in ratios) else max(ratios)
+        grads_bad = not all(math.isfinite(s) for s in sums[0])
+        optim_bad, replica = self._collective_max(optimizer, grad_sq_P, coef)
+        return {"layers": {k: v for k, v in layers.items() if v}, "update_ratio_max": ratio_max,
+                "nonfinite": {"grads": grads_bad, "optim_state": optim_bad}, "replica": replica}
+
+    # ------------------------------------------------------------------ internals
+
+    def _act_hook(self, key: str, pick: Callable):
+        def hook(module, args, out):
+            # NOTE: training forwards only: eval and the routing-only forward (compute_routes) run under
+            # no_grad and must not leak into the step's statistics.
+            if not torch.is_grad_enabled():
+                return
+            x = pick(out).detach()
+            # NOTE: an FP32 norm: |x| ≳ 1e19 reads as inf. FP64 costs 4× on a CPU, and such a layer
+            # has blown up either way; only parameters, grads and optimizer state get the exact test.
+            self._act[key].append(torch.linalg.vector_norm(x, dtype=torch.float32).square())
+            self._act_n[key] += x.numel()
+        return hook
+
+    def _clamp_hook(self, key: str):
+        def hook(module, args, out):
+            # The module overwrites clamp_hits/clamp_total on every call: keep each micro-batch's pair.
+            if torch.is_grad_enabled():
+                self._clamp[key].append(torch.stack([module.clamp_hits, module.clamp_total]))
+        return hook
+
+    def _stop(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        for _, mod in self.swiglus:
+            mod.record_stats = False
+        self.active = False
+
+    def _collective_max(self, optimizer, grad_sq_P: Tensor, coef: float) -> tuple[bool, dict]:
+        """One MAX all-reduce: any rank's non-finite optimizer state, and under DDP the spread
+        (max − min over ranks, as max(x) + max(−x)) of a float64 parameter checksum Σθ and of the local
+        pre-clip grad norm. Both are exactly 0 on healthy DDP: every rank holds the same bits."""
+        dev = self.layout.device
+        vals = [_optim_state_nonfinite(optimizer, dev)]
+        world = tdist.get_world_size() if tdist.is_initialized() else 1
+        # NOTE: under FSDP each rank holds a different shard, so a spread means nothing there.
+        replicated = world > 1 and not self.layout.any_sharded
+        if replicated:
+            params = self.layout.local_params()
+            psum = torch.stack([p.sum(dtype=torch.float64) for p in params]).sum()
+            gnorm = grad_sq_P.sum().sqrt() / coef
+            vals += [psum, -psum, gnorm, -gnorm]
+        out = all_reduce_max(torch.stack(vals)).tolist()
+        replica = {"param_sum_spread": out[1] + out[2], "grad_norm_spread": out[3] + out[4]} if replicated else {}
+        return bool(out[0]), replica
+
+
+def _stack(xs: list[Tensor], device) -> Tensor:
+    return torch.stack(xs) if xs else torch.zeros(0, dtype=torch.float64, device=device)
+
+
+def _same(out):
+    return out
+
+
+def _first(out):
+    return out[0]
+
+
+def _mlp_out(out):
+    return out if isinstance(out, Tensor) else out.y  # an MoE returns MoEOutput
+
+
+def _optim_state_nonfinite(optimizer: torch.optim.Optimizer, device: torch.device) -> Tensor:
+    """1.0 if any optimizer state tensor on this rank holds an inf/NaN, else 0.0 (see norms())."""
+    states = [local(t) for state in optimizer.state.values() for t in state.values()
+              if torch.is_tensor(t) and t.is_floating_point()]
+    states = [t for t in states if t.numel()]  # an FSDP shard can be empty
+    if not states:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    return (~torch.isfinite(norms(states, device)).all()).double()
+
+
+def moe_summary(loads: dict[int, Tensor]) -> dict[str, dict]:
+    """{layer: {"load": tokens per expert, "max_violation": max_e load_e/mean(load) − 1, "dead": #zero}}
+    from the global (all-reduced) assignment counts; cheap enough for every step."""
+    out = {}
+    for layer in sorted(loads):
+        load_E = torch.as_tensor(loads[layer]).detach().to("cpu", torch.float64)
+        if load_E.ndim != 1 or not load_E.numel():
+            raise ValueError(f"moe_summary: layer {layer} load has shape {tuple(load_E.shape)}, expected (E,)")
+        mean = load_E.mean().item()
+        # NOTE: no assignment at all has no balance to violate: 0, and every expert counts as dead.
+        violation = load_E.max().item() / mean - 1.0 if mean > 0 else 0.0
+        out[str(layer)] = {"load": [round(v) for v in load_E.tolist()], "max_violation": violation,
+                           "dead": int((load_E == 0).sum())}
+    return out
+
+
+def nonfinite_flags(loss: float, logit_max: float, grad_norm: float) -> dict[str, bool]:
+    """From floats the step has anyway: no extra work, usable every step."""
+    return {"loss": not math.isfinite(loss), "logits": not math.isfinite(logit_max),
+            "grads": not math.isfinite(grad_norm)}
+
+
+def first_nonfinite(layers: dict[str, dict[str, float]]) -> str | None:
+    """The earliest layer (forward order) whose activation RMS is inf/NaN: where a NaN was born."""
+    return next((k for k, v in layers.items() if "act_rms" in v and not math.isfinite(v["act_rms"])), None)

@@ -1,0 +1,371 @@
+"""Per-layer telemetry against naive recomputation, injected faults, and 2-process DDP / FSDP2.
+
+The references here never call stability.telemetry: layer names come from a plain string rule,
+activations from hooks registered by hand on a copy of the model, gradients from a separate
+unclipped, unscaled backward, Δθ from cloned parameters.
+"""
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from data import build_data
+from data.loader import Loader
+from model import ModelConfig, Transformer
+from optim import build_optimizer
+from optim.accumulate import count_valid_tokens, forward_backward
+from optim.scaler import DynamicLossScaler
+from parallel import Dist, wrap_model
+from precision import optimizer_step
+from stability.telemetry import Telemetry, first_nonfinite, moe_summary, nonfinite_flags
+
+DATA = {"kind": "synthetic", "seq_len": 16, "min_doc_len": 4, "seed": 5,
+        "sources": [{"name": "markov", "kind": "markov", "weight": 0.5, "alphabet": 8, "order": 1, "support": 2},
+                    {"name": "copy", "kind": "copy", "weight": 0.5, "alphabet": 8, "segment": 3}]}
+# Dense block 0, MoE blocks 1 and 2 (routed experts + a shared expert). A clamp of 0.05 bites often at
+# this init scale, so the hit-rate is a real fraction. NOTE: no Switch / router-z loss: they are means
+# per micro-batch, so 1 and 2 processes would optimise (slightly) different objectives.
+MODEL = {"d_model": 16, "n_layers": 3, "n_heads": 2, "swiglu_clamp": 0.05,
+         "moe": {"n_experts": 4, "top_k": 2, "expert_hidden": 16, "shared_expert": True, "first_dense": 1,
+                 "every": 1, "balance_coef": 0.0, "router_z_coef": 0.0}}
+BATCH, CLIP, EXPERT_H = 8, 0.05, 16  # CLIP small: the clip bites, so grad_rms must undo it
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """These models are tiny: a second intra-op thread only fights the other processes for the cores."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def build(tied: bool = True, seed: int = 0):
+    torch.manual_seed(seed)
+    ds = build_data(DATA)
+    model = Transformer(ModelConfig.from_dict({**MODEL, "tie_embeddings": tied,
+                                               "vocab_size": ds.vocab_size, "seq_len": ds.seq_len}))
+    return ds, model
+
+
+def step(model, wrapped, opt, tel, mbs, n, scaler=None, world=1, before=None, after=None):
+    """One train.py-shaped step with telemetry; `before` runs after backward, `after` after the update."""
+    tel.start(n)
+    forward_backward(wrapped, mbs, count_valid_tokens(mbs, "cpu"), 1e-4, world, 2,
+                     loss_scale=scaler.scale if scaler else None)
+    if before:
+        before(model)
+    tel.before_update()
+    res = optimizer_step(model.parameters(), opt, scaler, CLIP)
+    if after:
+        after(model)
+    out = tel.finish(res.coef, opt)
+    opt.zero_grad(set_to_none=True)
+    return out, res
+
+
+def ref_layer(name: str) -> str:
+    top = name.split(".")[0]
+    if top != "blocks":
+        return {"tok_emb": "emb", "norm": "norm", "head": "head"}[top]
+    i, part = name.split(".")[1:3]
+    return f"block{i}.{'attn' if part.startswith('attn') else 'mlp'}"
+
+
+def ref_activations(model, mbs) -> tuple[dict, dict]:
+    """act RMS per layer and clamp (hits, total) per SwiGLU layer, from hand-registered hooks."""
+    sq, n, clamp = {}, {}, {}
+    L = model.cfg.swiglu_clamp
+
+    def acc(key, x):
+        sq[key] = sq.get(key, 0.0) + x.detach().double().square().sum().item()
+        n[key] = n.get(key, 0) + x.numel()
+
+    def count(key, gate_up):
+        gate, up = gate_up.detach().chunk(2, dim=-1)
+        hits, total = clamp.get(key, (0, 0))
+        clamp[key] = (hits + int(((gate > L) | (up.abs() > L)).sum()), total + gate.numel())
+
+    mods = [("emb", model.tok_emb, lambda o: o), ("norm", model.norm, lambda o: o)]
+    if "head.weight" in dict(model.named_parameters()):
+        mods.append(("head", model.head, lambda o: o))
+    for i, b in enumerate(model.blocks):
+        mods += [(f"block{i}.attn", b.attn, lambda o: o), (f"block{i}", b, lambda o: o[0]),
+                 (f"block{i}.mlp", b.mlp, lambda o: o if torch.is_tensor(o) else o.y)]
+        key = f"block{i}.mlp"
+        for sub in ([b.mlp] if hasattr(b.mlp, "w_gate_up") else [b.mlp.shared]):
+            sub.w_gate_up.register_forward_hook(lambda m, a, o, key=key: count(key, o))
+        if hasattr(b.mlp, "experts"):
+            plain = b.mlp.experts.linear
+
+            def linear(x, w, plain=plain, key=key):
+                y = plain(x, w)
+                if w.shape[0] == 2 * EXPERT_H:  # the gate/up matmul, not the down projection
+                    count(key, y)
+                return y
+            b.mlp.experts.linear = linear
+    for key, mod, pick in mods:
+        mod.register_forward_hook(lambda m, a, o, key=key, pick=pick: acc(key, pick(o)))
+    with torch.no_grad():
+        for mb in mbs:
+            model(mb.tokens, mb.labels)
+    return {k: math.sqrt(sq[k] / n[k]) for k in sq}, clamp
+
+
+def ref_grad_rms(model, mbs) -> dict:
+    forward_backward(model, mbs, count_valid_tokens(mbs, "cpu"), 1e-4, 1, 2)  # unscaled, unclipped
+    return per_layer_rms({n: p.grad for n, p in model.named_parameters()})
+
+
+def per_layer_rms(tensors: dict) -> dict:
+    sq, n = {}, {}
+    for name, t in tensors.items():
+        k = ref_layer(name)
+        sq[k] = sq.get(k, 0.0) + t.double().square().sum().item()
+        n[k] = n.get(k, 0) + t.numel()
+    return {k: math.sqrt(sq[k] / n[k]) for k in sq}
+
+
+def ref_ratios(before: dict, model, eps=1e-8) -> dict:
+    d2, t2 = {}, {}
+    for name, p in model.named_parameters():
+        k = ref_layer(name)
+        d2[k] = d2.get(k, 0.0) + (p.detach().double() - before[name].double()).square().sum().item()
+        t2[k] = t2.get(k, 0.0) + before[name].double().square().sum().item()
+    return {k: math.sqrt(d2[k]) / (math.sqrt(t2[k]) + eps) for k in d2}
+
+
+def close(a: float, b: float, rel=1e-5) -> bool:
+    return a == pytest.approx(b, rel=rel, abs=1e-12)
+
+
+# ---------------------------------------------------------------- single process
+
+@pytest.mark.parametrize("tied, fp16", [(True, False), (False, True)])
+def test_layers_match_naive_recomputation(tied, fp16):
+    ds, model = build(tied)
+    opt, _ = build_optimizer(model, {"lr": 1e-2, "weight_decay": 0.1})
+    loader, tel = Loader(ds, BATCH), Telemetry(model, every=1)
+    scaler = DynamicLossScaler(init_scale=2.0**10) if fp16 else None
+    step(model, model, opt, tel, loader.next().micro_batches(2), 1, scaler)  # Adam state exists now
+    mbs = loader.next().micro_batches(2)
+    ref_model = copy.deepcopy(model)
+    act, clamp = ref_activations(copy.deepcopy(model), mbs)
+    grad = ref_grad_rms(ref_model, mbs)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    def eval_forward(m):  # an eval / routing-only forward mid-step (no_grad) must not be counted
+        with torch.no_grad():
+            m(mbs[0].tokens)
+    out, res = step(model, model, opt, tel, mbs, 2, scaler, before=eval_forward)
+    assert not res.skipped and res.coef.item() < 0.5  # the clip bit: grad_rms must undo it
+    ratio = ref_ratios(before, model)
+
+    layers = out["layers"]
+    expected_keys = ["emb", "block0.attn", "block0.mlp", "block0", "block1.attn", "block1.mlp", "block1",
+                     "block2.attn", "block2.mlp", "block2", "norm"] + ([] if tied else ["head"])
+    assert list(layers) == expected_keys
+    for k in expected_keys:
+        assert close(layers[k]["act_rms"], act[k]), k
+    assert set(grad) == set(ratio) == {k for k in layers if "grad_rms" in layers[k]}
+    for k in grad:
+        assert close(layers[k]["grad_rms"], grad[k]), k
+        assert close(layers[k]["update_ratio"], ratio[k]), k
+        assert ratio[k] > 0
+    assert out["update_ratio_max"] == max(layers[k]["update_ratio"] for k in grad)
+    assert set(clamp) == {k for k in layers if "clamp_hit_rate" in layers[k]} == {f"block{i}.mlp" for i in range(3)}
+    for k, (hits, total) in clamp.items():
+        assert 0 < hits < total
+        assert close(layers[k]["clamp_hit_rate"], hits / total, rel=1e-12), k
+    assert out["nonfinite"] == {"grads": False, "optim_state": False}
+    assert out["replica"] == {}
+    # the step is over: no hook left behind, clamp counting off
+    assert all(not m._forward_hooks for m in model.modules() if m is not model)
+    assert not any(m.record_stats for _, m in model.swiglus())
+
+
+def _plant_inf_grad(model):
+    model.blocks[1].mlp.experts.w_down.grad.view(-1)[3] = math.inf
+
+
+def test_skipped_step_has_zero_update_and_reads_real_params():
+    ds, model = build()
+    opt, _ = build_optimizer(model, {"lr": 1e-2})
+    loader, tel = Loader(ds, BATCH), Telemetry(model, every=1)
+    step(model, model, opt, tel, loader.next().micro_batches(2), 1)
+    out, res = step(model, model, opt, tel, loader.next().micro_batches(2), 2, before=_plant_inf_grad)
+    assert res.skipped and out["nonfinite"]["grads"]
+    assert math.isinf(out["layers"]["block1.mlp"]["grad_rms"])
+    assert math.isfinite(out["layers"]["block0.mlp"]["grad_rms"])
+    ratios = [v["update_ratio"] for v in out["layers"].values() if "update_ratio" in v]
+    assert len(ratios) == 8 and all(r == 0.0 for r in ratios) and out["update_ratio_max"] == 0.0
+
+    # Skipped again, but something moved block0.attn's weights after the step: ρ must see the real θ.
+    w = model.blocks[0].attn.qkv.weight
+    w_before, attn = w.detach().clone(), dict(model.blocks[0].named_parameters())
+    theta = math.sqrt(sum(p.detach().double().square().sum().item() for n, p in attn.items()
+                          if n.startswith(("attn.", "attn_norm."))))
+    out, res = step(model, model, opt, tel, loader.next().micro_batches(2), 3, before=_plant_inf_grad,
+                    after=lambda m: m.blocks[0].attn.qkv.weight.data.add_(1e-3))
+    delta = (w.detach().double() - w_before.double()).norm().item()
+    assert res.skipped
+    assert close(out["layers"]["block0.attn"]["update_ratio"], delta / (theta + 1e-8))
+    assert all(v["update_ratio"] == 0.0 for k, v in out["layers"].items() if "update_ratio" in v and k != "block0.attn")
+
+
+def test_nan_activation_marks_its_layer_and_every_later_one():
+    ds, model = build()
+    opt, _ = build_optimizer(model, {"lr": 1e-2})
+    tel = Telemetry(model, every=1)
+
+    def plant(module, args, out):  # registered before telemetry's hooks: they see the NaN
+        out = out.clone()
+        out[:, 0, 0] = math.nan  # position 0: causal attention carries it to every later position
+        return out
+    model.blocks[1].attn.register_forward_hook(plant)
+    out, res = step(model, model, opt, tel, Loader(ds, BATCH).next().micro_batches(2), 1)
+    layers = out["layers"]
+    order = list(layers)
+    bad = order.index("block1.attn")
+    assert all(math.isfinite(layers[k]["act_rms"]) for k in order[:bad])
+    assert all(math.isnan(layers[k]["act_rms"]) for k in order[bad:])
+    assert first_nonfinite(layers) == "block1.attn"
+    assert res.skipped and out["nonfinite"]["grads"] and out["update_ratio_max"] == 0.0
+
+
+def test_nonfinite_optimizer_state_is_flagged():
+    ds, model = build()
+    opt, _ = build_optimizer(model, {"lr": 1e-2})
+    loader, tel = Loader(ds, BATCH), Telemetry(model, every=1)
+    out, _ = step(model, model, opt, tel, loader.next().micro_batches(2), 1)
+    assert out["nonfinite"]["optim_state"] is False
+    state = opt.state[model.blocks[2].mlp.router.weight]["exp_avg_sq"]
+    state.view(-1)[5] = 1e30  # finite, but its square overflows FP32: must not read as non-finite
+    out, _ = step(model, model, opt, tel, loader.next().micro_batches(2), 2)
+    assert out["nonfinite"]["optim_state"] is False
+    state.view(-1)[5] = math.inf
+    out, res = step(model, model, opt, tel, loader.next().micro_batches(2), 3)
+    assert not res.skipped and out["nonfinite"] == {"grads": False, "optim_state": True}
+
+
+def test_large_finite_gradient_is_measured_not_flagged():
+    ds, model = build()
+    opt, _ = build_optimizer(model, {"lr": 1e-2})
+    tel, ref = Telemetry(model, every=1), {}
+
+    def plant(m):  # |g| = 1e25: Σg² overflows FP32, yet the gradient is finite
+        m.blocks[0].mlp.w_down.weight.grad.view(-1)[0] = 1e25
+        ref.update(per_layer_rms({n: p.grad for n, p in m.named_parameters()}))
+    out, res = step(model, model, opt, tel, Loader(ds, BATCH).next().micro_batches(2), 1, before=plant)
+    assert not res.skipped and out["nonfinite"]["grads"] is False
+    assert close(out["layers"]["block0.mlp"]["grad_rms"], ref["block0.mlp"])
+    assert close(out["layers"]["block1.attn"]["grad_rms"], ref["block1.attn"])
+
+
+def assert_armed(model):
+    assert all(b.attn._forward_hooks and b._forward_hooks for b in model.blocks)
+    assert all(m.record_stats for _, m in model.swiglus())
+
+
+def test_every_gates_the_work_and_bad_values_name_the_key():
+    ds, model = build()
+    opt, _ = build_optimizer(model, {"lr": 1e-2})
+    loader = Loader(ds, BATCH)
+
+    def no_hooks(m):
+        assert not any(mod._forward_hooks for mod in m.modules())
+    off = Telemetry(model, every=0)
+    assert not off.wants(0) and not off.start(5)
+    assert step(model, model, opt, off, loader.next().micro_batches(2), 1, before=no_hooks)[0] == {}
+    tel = Telemetry(model, every=3)
+    assert [s for s in range(1, 10) if tel.wants(s)] == [3, 6, 9]
+    assert step(model, model, opt, tel, loader.next().micro_batches(2), 4, before=no_hooks)[0] == {}
+    out, _ = step(model, model, opt, tel, loader.next().micro_batches(2), 6, before=assert_armed)
+    assert out["layers"] and not any(mod._forward_hooks for mod in model.modules())
+    for bad in (-1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="telemetry.every"):
+            Telemetry(model, every=bad)
+
+
+def test_parameters_replaced_after_construction_are_followed():
+    ds, model = build()
+    tel = Telemetry(model, every=1)  # before the swap, as if built before an FSDP wrap
+    model.norm.weight = torch.nn.Parameter(model.norm.weight.detach().clone())
+    opt, _ = build_optimizer(model, {"lr": 1e-2})
+    out, _ = step(model, model, opt, tel, Loader(ds, BATCH).next().micro_batches(2), 1)
+    assert out["layers"]["norm"]["update_ratio"] > 0  # stale references would read 0
+
+
+def test_moe_summary_on_hand_made_loads():
+    got = moe_summary({3: torch.tensor([4.0, 0.0, 2.0, 2.0]), 1: torch.tensor([3.0, 3.0, 3.0, 3.0])})
+    assert list(got) == ["1", "3"]
+    assert got["3"] == {"load": [4, 0, 2, 2], "max_violation": 1.0, "dead": 1}
+    assert got["1"] == {"load": [3, 3, 3, 3], "max_violation": 0.0, "dead": 0}
+    with pytest.raises(ValueError, match="layer 2"):
+        moe_summary({2: torch.ones(2, 2)})
+
+
+@pytest.mark.parametrize("args, flagged", [((2.0, 30.0, 1.0), set()), ((math.nan, 30.0, 1.0), {"loss"}),
+                                           ((2.0, math.inf, 1.0), {"logits"}), ((2.0, 3.0, -math.inf), {"grads"})])
+def test_nonfinite_flags(args, flagged):
+    assert {k for k, v in nonfinite_flags(*args).items() if v} == flagged
+
+
+# ---------------------------------------------------------------- 2 processes (gloo)
+
+STEPS = 2
+
+
+def run_steps(dist: Dist, mode: str, micro: int, perturb_rank: int | None = None) -> dict:
+    """STEPS telemetry steps; with perturb_rank, one more whose gradient on that rank is nudged after
+    the all-reduce (as if its reduction had been lost)."""
+    ds, model = build()
+    wrapped = wrap_model(model, mode, dist)
+    opt, _ = build_optimizer(model, {"lr": 1e-2, "weight_decay": 0.1})  # after sharding: DTensor params
+    loader, tel = Loader(ds, BATCH, dist.rank, dist.world), Telemetry(model, every=1)
+    outs = [step(model, wrapped, opt, tel, loader.next().micro_batches(micro), n, world=dist.world)[0]
+            for n in range(1, STEPS + 1)]
+    if perturb_rank is not None:
+        def nudge(m):
+            if dist.rank == perturb_rank:
+                m.blocks[0].attn.qkv.weight.grad.view(-1)[0] += 1e-3
+        outs.append(step(model, wrapped, opt, tel, loader.next().micro_batches(micro), STEPS + 1,
+                         world=dist.world, before=nudge)[0])
+    return {"outs": outs}
+
+
+def _worker(rank, world, store, out):
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        dist = Dist(rank, world, rank, torch.device("cpu"), "gloo")
+        got = {"ddp": run_steps(dist, "ddp", micro=2, perturb_rank=1), "fsdp": run_steps(dist, "fsdp", micro=2)}
+        torch.save(got, f"{out}.{rank}")
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.distributed
+def test_ddp_and_fsdp_match_one_process_and_replica_spread_catches_a_lost_reduction(tmp_path):
+    # 4 micro-batches of 2 samples = the 2 ranks × 2 micro-batches of the same global batch
+    single = run_steps(Dist(0, 1, 0, torch.device("cpu"), None), "none", micro=4)["outs"]
+    mp.spawn(_worker, args=(2, str(tmp_path / "store"), str(tmp_path / "out")), nprocs=2, join=True)
+    for rank in range(2):
+        got = torch.load(tmp_path / f"out.{rank}")
+        for mode in ("ddp", "fsdp"):
+            for ref, out in zip(single, got[mode]["outs"][:STEPS]):
+                assert list(out["layers"]) == list(ref["layers"])
+                for k, v in ref["layers"].items():
+                    for metric in ("act_rms", "grad_rms", "update_ratio", "clamp_hit_rate"):
+                        if metric in v:
+                            assert close(out["layers"][k][metric], v[metric]), (mode, k, metric)
+                assert close(out["update_ratio_max"], ref["update_ratio_max"])
+                assert out["nonfinite"] == {"grads": False, "optim_state": False}
+        ddp = got["ddp"]["outs"]
+        assert all(o["replica"] == {"param_sum_spread": 0.0, "grad_norm_spread": 0.0} for o in ddp[:STEPS])
+        assert ddp[STEPS]["replica"]["grad_norm_spread"] > 0 and ddp[STEPS]["replica"]["param_sum_spread"] > 0
+        assert all(o["replica"] == {} for o in got["fsdp"]["outs"])  # shards differ by design: no spread
