@@ -6,6 +6,7 @@ seed see the same initial weights and the same batches, so their losses differ o
 """
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -22,6 +23,22 @@ OPTIM = {"lr": 3.0e-3, "betas": [0.9, 0.95], "eps": 1.0e-8, "weight_decay": 0.1,
          "schedule": {"name": "cosine", "warmup_steps": 30, "min_lr_ratio": 0.1, "decay_fraction": 0.2}}
 
 
+@contextlib.contextmanager
+def single_thread():
+    """One intra-op thread for the duration (restored after).
+
+    NOTE: the labs' models are tiny: a matmul has nothing to split, and on a shared 2-core machine the
+    second OpenMP thread only spin-waits for a busy core (measured: 40-step training 45 s with 2 threads
+    under load, 2.7 s with 1).
+    """
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
 @torch.no_grad()
 def eval_loss(model, batches, autocast, names) -> tuple[float, dict[str, float]]:
     """Loss per valid token on the fixed validation batches: overall and by source."""
@@ -36,9 +53,15 @@ def eval_loss(model, batches, autocast, names) -> tuple[float, dict[str, float]]
 
 
 def train_small(model_cfg: dict, data_cfg: dict, precision: dict, steps: int, batch_size: int, seed: int,
-                eval_samples: int = 128, max_grad_norm: float = 1.0) -> dict:
-    """Train `steps` steps from seed; return the train-loss curve, final eval loss, floor and timing."""
-    dataset = build_data(data_cfg)
+                eval_samples: int = 128, max_grad_norm: float = 1.0, dataset=None, on_step=None) -> dict:
+    """Train `steps` steps from seed; return the train-loss curve, final eval loss, floor and timing.
+
+    dataset: a prebuilt dataset (e.g. a wrapper that injects a label bug) instead of build_data(data_cfg).
+    on_step(step, model, optimizer, loader): called before each step s = 0..steps-1 draws its batch, to
+    change the data (loader.dataset.set_weights) or inject a fault (optimizer.param_groups, .state).
+    NOTE: a changed lr lasts one step: scheduler.step() recomputes every lr from its base afterwards.
+    """
+    dataset = build_data(data_cfg) if dataset is None else dataset
     torch.manual_seed(seed)
     model = Transformer(ModelConfig.from_dict({**model_cfg, "vocab_size": dataset.vocab_size,
                                                "seq_len": dataset.seq_len}))
@@ -51,7 +74,10 @@ def train_small(model_cfg: dict, data_cfg: dict, precision: dict, steps: int, ba
     evals = eval_batches(dataset, eval_samples, min(64, eval_samples))
     names = dataset.source_names
     losses, by_source, t0 = [], {n: [] for n in names}, time.perf_counter()
-    for _ in range(steps):
+    tokens_by_source = {n: [] for n in names}
+    for step in range(steps):
+        if on_step is not None:
+            on_step(step, model, optimizer, loader)
         micro = loader.next().micro_batches(1)
         n_valid = count_valid_tokens(micro, "cpu")
         sums = forward_backward(model, micro, n_valid, 1e-4, 1, len(dataset.source_names),
@@ -64,10 +90,12 @@ def train_small(model_cfg: dict, data_cfg: dict, precision: dict, steps: int, ba
         losses.append(sums.loss_sum.item() / n_valid.item())
         for i, n in enumerate(names):
             tokens = sums.tokens_by_source[i].item()
+            tokens_by_source[n].append(int(tokens))
             by_source[n].append(sums.loss_by_source[i].item() / tokens if tokens else float("nan"))
     seconds = time.perf_counter() - t0
     ev, ev_by_source = eval_loss(model, evals, recipe.autocast, names)
-    return {"precision": recipe.name, "train_loss": losses, "train_loss_by_source": by_source, "eval_loss": ev,
+    return {"precision": recipe.name, "train_loss": losses, "train_loss_by_source": by_source,
+            "train_tokens_by_source": tokens_by_source, "eval_loss": ev,
             "eval_by_source": ev_by_source, "floor": getattr(dataset, "expected_floor", lambda: None)(),
             "floor_by_source": getattr(dataset, "floor_by_source", lambda: {})(),
             "seconds": seconds, "steps": steps, "params": model.num_params()}
