@@ -20,3 +20,17 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread for a test of tiny tensors (`pytestmark = pytest.mark.usefixtures("one_thread")`).
+
+    NOTE: a matmul of a 16-wide model has nothing to split, and on a busy 2-core machine a second
+    OpenMP thread only spin-waits for a core (measured: 95 s instead of 5 s for one such file).
+    """
+    from labs.common import single_thread
+
+    with single_thread():
+        yield
+

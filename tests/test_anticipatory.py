@@ -20,14 +20,7 @@ DATA = {"kind": "synthetic", "seq_len": 16, "min_doc_len": 8, "seed": 5,
 BATCH, MICRO = 8, 2
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # NOTE: tensors this small gain nothing from intra-op threads, and on a busy 2-core machine two
-    # threads thrash (measured: 95 s instead of 5 s for this file).
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_moe(vocab: int, seed: int = 0) -> Transformer:

@@ -32,16 +32,10 @@ OPTIM = {"lr": 1e-2, "betas": [0.9, 0.95], "weight_decay": 0.1,
          "groups": [{"name": "no_decay", "kinds": ["norm", "embedding", "router"], "weight_decay": 0.0}],
          "schedule": {"name": "cosine", "warmup_steps": 2, "min_lr_ratio": 0.1}}
 SOLO = Dist(rank=0, world=1, local_rank=0, device=torch.device("cpu"), backend=None)
-pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # NOTE: tiny ops on a shared 2-core machine run ~100x slower with several intra-op threads.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
+              pytest.mark.usefixtures("one_thread")]
 
 
 def make_state(seed=0, data=DATA, model=MODEL, steps=10) -> TrainState:

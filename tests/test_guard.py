@@ -26,12 +26,7 @@ OPTIM = {"lr": 1e-2, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1,
          "schedule": {"name": "cosine", "warmup_steps": 2, "min_lr_ratio": 0.1}}
 
 
-@pytest.fixture(autouse=True)
-def one_thread():  # a 16-wide model: threads only add contention
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def guard_cfg(action, **rollback):

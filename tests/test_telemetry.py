@@ -35,13 +35,7 @@ MODEL = {"d_model": 16, "n_layers": 3, "n_heads": 2, "swiglu_clamp": 0.05,
 BATCH, CLIP, EXPERT_H = 8, 0.05, 16  # CLIP small: the clip bites, so grad_rms must undo it
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """These models are tiny: a second intra-op thread only fights the other processes for the cores."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def build(tied: bool = True, seed: int = 0):
