@@ -10,6 +10,7 @@ One optimizer step (DESIGN §3): count the global valid tokens → forward/backw
 """
 from __future__ import annotations
 
+import json
 import resource
 import sys
 import time
@@ -21,6 +22,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from checkpoint import Checkpointer, TrainState, resume_options
+from checkpoint.state import versions
 from data import build_data
 from data.loader import Loader, eval_batches
 from model import ModelConfig, Transformer
@@ -88,6 +90,8 @@ def build(cfg: DictConfig, dist) -> dict:
     if dist.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
+        env = {**versions(), "world": dist.world, "device": str(dist.device), "argv": sys.argv[1:]}
+        (run_dir / "environment.json").write_text(json.dumps(env, indent=1) + "\n")  # for the doctor's report
         print(f"run dir {run_dir} | {dist.world} process(es) on {dist.device} | data {dataset.fingerprint[:12]}")
         print(dataset.describe())
         print(f"model: {model.num_params() / 1e6:.3f}M parameters, "

@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import pickle
 import platform
+import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,7 +35,21 @@ BLOBS = ("progress", "scheduler", "loader", "guard", "extras", "meta")
 
 
 def versions() -> dict:
-    return {"torch": torch.__version__, "numpy": np.__version__, "python": platform.python_version()}
+    return {"torch": torch.__version__, "numpy": np.__version__, "python": platform.python_version(),
+            "git": git_commit()}
+
+
+def git_commit() -> str:
+    """This checkout's commit (12 hex digits, "-dirty" with uncommitted changes to tracked files)."""
+    root = Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=root, capture_output=True,
+                              text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return (head + ("-dirty" if dirty else "")) if head else "unknown"
 
 
 def _blob(obj) -> bytes:

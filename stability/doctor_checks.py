@@ -1,0 +1,270 @@
+"""The doctor's hypothesis checks: each one names a cause of a loss spike (course note 000) and says,
+from the StepRecords alone, whether the step of the earliest anomaly supports it, with the numbers.
+
+    ctx = Context(run, tl, devs, t0)      # t0: the step of the earliest anomaly (None: no anomaly)
+    check_lr(ctx) -> Check(name, holds, evidence)
+
+`holds` is True (the records support it), False (they reject it: the evidence says why) or None (the
+run cannot tell: e.g. rank divergence in a single-process run).
+"""
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+
+from stability.doctor_timeline import WINDOW, Deviation, Run, Series
+
+NEAR = 1  # a deviation this many steps from t0 belongs to the same incident
+
+
+@dataclass
+class Check:
+    name: str
+    holds: bool | None
+    evidence: str
+
+
+@dataclass
+class Context:
+    run: Run
+    tl: dict[str, Series]
+    devs: dict[str, Deviation]
+    t0: int | None
+
+    def rec(self, t: int | None = None) -> dict | None:
+        t = self.t0 if t is None else t
+        return next((r for r in self.run.first if r["step"] == t), None)
+
+    def near(self, prefix: str, lo: int = -NEAR, hi: int = NEAR) -> list[Deviation]:
+        """Deviations of quantities named prefix* within [t0 + lo, t0 + hi]."""
+        return [d for q, d in self.devs.items() if q.startswith(prefix) and self.t0 + lo <= d.step <= self.t0 + hi]
+
+    def baseline(self, q: str, t: int | None = None) -> float | None:
+        """Median of quantity q over the WINDOW steps before t (default t0)."""
+        t = self.t0 if t is None else t
+        s = self.tl.get(q)
+        vals = [v for k, v in sorted(s.values.items()) if k < t and math.isfinite(v)][-WINDOW:] if s else []
+        return statistics.median(vals) if vals else None
+
+    def value(self, q: str, t: int | None = None) -> float | None:
+        s = self.tl.get(q)
+        return s.values.get(self.t0 if t is None else t) if s else None
+
+
+def _fmt(x) -> str:
+    return "n/a" if x is None else f"{x:.4g}"
+
+
+def _vs(ctx: Context, q: str) -> str:
+    return f"{q} {_fmt(ctx.value(q))} (baseline {_fmt(ctx.baseline(q))})"
+
+
+# ---- the input layer ------------------------------------------------------------------------------
+CORRUPTION = {  # input quantity -> what a deviation of it means, in the order they are tested
+    "input.label_alignment": "labels misaligned or shuffled (labels[t] != tokens[t+1])",
+    "input.top_token_frac": "one token repeated across the batch (duplicated / degenerate text)",
+    "input.doc_start_frac": "rows that start no document: one overlong, unsegmented document",
+    "input.valid_frac": "the share of valid label positions moved (padding / mask / length change)",
+}
+
+
+def check_input(ctx: Context) -> Check:
+    """Split the loss by source, length, mask and duplicates: did the batch itself deviate?"""
+    vals = ", ".join(_vs(ctx, q) for q in CORRUPTION if q in ctx.tl)
+    bad = [q for q in CORRUPTION if ctx.near(q, -NEAR, 0)]
+    if bad:
+        return Check("corrupted input batch", True, f"{CORRUPTION[bad[0]]}; at step {ctx.t0}: {vals}")
+    return Check("corrupted input batch", False, f"the input layer at step {ctx.t0} is within its baseline: {vals}")
+
+
+def corruption_kind(ctx: Context) -> str | None:
+    bad = [q for q in CORRUPTION if ctx.near(q, -NEAR, 0)]
+    return bad[0] if bad else None
+
+
+def check_mixture(ctx: Context) -> Check:
+    """A data manifest / mixture switch at the step, and whether each source stayed on its trajectory."""
+    switched = ctx.near("input.data_fingerprint_changed", -NEAR, 0)
+    if not switched:
+        return Check("objective change (data mixture switch)", False,
+                     f"the data manifest did not change at steps {ctx.t0 - NEAR}..{ctx.t0} "
+                     f"(no input.data_fingerprint trigger)")
+    t = switched[0].step
+    verdict, ev = per_source_verdict(ctx, t)
+    return Check("objective change (data mixture switch)", verdict != "optimisation broke",
+                 f"the data manifest changed at step {t}; {ev}")
+
+
+def per_source_verdict(ctx: Context, t: int) -> tuple[str, str]:
+    """labs.mixture's test: per-source losses on their trajectories while the mixture floor moved
+    ('objective changed'), or some source rose above its trajectory ('optimisation broke')."""
+    from labs.mixture import classify, evidence, spread, window
+    recs = [r for r in ctx.run.first if all(math.isfinite(v) for v in r.get("loss_by_source", {}).values())]
+    i = next((k for k, r in enumerate(recs) if r["step"] >= t), len(recs))
+    lo = max(0, i - 20)
+    if i - lo < 5 or len(recs) - i < 2:
+        return "untestable", "too few steps around the switch to compare per-source losses"
+    floors = source_floors(ctx.run.config) or {s: 0.0 for s in recs[i - 1]["loss_by_source"]}
+    before, after = window(recs, lo, i), window(recs, i, len(recs))
+    noise = spread(recs[lo:i], floors)
+    noise["mix_floor"] = noise["mix_floor"] or 1e-12  # NOTE: zero floors (real text): no floor-shift test
+    try:
+        ev = evidence(before, after, floors, noise)
+        verdict = classify(before, after, floors, noise)
+    except (KeyError, ZeroDivisionError):
+        return "untestable", "a source is missing from the windows around the switch"
+    rises = ", ".join(f"{s} {v:+.1f} SE" for s, v in ev["rise_se"].items())
+
+    def share(w):
+        return {s: round(n / sum(w["tokens_by_source"].values()), 2) for s, n in w["tokens_by_source"].items()}
+    return verdict, (f"per-source loss change after the switch: {rises}; token shares {share(before)} -> "
+                     f"{share(after)}; mixture floor shift {ev['mix_shift_se']:+.1f} SE; "
+                     f"labs.mixture.classify: {verdict}")
+
+
+def source_floors(config: dict) -> dict | None:
+    """Exact per-source loss floors of a synthetic mixture (None for real text)."""
+    data = config.get("data") or {}
+    if data.get("kind") != "synthetic":
+        return None
+    from data import build_data
+    return build_data(data).floor_by_source()
+
+
+# ---- numerics -------------------------------------------------------------------------------------
+def check_finite(ctx: Context) -> Check:
+    """Finite checks: loss / logits / gradient / optimizer state, and the first non-finite activation."""
+    rec = ctx.rec()
+    flags = rec.get("nonfinite", {})
+    bad = [k for k, v in flags.items() if v]
+    layer = first_nonfinite(rec.get("layers", {}))
+    if bad or layer:
+        where = f"; first non-finite activation (model order): {layer}" if layer else \
+            "; no per-layer telemetry names the layer (telemetry.every > 1?)"
+        return Check("non-finite numerics", True,
+                     f"non-finite at step {ctx.t0}: {', '.join(bad) or 'activations'}{where}")
+    return Check("non-finite numerics", False,
+                 f"loss, logits, gradients and optimizer state finite at step {ctx.t0} "
+                 f"(loss {rec['loss']:.4g}, grad norm {rec['grad_norm']:.4g})")
+
+
+def first_nonfinite(layers: dict[str, dict[str, float]]) -> str | None:
+    """The earliest layer (model order) whose activation RMS is inf/NaN: where a NaN was born.
+    NOTE: stability.telemetry.first_nonfinite's rule, restated so the doctor does not import the
+    training stack (torch.distributed, FSDP) just to read a JSON file."""
+    return next((k for k, v in layers.items() if "act_rms" in v and not math.isfinite(v["act_rms"])), None)
+
+
+def nonfinite_layer(ctx: Context) -> str | None:
+    return first_nonfinite(ctx.rec().get("layers", {}))
+
+
+def transient(ctx: Context) -> str | None:
+    """Evidence from later segments: the same batch replayed after a rollback, and what it did."""
+    rec = ctx.rec()
+    for seg in ctx.run.segments[1:]:
+        again = next((r for r in seg if r["batch"].get("first") == rec["batch"].get("first")), None)
+        if again is not None:
+            ok = math.isfinite(again["loss"]) and not any(again.get("nonfinite", {}).values())
+            return (f"the same batch (first sample {rec['batch']['first']}) replayed after the rollback at step "
+                    f"{again['step']}: loss {again['loss']:.4g}"
+                    + (" (finite: the fault did not recur)" if ok else " (failed again)"))
+    return None
+
+
+# ---- settings and the update ------------------------------------------------------------------------
+def check_lr(ctx: Context) -> Check:
+    """Did the LR leave its schedule at the step? (record lr vs optim.schedule in config.yaml)"""
+    s = ctx.tl.get("lr/schedule")
+    if s is None:
+        return Check("LR switch", None, "no optim.schedule in config.yaml: the LR cannot be compared with it")
+    rec = ctx.rec()
+    r = s.values.get(ctx.t0)
+    if ctx.near("lr/schedule", -NEAR, 0):
+        return Check("LR switch", True, f"lr {rec['lr']:.4g} at step {ctx.t0} is {r:.4g}× its schedule value")
+    return Check("LR switch", False, f"lr {rec['lr']:.4g} at step {ctx.t0} is on its schedule (ratio {r:.9g})")
+
+
+def check_update(ctx: Context) -> Check:
+    """Compare update norms: did ρ jump without a matching gradient, LR or input to explain it?"""
+    rho = ctx.near("update_ratio", 0, NEAR)
+    grad = ctx.near("grad_norm", -NEAR, NEAR) + ctx.near("grad_rms", -NEAR, NEAR)
+    lr, inp = ctx.near("lr/schedule", -NEAR, 0), ctx.near("input.", -NEAR, 0)
+    ev = f"{_vs(ctx, 'update_ratio_max')}, {_vs(ctx, 'grad_norm')}"
+    if rho:
+        t = min(d.step for d in rho)
+        ev = f"at step {t}: {_vs_at(ctx, 'update_ratio_max', t)}, {_vs_at(ctx, 'grad_norm', t)}"
+        if not (grad or lr or inp):
+            return Check("corrupted optimizer state", True,
+                         f"the update jumped while the gradient, the LR and the inputs stayed normal: {ev}")
+        why = "the gradient" if grad else ("the LR" if lr else "the input batch")
+        return Check("corrupted optimizer state", False, f"the update jumped, but {why} explains it: {ev}")
+    return Check("corrupted optimizer state", False, f"no update-ratio jump at steps {ctx.t0}..{ctx.t0 + NEAR}: {ev}")
+
+
+def _vs_at(ctx: Context, q: str, t: int) -> str:
+    return f"{q} {_fmt(ctx.value(q, t))} (baseline {_fmt(ctx.baseline(q, t))})"
+
+
+def check_replica(ctx: Context) -> Check:
+    rec = ctx.rec()
+    world = rec.get("world", 1)
+    if world <= 1 or not rec.get("replica"):
+        why = "single process" if world <= 1 else "no replica checksums (FSDP shards differ by design)"
+        return Check("rank divergence", None, f"not testable: {why}")
+    near = ctx.near("replica.", -NEAR, 0)
+    spreads = ", ".join(f"{k} {v:.4g}" for k, v in rec["replica"].items())
+    if near:
+        # the misdiagnosis of the symptom table is "random fluctuation": replicas hold the same bits
+        zero = sum(1 for r in ctx.run.first if r["step"] < near[0].step and r.get("replica")
+                   and not any(r["replica"].values()))
+        return Check("rank divergence", True, f"the {world} replicas disagree from step {near[0].step}: {spreads}; "
+                     f"exactly 0 on the {zero} steps before (healthy DDP holds the same bits: not a fluctuation)")
+    return Check("rank divergence", False, f"the {world} replicas agree exactly at step {ctx.t0}: {spreads}")
+
+
+def check_resume(ctx: Context) -> Check:
+    r = resume_step(ctx.run)
+    if r is None:
+        return Check("jump after resume", False, "the run never resumed (no 'resumed from' in the records)")
+    if ctx.t0 is not None:
+        if r <= ctx.t0 <= r + 2:
+            old = next((x for x in ctx.run.superseded if x["step"] == ctx.t0), None)
+            was = f"; the superseded first run had loss {old['loss']:.4g} at that step" if old else ""
+            return Check("jump after resume", True, f"resumed at step {r}; the anomaly follows at step {ctx.t0}{was}")
+        return Check("jump after resume", False, f"resumed at step {r}; the anomaly is at step {ctx.t0}")
+    # no point anomaly: a level shift of the loss at the resume step (median of 10 steps either side)
+    losses = {x["step"]: x["loss"] for x in ctx.run.first if math.isfinite(x["loss"])}
+    before = [v for t, v in losses.items() if r - 10 <= t < r]
+    after = [v for t, v in losses.items() if r <= t < r + 10]
+    if len(before) < 5 or len(after) < 5:
+        return Check("jump after resume", None, f"resumed at step {r}; too few steps around it to compare")
+    mb, ma = statistics.median(before), statistics.median(after)
+    noise = 1.4826 * statistics.median(abs(v - mb) for v in before)
+    jump = ma - mb > max(3 * noise, 0.05 * abs(mb))
+    return Check("jump after resume", jump, f"resumed at step {r}: median loss {mb:.4g} over the 10 steps before, "
+                 f"{ma:.4g} over the 10 after")
+
+
+def resume_step(run: Run) -> int | None:
+    """The first step run by a resumed process (its first record carries the 'resumed from' note)."""
+    for r in run.records:
+        if any(str(e).startswith("resumed from") for e in r.get("events", [])):
+            return r["step"]
+    return None
+
+
+def check_lr_too_large(ctx: Context) -> Check:
+    """The common misdiagnosis (symptom table): 'the LR is too large'. It would show before the
+    incident: a rising loss or grad norm, or clipping on most steps."""
+    before = [r for r in ctx.run.first if ctx.t0 - WINDOW <= r["step"] < ctx.t0]
+    if len(before) < 6:
+        return Check("LR too large in general", None, "too few steps before the anomaly")
+    half = len(before) // 2
+    g0 = statistics.median(r["grad_norm"] for r in before[:half])
+    g1 = statistics.median(r["grad_norm"] for r in before[half:])
+    clipped = sum(r.get("clip_coef", 1.0) < 1.0 for r in before) / len(before)
+    ev = (f"over steps {before[0]['step']}..{before[-1]['step']} the median grad norm went {g0:.3g} -> {g1:.3g} "
+          f"and {clipped:.0%} of steps were clipped")
+    return Check("LR too large in general", g1 > 2 * g0 or clipped > 0.5, ev)

@@ -1,0 +1,162 @@
+"""The doctor's fault report (course note 000's deliverable): report.md for people, report.json for
+tools and tests, doctor_timeline.png for the eye — all written into the run directory.
+
+report.md sections (SECTIONS): the earliest anomaly; the diagnosis (symptom-table row, decision-tree
+walk); the reproducible batch with its replay command; state and environment versions; the rejected
+hypotheses with their evidence; one single-variable fix; the regression command; the timeline around
+the incident. A drill's ground truth, when events.jsonl holds one, is a separate last line that the
+diagnosis never read.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from stability.doctor_rules import Diagnosis
+from stability.doctor_timeline import LAYERS, Run
+
+SECTIONS = ("Earliest anomaly", "Diagnosis", "Reproducible batch", "State and environment", "Rejected hypotheses",
+            "Fix to try", "Regression check", "Timeline")
+PLOT = "doctor_timeline.png"
+
+
+def _f(x, fmt: str = ".4g") -> str:
+    return "—" if x is None else (str(x) if isinstance(x, str) else format(x, fmt))
+
+
+def to_json(run: Run, diag: Diagnosis, devs: dict, state: dict, fix: dict, commands: dict) -> dict:
+    a = diag.anomaly
+    nearby = sorted((d for d in devs.values() if a is not None and abs(d.step - a.step) <= 1),
+                    key=lambda d: (d.step, LAYERS.index(d.layer), d.order))
+    return {
+        "run": str(run.dir), "class": diag.fault_class, "summary": diag.summary,
+        "earliest": None if a is None else {
+            "step": a.step, "layer": a.layer, "quantity": a.quantity, "model_layer": diag.model_layer,
+            "rank": diag.rank, "value": _num(a.value), "baseline": _num(a.baseline), "z": _num(a.z)},
+        "nearby": [{"step": d.step, "layer": d.layer, "quantity": d.quantity, "value": _num(d.value)} for d in nearby],
+        "symptom": list(diag.symptom) if diag.symptom else None,
+        "tree": [{"node": n, "finding": f} for n, f in diag.tree],
+        "confirmed": [vars(c) for c in diag.confirmed], "rejected": [vars(c) for c in diag.rejected],
+        "untestable": [vars(c) for c in diag.untestable],
+        "batch": diag.batch, "state": state, "fix": fix, "commands": commands,
+        "ground_truth": ground_truth(run),
+    }
+
+
+def _num(x):
+    return None if x is None else (x if math.isfinite(x) else str(x))
+
+
+def ground_truth(run: Run) -> str | None:
+    if not run.truth:
+        return None
+    f = run.truth[0]
+    extra = ", ".join(f"{k}={v}" for k, v in f.items() if k not in ("step", "kind", "fault", "summary"))
+    return f"fault={f.get('fault')} at step {f.get('step')}" + (f" ({extra})" if extra else "")
+
+
+def render(run: Run, diag: Diagnosis, report: dict) -> str:
+    a, st, fix, cmd = diag.anomaly, report["state"], report["fix"], report["commands"]
+    out = [f"# Doctor report: {run.dir.name}", "", f"**{diag.fault_class}** — {diag.summary}", ""]
+    out += ["## Earliest anomaly", ""]
+    if a is None:
+        out += ["No quantity of the timeline left its baseline (robust z over a trailing window)."]
+    else:
+        e = report["earliest"]
+        out += [f"- step **{a.step}**, timeline layer **{a.layer}**, quantity `{a.quantity}`",
+                f"- model layer: {_f(e['model_layer'])}; rank: {_f(diag.rank)}",
+                f"- {a.describe()}", "- deviating within ±1 step (timeline order): "
+                + (", ".join(f"`{d['quantity']}`@{d['step']}" for d in report["nearby"][:12]) or "none")]
+    out += ["", "## Diagnosis", ""]
+    if diag.symptom:
+        s = diag.symptom
+        out += [f"Symptom-table row: **{s[0]}** — check first: {s[1]}; easily mistaken for: {s[2]}.", ""]
+    out += ["Decision tree (course note 000):", ""]
+    out += [f"{i}. *{node}*: {finding}" for i, (node, finding) in enumerate(diag.tree, 1)]
+    out += ["", "Confirmed:", ""] + [f"- **{c.name}** — {c.evidence}" for c in diag.confirmed or []]
+    if not diag.confirmed:
+        out += ["- nothing: every check was rejected (see below)"]
+    out += ["", "## Reproducible batch", ""]
+    if diag.batch:
+        b = diag.batch
+        rec = next(r for r in run.first if r["step"] == b["step"])
+        out += [f"- step {b['step']}: global sample ids [{b['first']}, {b['first'] + b['size']}) of the train split "
+                f"(rank r of {rec.get('world', 1)} holds the r-th contiguous share)",
+                f"- documents by source {rec.get('source_mix')}, {rec.get('valid_tokens')} valid tokens, "
+                f"inputs {json.dumps(rec.get('inputs', {}))}",
+                f"- state: {st['replay_checkpoint_note']}", f"- replay: `{cmd['replay']}`",
+                f"- high precision: `{cmd['replay_fp64']}`"]
+    else:
+        out += ["- no anomalous step: nothing to replay"]
+    out += ["", "## State and environment", "", "| item | value |", "|---|---|"]
+    out += [f"| {k.replace('_', ' ')} | {_f(v)} |" for k, v in st.items() if k != "replay_checkpoint_note"]
+    out += ["", "## Rejected hypotheses", ""]
+    out += [f"- **{c.name}** — {c.evidence}" for c in diag.rejected] or ["- none"]
+    out += [f"- *not testable*: **{c.name}** — {c.evidence}" for c in diag.untestable]
+    out += ["", "## Fix to try (one variable)", "", f"- variable: {fix['variable']}", f"- change: {fix['change']}",
+            f"- override: `{fix['override']}`" if fix.get("override") else "- override: none (not a config key)"]
+    out += ["", "## Regression check", "", "```", cmd["regression"], "```", "", f"Expect: {fix['expect']}"]
+    out += ["", "## Timeline", "", *timeline_table(run, diag), "", f"![timeline]({PLOT})"]
+    guard = [e for e in run.events if diag.step is None or abs(e["step"] - diag.step) <= 3][:8]
+    if guard:
+        out += ["", "Guard actions near the incident (events.jsonl):", ""]
+        out += [f"- step {e['step']} {e['kind']}: {e.get('summary', '')}" for e in guard]
+    if report["ground_truth"]:
+        out += ["", "---", "", f"Ground truth for this drill (events.jsonl `fault`; not read by the diagnosis): "
+                f"{report['ground_truth']}"]
+    return "\n".join(out) + "\n"
+
+
+def timeline_table(run: Run, diag: Diagnosis) -> list[str]:
+    t0 = diag.step if diag.step is not None else run.first[-1]["step"]
+    rows = [r for r in run.first if t0 - 4 <= r["step"] <= t0 + 2]
+    out = ["| step | input: label align / top token / doc start | forward: loss "
+           "| backward/update: lr / grad norm / ρ max | system: replica spread / tokens/s |", "|---|---|---|---|---|"]
+    for r in rows:
+        i, rep = r.get("inputs", {}), r.get("replica", {})
+        mark = " ◀" if r["step"] == diag.step else ""
+        out.append(f"| {r['step']}{mark} | {_f(i.get('label_alignment'), '.3f')} / "
+                   f"{_f(i.get('top_token_frac'), '.3f')} / "
+                   f"{_f(i.get('doc_start_frac'), '.2f')} | {_f(r['loss'])} | {_f(r['lr'], '.3g')} / "
+                   f"{_f(r['grad_norm'], '.3g')} / {_f(r.get('update_ratio_max'), '.3g')} | "
+                   f"{_f(max(rep.values()) if rep else None, '.3g')} / {_f(r.get('tokens_per_s'), '.0f')} |")
+    return out
+
+
+def plot(run: Run, diag: Diagnosis, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")  # NOTE: headless
+    import matplotlib.pyplot as plt
+    recs, t = run.first, [r["step"] for r in run.first]
+    fig, axes = plt.subplots(4, 1, figsize=(8, 9), sharex=True)
+    panels = [("input", [(k, [r.get("inputs", {}).get(k) for r in recs]) for k in
+                         ("label_alignment", "top_token_frac", "doc_start_frac", "valid_frac")], False),
+              ("forward", [("loss", [r["loss"] for r in recs])] + [
+                  (f"loss {s}", [r.get("loss_by_source", {}).get(s) for r in recs])
+                  for s in recs[0].get("loss_by_source", {})], False),
+              ("backward/update", [("grad norm", [r["grad_norm"] for r in recs]),
+                                   ("ρ max", [r.get("update_ratio_max") for r in recs])], True),
+              ("system", [("tokens/s", [r.get("tokens_per_s") for r in recs])], False)]
+    for ax, (name, lines, logy) in zip(axes, panels):
+        for label, ys in lines:
+            ax.plot(t, [math.nan if y is None else y for y in ys], lw=0.9, label=label)
+        if logy:
+            ax.set_yscale("log")
+        if diag.step is not None:
+            ax.axvline(diag.step, color="r", ls="--", lw=1)
+        ax.set_ylabel(name)
+        ax.legend(fontsize=7, loc="upper left")
+        ax.grid(alpha=0.3)
+    axes[0].set_title(f"{run.dir.name}: {diag.fault_class}" + (f" (step {diag.step})" if diag.step else ""))
+    axes[-1].set_xlabel("optimizer step (first-executed trajectory)")
+    fig.subplots_adjust(left=0.1, right=0.98, top=0.95, bottom=0.06, hspace=0.08)  # NOTE: tight_layout costs ~1 s
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def write(run: Run, diag: Diagnosis, report: dict, plots: bool = True) -> None:
+    (run.dir / "report.json").write_text(json.dumps(report, indent=1, allow_nan=True))
+    (run.dir / "report.md").write_text(render(run, diag, report))
+    if plots:
+        plot(run, diag, run.dir / PLOT)
