@@ -86,6 +86,20 @@ def build(cfg: DictConfig, dist) -> dict:
     loader = Loader(dataset, cfg.train.batch_size, dist.rank, dist.world)
     evals = eval_batches(dataset, cfg.train.eval_samples, cfg.train.eval_batch_size, dist.rank, dist.world)
     floor = dataset.expected_floor() if hasattr(dataset, "expected_floor") else None
+    # the stability pieces validate their config here too, before anything is written
+    events = EventLog(run_dir, dist.is_main)
+    faults = FaultInjector(config["fault"], model=model, optimizer=optimizer, loader=loader,
+                           data_cfg=config["data"], dist=dist)
+    faults.wrap(wrapped)  # a missing-reduction drill hooks DDP's gradient communication
+    telemetry = Telemetry(model, cfg.telemetry.every)
+    is_moe = bool(model.moe_layers())
+    an = config["guard"]["anticipatory"]
+    routing = AnticipatoryRouting(model, loader, cfg.train.micro_batches, an["delay"], dist.device,
+                                  recipe.autocast) if is_moe and an["enabled"] else None
+    state = TrainState(model, optimizer, scheduler, loader, config, dist.rank, dist.world,
+                       extras={"loss_scaler": scaler, "faults": faults} if scaler else {"faults": faults})
+    state.guard = guard = Guard(config["guard"], state=state, ckpt=None, events=events, routing=routing,
+                                is_moe=is_moe)
 
     if dist.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -101,19 +115,6 @@ def build(cfg: DictConfig, dist) -> dict:
         print(table.to_markdown())
         table.save(run_dir)
     sinks = build_sinks(cfg.logging, run_dir, cfg.train.steps, floor, cfg.run_name, config) if dist.is_main else []
-    events = EventLog(run_dir, dist.is_main)
-    faults = FaultInjector(config["fault"], model=model, optimizer=optimizer, loader=loader,
-                           data_cfg=config["data"], dist=dist)
-    faults.wrap(wrapped)  # a missing-reduction drill hooks DDP's gradient communication
-    telemetry = Telemetry(model, int(cfg.telemetry.every))
-    is_moe = bool(model.moe_layers())
-    an = config["guard"]["anticipatory"]
-    routing = AnticipatoryRouting(model, loader, cfg.train.micro_batches, an["delay"], dist.device,
-                                  recipe.autocast) if is_moe and an["enabled"] else None
-    state = TrainState(model, optimizer, scheduler, loader, config, dist.rank, dist.world,
-                       extras={"loss_scaler": scaler, "faults": faults} if scaler else {"faults": faults})
-    guard = Guard(config["guard"], state=state, ckpt=None, events=events, routing=routing, is_moe=is_moe)
-    state.guard = guard
     ckpt = Checkpointer(config, dist, run_dir, state)
     guard.ckpt = ckpt
     ckpt.resume()  # last: restores every RNG stream just before the first step

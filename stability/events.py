@@ -15,13 +15,17 @@ from pathlib import Path
 class EventLog:
     def __init__(self, run_dir: Path | None, is_main: bool = True):
         # NOTE: rank 0 writes; every rank runs the same guard logic on the same (all-reduced) numbers.
-        self.path = Path(run_dir) / "events.jsonl" if run_dir is not None else None
-        self.f = open(self.path, "a", buffering=1) if (self.path is not None and is_main) else None
+        # NOTE: opened at the first event, so a run that never has one writes no file (and building
+        # the log before the run directory exists is fine).
+        self.path = Path(run_dir) / "events.jsonl" if (run_dir is not None and is_main) else None
+        self.f = None
         self.pending: list[str] = []  # one-line summaries for this step's StepRecord.events
 
     def emit(self, step: int, kind: str, summary: str, **fields) -> None:
         row = {"step": step, "kind": kind, **fields, "summary": summary}
-        if self.f is not None:
+        if self.path is not None:
+            if self.f is None:
+                self.f = open(self.path, "a", buffering=1)  # line-buffered: a crash loses one line at most
             self.f.write(json.dumps(row, default=_plain, allow_nan=True) + "\n")
         self.pending.append(f"{kind}: {summary}")
 

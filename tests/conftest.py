@@ -34,3 +34,11 @@ def one_thread():
     with single_thread():
         yield
 
+
+@pytest.fixture(scope="session")
+def drill_runs(tmp_path_factory):
+    """The shrunk fault drills, each trained once per session (tests/helpers.py DrillRuns)."""
+    from helpers import DrillRuns
+
+    return DrillRuns(tmp_path_factory.mktemp("drills"))
+

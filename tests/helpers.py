@@ -30,3 +30,45 @@ def run_train(run_dir: Path, *overrides: str, nproc: int = 1, timeout: float = 3
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                "train.py", *args]
     return subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)
+
+
+# Fault drills, shrunk: a tiny mixed model; the schedule spans 400 steps (so rho and the loss are
+# near-stationary around the fault step S), and checkpoint.stop_after ends the run a few steps after it.
+S = 80
+SMALL = ["train.eval_every=1000", "train.eval_samples=32", "train.eval_batch_size=16", "train.batch_size=8",
+         "logging.wandb=disabled", "logging.progress=false", "logging.plot=false", "data.seq_len=32",
+         "data.min_doc_len=4", "model.d_model=32", "model.n_heads=2", "model.n_layers=2", "threads=1",
+         "optim.schedule.warmup_steps=10", "guard.detector.warmup=40"]
+DRILL = [f"fault.step={S}", "train.steps=400", f"checkpoint.stop_after={S + 4}", *SMALL]
+SINGLE_PROCESS_DRILLS = ["nan_activation", "labels_shuffle", "repeat_token", "overlong_doc", "lr_spike",
+                         "optim_state", "mixture_switch"]
+
+
+class DrillRuns:
+    """Each drill (and one healthy twin) trains once per test session, shared by test_drills.py and
+    test_doctor.py; the first request trains every single-process drill, two at a time (2 cores)."""
+
+    def __init__(self, root: Path):
+        self.root, self.done = root, {}
+
+    def _train(self, name: str) -> Path:
+        d = self.root / name
+        if name == "healthy":
+            r = run_train(d, "train.steps=400", f"checkpoint.stop_after={S + 4}", "guard=rollback",
+                          "telemetry.every=1", *SMALL)
+        else:
+            r = run_train(d, f"+experiment=drill_{name}", *DRILL, nproc=2 if name == "missing_reduce" else 1)
+        assert r.returncode == 0, f"{name}: {r.stderr[-3000:]}"
+        return d
+
+    def get(self, name: str) -> Path:
+        if not self.done and name != "missing_reduce":
+            from concurrent.futures import ThreadPoolExecutor
+
+            names = ["healthy", *SINGLE_PROCESS_DRILLS]
+            with ThreadPoolExecutor(max_workers=2) as pool:
+                self.done.update(zip(names, pool.map(self._train, names)))
+        if name not in self.done:
+            self.done[name] = self._train(name)
+        return self.done[name]
+

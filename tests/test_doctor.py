@@ -1,8 +1,8 @@
 """The doctor (stability/doctor.py) end to end on the fault drills, and its rules on synthetic records.
 
-Each drill (shrunk as in test_drills.py, fault at step S) runs once per module; the doctor must name
-the injected fault's class from telemetry alone and put the earliest anomaly within ±1 step of S, and
-its report.md must hold every section. The synthetic-record tests pin the symptom-table cases a drill
+Each drill (shrunk as in tests/helpers.py, fault at step S) trains once per session, shared with
+test_drills.py; the doctor must name the injected fault's class from telemetry alone and put the
+earliest anomaly within ±1 step of S, and its report.md must hold every section. The synthetic-record tests pin the symptom-table cases a drill
 does not produce (resume jump, slow worsening, throughput drop) and the timeline rules (segmentation
 at a rollback, tie-break by timeline layer) in milliseconds.
 """
@@ -13,15 +13,13 @@ import random
 import shutil
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import yaml
 
-from helpers import ROOT, env, run_train
+from helpers import ROOT, SINGLE_PROCESS_DRILLS, S, env
 from stability.doctor import doctor
 from stability.doctor_report import SECTIONS
-from test_drills import DRILL, S, SMALL
 
 EXPECTED = {  # drill -> the class the doctor must name
     "nan_activation": "numerics.nonfinite", "labels_shuffle": "data.corrupted_batch",
@@ -29,42 +27,11 @@ EXPECTED = {  # drill -> the class the doctor must name
     "lr_spike": "optim.lr_switch", "optim_state": "optim.state", "mixture_switch": "objective.mixture",
     "missing_reduce": "system.rank_divergence",
 }
-FAST = ["healthy", "nan_activation", "labels_shuffle", "lr_spike", "optim_state", "mixture_switch"]
-SLOW = ["repeat_token", "overlong_doc"]
 
 
-class Runs:
-    """Each drill trains once per module; the default set two at a time (2 cores), the rest on demand."""
-
-    def __init__(self, root):
-        self.root, self.done = root, {}
-
-    def _train(self, name: str):
-        d = self.root / name
-        if name == "healthy":
-            r = run_train(d, "train.steps=400", f"checkpoint.stop_after={S + 4}", "guard=rollback",
-                          "telemetry.every=1", *SMALL)
-        else:
-            r = run_train(d, f"+experiment=drill_{name}", *DRILL, nproc=2 if name == "missing_reduce" else 1)
-        assert r.returncode == 0, f"{name}: {r.stderr[-3000:]}"
-        return d
-
-    def prefetch(self, names) -> None:
-        with ThreadPoolExecutor(max_workers=2) as pool:
-            for name, d in zip(names, pool.map(self._train, names)):
-                self.done[name] = d
-
-    def get(self, name: str):
-        if name not in self.done:
-            self.done[name] = self._train(name)
-        return self.done[name]
-
-
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    r = Runs(tmp_path_factory.mktemp("doctor"))
-    r.prefetch(FAST)
-    return r
+@pytest.fixture
+def runs(drill_runs):
+    return drill_runs
 
 
 def check_drill(run_dir, drill: str) -> dict:
@@ -81,7 +48,7 @@ def check_drill(run_dir, drill: str) -> dict:
     return rep
 
 
-@pytest.mark.parametrize("drill", [d for d in FAST if d != "healthy"])
+@pytest.mark.parametrize("drill", SINGLE_PROCESS_DRILLS)
 def test_doctor_names_the_drill(runs, drill):
     rep = check_drill(runs.get(drill), drill)
     if drill == "nan_activation":  # the drill's layer 1, sublayer mlp
@@ -92,14 +59,9 @@ def test_doctor_names_the_drill(runs, drill):
     if drill == "optim_state":  # the update, not the gradient, LR or input, moved first
         assert rep["earliest"]["layer"] == "backward/update"
         assert any(c["name"] == "LR switch" for c in rep["rejected"])
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("drill", SLOW)
-def test_doctor_names_the_slow_drills(runs, drill):
-    rep = check_drill(runs.get(drill), drill)
-    kind = {"repeat_token": "input.top_token_frac", "overlong_doc": "input.doc_start_frac"}[drill]
-    assert rep["earliest"]["quantity"] == kind
+    if drill in ("repeat_token", "overlong_doc"):
+        kind = {"repeat_token": "input.top_token_frac", "overlong_doc": "input.doc_start_frac"}[drill]
+        assert rep["earliest"]["quantity"] == kind
 
 
 @pytest.mark.distributed

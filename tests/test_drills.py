@@ -9,18 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import run_train
+from helpers import DRILL, S, SMALL, run_train
 from stability.events import read_events
 from stability.record import read_records
-
-S = 80
-# A tiny mixed model; the schedule spans 400 steps (so ρ and the loss are near-stationary around S),
-# and checkpoint.stop_after ends the run a few steps after the fault.
-SMALL = ["train.eval_every=1000", "train.eval_samples=32", "train.eval_batch_size=16", "train.batch_size=8",
-         "logging.wandb=disabled", "logging.progress=false", "logging.plot=false", "data.seq_len=32",
-         "data.min_doc_len=4", "model.d_model=32", "model.n_heads=2", "model.n_layers=2", "threads=1",
-         "optim.schedule.warmup_steps=10", "guard.detector.warmup=40"]
-DRILL = [f"fault.step={S}", "train.steps=400", f"checkpoint.stop_after={S + 4}", *SMALL]
 
 # drill -> (trigger metric family expected, action the guard takes)
 DRILLS = {
@@ -41,10 +32,9 @@ def first_detection(events):
 
 
 @pytest.mark.parametrize("drill", sorted(DRILLS))
-def test_drill_is_detected_within_two_steps(tmp_path, drill):
-    r = run_train(tmp_path / "run", f"+experiment=drill_{drill}", *DRILL)
-    assert r.returncode == 0, r.stderr[-3000:]
-    events = read_events(tmp_path / "run" / "events.jsonl")
+def test_drill_is_detected_within_two_steps(drill_runs, drill):
+    run = drill_runs.get(drill)
+    events = read_events(run / "events.jsonl")
     fault, triggers = first_detection(events)
     assert fault["step"] == S and fault["fault"] == drill
     assert triggers, f"{drill}: no trigger in events.jsonl"
@@ -60,16 +50,14 @@ def test_drill_is_detected_within_two_steps(tmp_path, drill):
         assert "skip" in kinds and "rollback" not in kinds
     else:  # an objective change is logged, never acted on
         assert "skip" not in kinds and "rollback" not in kinds
-    recs = read_records(tmp_path / "run" / "metrics.jsonl")
+    recs = read_records(run / "metrics.jsonl")
     at = [x for x in recs if x["step"] == first["step"]][0]
     assert at["guard"]["triggers"], "the StepRecord of the detection step names its trigger"
 
 
-def test_bad_batch_replayed_then_skipped(tmp_path):
+def test_bad_batch_replayed_then_skipped(drill_runs):
     """labels_shuffle under rollback + replay: the replayed batch spikes again, the next rollback skips it."""
-    r = run_train(tmp_path / "run", "+experiment=drill_labels_shuffle", *DRILL)
-    assert r.returncode == 0, r.stderr[-3000:]
-    ev = read_events(tmp_path / "run" / "events.jsonl")
+    ev = read_events(drill_runs.get("labels_shuffle") / "events.jsonl")
     faults = [e for e in ev if e["kind"] == "fault"]
     rollbacks = [e for e in ev if e["kind"] == "rollback"]
     assert [f["replay"] for f in faults] == [False, True]
@@ -110,10 +98,8 @@ def test_moe_spike_drill_recovers_within_two_percent_of_clean(tmp_path):
 
 
 @pytest.mark.distributed
-def test_missing_reduce_drill_is_caught_by_the_replica_check(tmp_path):
-    r = run_train(tmp_path / "run", "+experiment=drill_missing_reduce", *DRILL, nproc=2)
-    assert r.returncode == 0, r.stderr[-3000:]
-    events = read_events(tmp_path / "run" / "events.jsonl")
+def test_missing_reduce_drill_is_caught_by_the_replica_check(drill_runs):
+    events = read_events(drill_runs.get("missing_reduce") / "events.jsonl")
     fault, triggers = first_detection(events)
     assert fault["step"] == S and triggers and all(t["step"] >= S for t in triggers)
     assert triggers[0]["step"] == S and triggers[0]["metric"].startswith("replica.")

@@ -49,12 +49,14 @@ def test_run_dir_is_never_reused_silently(tmp_path):
     ("optim.schedule.name=triangle", "optim.schedule.name"),
     ("train.batch_size=7", "train.batch_size"),
     ("data.sources.0.weight=-1", "data.sources"),
+    ("guard.action=panic", "guard.action"),  # the stability pieces validate before anything is written too
 ])
 def test_bad_config_exits_nonzero_naming_the_key(tmp_path, override, key):
     r = run_train(tmp_path / "run", *TINY, override)
     assert r.returncode == 2
     err = [line for line in r.stderr.splitlines() if line.strip()]
     assert len(err) == 1 and key in err[0], r.stderr
+    assert not (tmp_path / "run" / "config.yaml").exists()  # stopped before anything was written
 
 
 def test_text_experiment_errors(tmp_path):
