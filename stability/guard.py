@@ -21,7 +21,9 @@ healthy steps, the last `keep`) or the newest complete checkpoint on disk. The t
 one at least `margin` steps before the trigger (a detector can lag; a snapshot taken just before it
 fired may already hold the damage). Data policy `replay` trains the same batches again — if the same
 batch triggers again on replay the fault is in the data, and the next rollback skips it; `skip`
-moves the cursor past the offending window at once. Both are logged with sample-id ranges.
+moves the cursor past the offending window at once. Both are logged with sample-id ranges. An
+incident (first trigger → quiet for `quiet_steps`) gets at most `max_rollbacks` rollbacks: a spike that
+returns after each one is in the trajectory itself, and its further spikes are vetoed as skips.
 """
 from __future__ import annotations
 
@@ -39,7 +41,7 @@ ANTICIPATORY_KEYS = {"enabled", "delay", "window", "quiet_steps"}
 
 
 class GuardAbort(RuntimeError):
-    """The guard cannot keep the run healthy (rollback budget spent, nothing to roll back to)."""
+    """The guard cannot act as configured (nothing to roll back to)."""
 
 
 def _check(cfg: dict) -> dict:
@@ -175,7 +177,20 @@ class Guard:
         elif acted and self.action == "skip":
             self.events.emit(step, "skip", "post-update trigger: the update is already applied, a skip cannot "
                              "undo it (guard=rollback can)", applied=True)
-        if acted and self.action == "rollback":
+        spent = self.incident is not None and self.incident.get("rollbacks", 0) >= int(self.rb["max_rollbacks"])
+        if acted and self.action == "rollback" and spent:
+            # NOTE: restoring the same good state keeps leading back into the spike: it is in the
+            # trajectory, not in one batch or one corrupted state. Looping would never end; from here the
+            # incident is handled as skips (the update is vetoed, counted, logged) until it closes.
+            if v.vetoed:
+                self.skipped_steps += 1
+                self.skipped_tokens += valid_tokens
+            self.events.emit(step, "rollback_exhausted", f"{self.incident['rollbacks']} rollback(s) in this incident "
+                             f"did not clear it (guard.rollback.max_rollbacks={self.rb['max_rollbacks']}): "
+                             + ("update vetoed instead" if v.vetoed else "the update was already applied"),
+                             rollbacks=self.incident["rollbacks"], vetoed=v.vetoed, skipped_steps=self.skipped_steps,
+                             batch_first=first_id)
+        elif acted and self.action == "rollback":
             v.rollback = True
             if first_id in self.bad_batches and self.rb["data"] == "replay":
                 self.skip_next_window = True  # same batch, same failure: the data, not the state
@@ -200,8 +215,13 @@ class Guard:
     # --- snapshots and rollback ------------------------------------------------------------------
 
     def start(self, step: int) -> None:
-        """The state the run starts from (fresh or resumed) is the first rollback target."""
-        if self.action == "rollback" and self.rb["source"] == "memory":
+        """A resumed run's starting state is its first rollback target.
+
+        WARN: not a fresh run's: torch creates Adam's state lazily, and reading the state dict of an
+        optimizer that never stepped initialises it (step count 1), which changes every later update.
+        A fresh run takes its first snapshot after step 1 instead (maybe_snapshot).
+        """
+        if self.action == "rollback" and self.rb["source"] == "memory" and step > 0:
             self.ring.append((step, self.state.snapshot(skip_extras=("faults",)), self.detector.state_dict()))
 
     def healthy(self) -> bool:
@@ -213,7 +233,7 @@ class Guard:
         """After a healthy step (nothing acted on): keep an in-memory snapshot every snapshot_every steps."""
         if self.action != "rollback" or self.rb["source"] != "memory" or self.verdict.acted_on:
             return
-        if step % int(self.rb["snapshot_every"]) == 0:
+        if step % int(self.rb["snapshot_every"]) == 0 or not self.ring:
             self.ring.append((step, self.state.snapshot(skip_extras=("faults",)), self.detector.state_dict()))
 
     def rollback(self, step: int) -> int:
@@ -225,9 +245,6 @@ class Guard:
             # data's fault, not the state's: that target is fine and the window gets skipped.)
             limit = min(limit, self.last_target - 1)
         cursor_after = self.state.loader.samples_consumed  # just past the batch that triggered
-        if self.rollbacks >= int(self.rb["max_rollbacks"]):
-            raise GuardAbort(f"guard.rollback.max_rollbacks={self.rb['max_rollbacks']} spent at step {step}: the "
-                             f"spike keeps coming back; stopping with the last good checkpoint untouched")
         kept = self._persistent()
         if self.rb["source"] == "memory":
             found = next(((s, snap, det) for s, snap, det in reversed(self.ring) if s <= limit), None)
@@ -263,6 +280,7 @@ class Guard:
                          rollbacks=self.rollbacks)
         if self.incident is not None:
             self.incident["rollback_to"] = to_step
+            self.incident["rollbacks"] = self.incident.get("rollbacks", 0) + 1
         if self.routing is not None:
             self.routing.reset()  # routes cached with the parameters we just threw away
             if not self.routing.active:
@@ -276,23 +294,33 @@ class Guard:
         return to_step
 
     def end_step(self, step: int) -> None:
-        """Turn anticipatory routing off after its window, or once the detector was quiet long enough."""
+        """Anticipatory routing off after its window or once quiet; the incident closes once quiet.
+
+        Quiet = no trigger acted on for `quiet_steps` steps (and at least that long since the last
+        rollback). While an incident is open its rollbacks are counted against max_rollbacks.
+        """
+        inc, quiet_n = self.incident, int(self.an["quiet_steps"])
+        last = self.detector.last_trigger_step
+        quiet = last is None or step - last >= quiet_n
         r = self.routing
-        if r is None or not r.active:
-            return
-        on = self.incident_on
-        quiet = self.detector.last_trigger_step is None or step - self.detector.last_trigger_step >= int(self.an["quiet_steps"])
-        ran = step - on + 1
-        if ran >= int(self.an["window"]) or (ran >= int(self.an["quiet_steps"]) and quiet):
-            r.deactivate(step)
-            inc = self.incident or {}
-            reason = "window reached" if ran >= int(self.an["window"]) else f"quiet for {self.an['quiet_steps']} steps"
-            self.events.emit(step, "anticipatory_off", f"anticipatory routing off after {ran} steps ({reason})",
-                             duration=ran, on_step=on, reason=reason, recovered_step=inc.get("recovered_step"),
-                             loss_before=[x[1] for x in inc.get("before", [])],
-                             loss_after=[x[1] for x in inc.get("after", [])],
-                             expert_violation_before=[x[2] for x in inc.get("before", [])],
-                             expert_violation_after=[x[2] for x in inc.get("after", [])])
+        if r is not None and r.active:
+            on = self.incident_on
+            ran = step - on + 1
+            if ran >= int(self.an["window"]) or (ran >= quiet_n and quiet):
+                r.deactivate(step)
+                reason = "window reached" if ran >= int(self.an["window"]) else f"quiet for {quiet_n} steps"
+                trail = inc or {}
+                self.events.emit(step, "anticipatory_off", f"anticipatory routing off after {ran} steps ({reason})",
+                                 duration=ran, on_step=on, reason=reason, recovered_step=trail.get("recovered_step"),
+                                 loss_before=[x[1] for x in trail.get("before", [])],
+                                 loss_after=[x[1] for x in trail.get("after", [])],
+                                 expert_violation_before=[x[2] for x in trail.get("before", [])],
+                                 expert_violation_after=[x[2] for x in trail.get("after", [])])
+        if inc is not None and quiet and step - inc.get("rollback_to", step) >= quiet_n and not (r is not None and r.active):
+            self.events.emit(step, "incident_closed", f"quiet for {quiet_n} steps: the incident that started at step "
+                             f"{inc['trigger_step']} is closed ({inc.get('rollbacks', 0)} rollback(s))",
+                             trigger_step=inc["trigger_step"], rollbacks=inc.get("rollbacks", 0),
+                             recovered_step=inc.get("recovered_step"))
             self.incident = None
 
     def _track_incident(self, step: int, loss: float, violation: float | None) -> None:
@@ -307,8 +335,6 @@ class Guard:
             self.events.emit(step, "recovered", f"loss {loss:.4f} back at the pre-incident median {med:.4f}, "
                              f"{step - inc['rollback_to']} steps after the rollback",
                              recovered_steps=step - inc["rollback_to"], trigger_step=inc["trigger_step"])
-            if self.routing is None:
-                self.incident = None
 
     # --- state ------------------------------------------------------------------------------------
 

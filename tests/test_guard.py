@@ -16,7 +16,7 @@ from optim import build_optimizer, build_scheduler
 from optim.accumulate import count_valid_tokens, forward_backward, reduce_step_sums
 from precision import optimizer_step
 from stability.events import EventLog, read_events
-from stability.guard import Guard, GuardAbort
+from stability.guard import Guard
 
 DATA = {"kind": "synthetic", "seq_len": 16, "min_doc_len": 4, "seed": 3,
         "sources": [{"name": "markov", "kind": "markov", "weight": 0.5, "alphabet": 8, "order": 1},
@@ -162,14 +162,20 @@ def test_a_batch_that_triggers_again_on_replay_is_skipped_next_time(tmp_path):
     assert [e["data_policy"] for e in ev] == ["replay", "skip"] and "in the data" in ev[1]["summary"]
 
 
-def test_rollback_budget_is_finite(tmp_path):
+def test_rollback_budget_per_incident_then_skips(tmp_path):
+    """A spike that comes back after every rollback is in the trajectory: after max_rollbacks the incident's
+    further spikes are vetoed (counted skips) and training moves on, instead of looping forever."""
     rig = Rig(tmp_path, "rollback", max_rollbacks=1)
     for _ in range(5):
         rig.run_step()
-    rig.run_step(spike=True)
+    rig.run_step(spike=True)  # step 6 -> rollback to 4 (the budget of 1 is spent)
+    assert rig.step == 4
     rig.run_step()
-    with pytest.raises(GuardAbort, match="max_rollbacks"):
-        rig.run_step(spike=True)
+    res, verdict = rig.run_step(spike=True)  # step 6 again: vetoed, no second rollback
+    assert rig.step == 6 and res.vetoed and not verdict.rollback
+    assert rig.guard.record()["skipped_steps"] == 1 and rig.guard.record()["rollbacks"] == 1
+    kinds = [e["kind"] for e in read_events(tmp_path / "events.jsonl")]
+    assert kinds.count("rollback") == 1 and "rollback_exhausted" in kinds
 
 
 @pytest.mark.parametrize("path, value, key", [
@@ -196,3 +202,14 @@ def test_a_second_trigger_while_replaying_rolls_back_further(tmp_path):
     assert rig.step == 6
     ev = [e for e in read_events(tmp_path / "events.jsonl") if e["kind"] == "rollback"]
     assert [(e["trigger_step"], e["to_step"]) for e in ev] == [(10, 8), (9, 6)]
+
+
+def test_rollback_mode_trains_exactly_like_log_mode_until_it_acts(tmp_path):
+    """Snapshots must not perturb training (reading a fresh optimizer's state dict would initialise Adam)."""
+    a, b = Rig(tmp_path / "a", "log"), Rig(tmp_path / "b", "rollback")
+    for _ in range(6):
+        a.run_step()
+        b.run_step()
+    for (k, x), y in zip(a.model.state_dict().items(), b.model.state_dict().values()):
+        assert torch.equal(x, y), k
+    assert [s for s, _, _ in b.guard.ring] == [2, 4, 6]  # step 1 first, then every 2nd; keep 3
