@@ -12,11 +12,11 @@ import time
 from pathlib import Path
 
 import torch
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from bench.config import compose_config  # noqa: E402
 from data import build_data  # noqa: E402
 from data.loader import Loader  # noqa: E402
 from model import ModelConfig, Transformer  # noqa: E402
@@ -25,8 +25,7 @@ from optim.accumulate import count_valid_tokens, forward_backward  # noqa: E402
 
 
 def main(overrides: list[str], steps: int = 20, warmup: int = 10) -> None:
-    with initialize_config_dir(str(ROOT / "conf"), version_base=None):
-        cfg = compose("config", overrides=overrides)
+    cfg = compose_config(overrides)
     torch.manual_seed(cfg.seed)
     ds = build_data(OmegaConf.to_container(cfg.data, resolve=True))
     model = Transformer(ModelConfig.from_dict({**OmegaConf.to_container(cfg.model, resolve=True),

@@ -23,11 +23,11 @@ import time
 from pathlib import Path
 
 import torch
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from bench.config import compose_config  # noqa: E402
 from data import build_data  # noqa: E402
 from data.loader import Loader  # noqa: E402
 from model import ModelConfig, Transformer  # noqa: E402
@@ -44,10 +44,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("overrides", nargs="*", help="Hydra overrides, as for train.py")
     args = p.parse_args()
-    with initialize_config_dir(str(ROOT / "conf"), version_base=None):
-        cfg = compose("config", overrides=args.overrides)
-    if cfg.threads:
-        torch.set_num_threads(int(cfg.threads))
+    cfg = compose_config(args.overrides)
     tc = cfg.train
     torch.manual_seed(cfg.seed)
     ds = build_data(OmegaConf.to_container(cfg.data, resolve=True))
