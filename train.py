@@ -151,7 +151,7 @@ def train(cfg, dist, model, wrapped, optimizer, scheduler, loader, evals, datase
         stats = reduce_step_sums(sums, n_valid.item())
         t2 = time.perf_counter()
 
-        factor = faults.lr_factor(step)  # 1.0 unless an LR-spike drill is running
+        factor, planned = faults.lr_factor(step), [g["lr"] for g in optimizer.param_groups]  # 1.0 unless an LR drill
         for g in optimizer.param_groups:
             g["lr"] *= factor
         lr = optimizer.param_groups[0]["lr"] / optimizer.param_groups[0].get("lr_scale", 1.0)
@@ -160,16 +160,18 @@ def train(cfg, dist, model, wrapped, optimizer, scheduler, loader, evals, datase
 
         loss_by_source = {n: s / c for n, s, c in zip(names, stats["loss_sum_by_source"], stats["tokens_by_source"]) if c}
 
+        flags = {}
+
         def veto(norm, overflow):  # the guard's pre-update checkpoint: loss (by source), grad norm, finite flags
-            flags = nonfinite_flags(stats["loss"], stats["logit_max"], norm.item())
+            flags.update(nonfinite_flags(stats["loss"], stats["logit_max"], norm.item()))
             return guard.before_update(step, stats["loss"], norm.item(), flags, scaled=scaler is not None,
                                        fingerprint=loader.dataset.fingerprint, loss_by_source=loss_by_source)
 
         # unscale → finite check agreed by all ranks → clip → guard veto → step, or a counted skip
         res = optimizer_step(model.parameters(), optimizer, scaler, tc.max_grad_norm, veto=veto)
         norm, coef = res.norm, res.coef
-        for g in optimizer.param_groups:
-            g["lr"] /= factor
+        for g, lr_g in zip(optimizer.param_groups, planned):
+            g["lr"] = lr_g
         post = telemetry.finish(coef, optimizer) if measure else {}
         faults.after_update(step)
         events_now = []
@@ -207,7 +209,7 @@ def train(cfg, dist, model, wrapped, optimizer, scheduler, loader, evals, datase
             expert_load={str(l): (load / load.sum()).tolist() for l, load in stats["moe_load"].items()},
             lr=lr, grad_norm=norm.item(), clip_coef=coef.item(), skipped=res.skipped, loss_scale=res.loss_scale,
             layers=post.get("layers", {}), moe=moe_stats, update_ratio_max=post.get("update_ratio_max"),
-            nonfinite={**nonfinite_flags(stats["loss"], stats["logit_max"], norm.item()), **post.get("nonfinite", {})},
+            nonfinite={**flags, **post.get("nonfinite", {})},
             replica=post.get("replica", {}), guard=guard.record(),
             routing=routing.info(step) if routing is not None else {},
             time_s={"data": t1 - t0, "fwd_bwd": t2 - t1, "optim": t3 - t2, "log_eval": t4 - t3, "ckpt": t5 - t4,
