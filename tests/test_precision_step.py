@@ -1,4 +1,4 @@
-"""FP16 loss scaling and the update order: unscale → agreed finite check → clip → step or counted skip."""
+"""FP16 loss scaling and the update order: unscale → global norm → agreed finite check → clip → step or counted skip."""
 from __future__ import annotations
 
 import copy
@@ -148,3 +148,31 @@ def test_empty_gradient_shards_are_ignored_by_the_finite_check():
     w.grad, empty.grad = torch.ones(3), torch.ones(0)
     res = optimizer_step([w, empty], torch.optim.SGD([w, empty], lr=0.5), DynamicLossScaler(init_scale=2.0), None)
     assert not res.skipped and torch.equal(w.detach(), torch.full((3,), 0.75))  # g/S = 0.5, step 0.5·0.5
+
+
+def test_finite_check_runs_only_after_a_nonfinite_norm_and_tells_overflow_from_large_grads():
+    """A finite ‖g‖ proves every element finite, so the inf-norm pass is skipped; after a non-finite norm it
+    decides: Σg² overflowing fp32 from large *finite* gradients (1e20² = 1e40) is no overflow, an inf is."""
+    from unittest import mock
+
+    import precision.step as step_mod
+
+    w = torch.nn.Parameter(torch.zeros(4))
+    opt = torch.optim.SGD([w], lr=1.0)
+    calls = []
+    real = step_mod.found_nonfinite
+
+    def spy(params):
+        calls.append(1)
+        return real(params)
+
+    with mock.patch.object(step_mod, "found_nonfinite", spy):
+        w.grad = torch.full((4,), 0.5)
+        assert not optimizer_step([w], opt, None, 1.0).skipped and calls == []
+        w.grad = torch.full((4,), 1e20)
+        res = optimizer_step([w], opt, None, 1.0)
+        assert not torch.isfinite(res.norm) and not res.skipped and calls == [1]
+        w.grad = torch.tensor([1.0, float("inf"), 0.0, 0.0])
+        before = w.detach().clone()
+        assert optimizer_step([w], opt, None, 1.0).skipped and calls == [1, 1]
+        assert torch.equal(w.detach(), before)
