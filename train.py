@@ -15,6 +15,7 @@ import resource
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import hydra
 import torch
@@ -127,7 +128,8 @@ def build(cfg: DictConfig, dist) -> dict:
 
 def train(cfg, dist, model, wrapped, optimizer, scheduler, loader, evals, dataset, sinks, run_dir, ckpt,
           recipe, scaler, events, faults, telemetry, routing, guard) -> None:
-    tc, names = cfg.train, dataset.source_names
+    # NOTE: a plain namespace: an OmegaConf attribute read costs ~17 µs (a dict read ~0.05 µs)
+    tc, names = SimpleNamespace(**OmegaConf.to_container(cfg.train, resolve=True)), dataset.source_names
     step, tokens_seen = ckpt.state.step, ckpt.state.tokens  # 0 unless resumed
     while step < ckpt.last_step:  # last_step < train.steps under checkpoint.stop_after
         step += 1  # NOTE: a while loop, because a guard rollback moves the step back
