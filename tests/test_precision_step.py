@@ -1,4 +1,5 @@
-"""FP16 loss scaling and the update order: unscale → global norm → agreed finite check → clip → step or counted skip."""
+"""FP16 loss scaling and the update order:
+unscale → global norm → agreed finite check → clip → step or counted skip."""
 from __future__ import annotations
 
 import copy
