@@ -2,8 +2,8 @@
 
     python -m bench.profile_step +experiment=shakespeare_char data.path=../shared/data/tinyshakespeare.txt
 
-Builds the same objects train.py builds (same config), warms up, then profiles `--steps` steps of
-forward/backward + clip + AdamW and prints the operators by self CPU time.
+Builds the same objects train.py builds (same config; compiled when train.compile is on), warms up, then
+profiles `--steps` steps of forward/backward + clip + AdamW and prints the operators by self CPU time.
 """
 from __future__ import annotations
 
@@ -30,13 +30,14 @@ def main(overrides: list[str], steps: int = 20, warmup: int = 10) -> None:
     ds = build_data(OmegaConf.to_container(cfg.data, resolve=True))
     model = Transformer(ModelConfig.from_dict({**OmegaConf.to_container(cfg.model, resolve=True),
                                                "vocab_size": ds.vocab_size, "seq_len": ds.seq_len}))
+    fwd = torch.compile(model) if cfg.train.compile else model
     opt, _ = build_optimizer(model, OmegaConf.to_container(cfg.optim, resolve=True))
     sched = build_scheduler(opt, OmegaConf.to_container(cfg.optim.schedule, resolve=True), cfg.train.steps)
     loader = Loader(ds, cfg.train.batch_size)
 
     def step():
         mbs = loader.next().micro_batches(cfg.train.micro_batches)
-        forward_backward(model, mbs, count_valid_tokens(mbs, "cpu"), cfg.train.z_loss, 1, len(ds.source_names))
+        forward_backward(fwd, mbs, count_valid_tokens(mbs, "cpu"), cfg.train.z_loss, 1, len(ds.source_names))
         clip_grad_norm(model.parameters(), cfg.train.max_grad_norm)
         opt.step()
         sched.step()
