@@ -27,12 +27,9 @@ from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bench.config import compose_config  # noqa: E402
+from bench.config import build_train_step, compose_config  # noqa: E402
 from data import build_data  # noqa: E402
 from data.loader import Loader  # noqa: E402
-from model import ModelConfig, Transformer  # noqa: E402
-from optim import build_optimizer, clip_grad_norm  # noqa: E402
-from optim.accumulate import count_valid_tokens, forward_backward  # noqa: E402
 
 
 class AnchorBlock(nn.Module):
@@ -76,28 +73,16 @@ def main() -> None:
     args = ap.parse_args()
     cfg = compose_config(["+experiment=shakespeare_char", f"data.path={ROOT.parent / 'shared/data/tinyshakespeare.txt'}",
                           *args.overrides])
+    step_ours, positions = build_train_step(cfg)
     ds = build_data(OmegaConf.to_container(cfg.data, resolve=True))
     mc, tc = cfg.model, cfg.train
-    torch.manual_seed(cfg.seed)
-
-    model = Transformer(ModelConfig.from_dict({**OmegaConf.to_container(mc, resolve=True),
-                                               "vocab_size": ds.vocab_size, "seq_len": ds.seq_len}))
-    fwd = torch.compile(model) if tc.compile else model
-    opt, _ = build_optimizer(model, OmegaConf.to_container(cfg.optim, resolve=True))
     anchor = AnchorGPT(ds.vocab_size, ds.seq_len, mc.d_model, mc.n_layers, mc.n_heads)
     matrices = [p for p in anchor.parameters() if p.dim() >= 2]
     vectors = [p for p in anchor.parameters() if p.dim() < 2]
     anchor_opt = torch.optim.AdamW([{"params": matrices, "weight_decay": cfg.optim.weight_decay},
                                     {"params": vectors, "weight_decay": 0.0}], lr=cfg.optim.lr,
                                    betas=tuple(cfg.optim.betas))
-    ours_loader, anchor_loader = Loader(ds, tc.batch_size), Loader(ds, tc.batch_size)
-
-    def ours_step():
-        mbs = ours_loader.next().micro_batches(tc.micro_batches)
-        forward_backward(fwd, mbs, count_valid_tokens(mbs, "cpu"), tc.z_loss, 1, len(ds.source_names))
-        clip_grad_norm(model.parameters(), tc.max_grad_norm)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    anchor_loader = Loader(ds, tc.batch_size)
 
     def anchor_step():
         b = anchor_loader.next()
@@ -107,15 +92,14 @@ def main() -> None:
         anchor_opt.zero_grad(set_to_none=True)
 
     for _ in range(15):  # warm-up, and the cold compile when on
-        ours_step()
+        step_ours()
         anchor_step()
     times = {"ballast": [], "anchor": []}
     for _ in range(args.steps):
-        for name, fn in (("ballast", ours_step), ("anchor", anchor_step)):
+        for name, fn in (("ballast", step_ours), ("anchor", anchor_step)):
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
-    positions = tc.batch_size * ds.seq_len
     med = {k: statistics.median(v) for k, v in times.items()}
     for name in ("ballast", "anchor"):
         print(f"{name:8s} median {med[name] * 1e3:6.1f} ms/step  {positions / med[name] / 1e3:5.2f}k tokens/s")
