@@ -59,9 +59,7 @@ def main() -> None:
         step_ms = (time.perf_counter() - t0) / args.steps * 1e3
     in_step = defaultdict(list)
     for e in prof.events():
-        if e.name in ("aten::mm", "aten::addmm", "aten::bmm") and e.input_shapes:
-            if e.name == "aten::bmm":
-                continue  # none in a dense step: attention is SDPA
+        if e.name in ("aten::mm", "aten::addmm") and e.input_shapes:  # no bmm: attention is SDPA
             a, b = operands(e.name, e.input_shapes)
             in_step[(tuple(a), tuple(b))].append(e.cpu_time_total)
     print(f"step {step_ms:.1f} ms under the profiler; per GEMM shape (M×K @ K×N), per step:")
