@@ -169,7 +169,7 @@ def train(cfg, dist, model, wrapped, optimizer, scheduler, loader, evals, datase
             return guard.before_update(step, stats["loss"], norm.item(), flags, scaled=scaler is not None,
                                        fingerprint=loader.dataset.fingerprint, loss_by_source=loss_by_source)
 
-        # unscale → finite check agreed by all ranks → clip → guard veto → step, or a counted skip
+        # unscale → global norm → finite check agreed by all ranks → clip → guard veto → step, or a counted skip
         res = optimizer_step(model.parameters(), optimizer, scaler, tc.max_grad_norm, veto=veto)
         norm, coef = res.norm, res.coef
         for g, lr_g in zip(optimizer.param_groups, planned):
