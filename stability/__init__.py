@@ -1,3 +1,3 @@
-"""Stability engineering. Online: the step record and its sinks, input stats and per-layer telemetry,
-the spike detector, the guard (skip / rollback / anticipatory routing), events and fault injection.
-Offline: the doctor (a fault report from a run's own records) and single-batch replay."""
+"""Stability engineering inside the step: the step record and its sinks, input stats and per-layer
+telemetry, the spike detector, the guard (skip / rollback / anticipatory routing), events and fault
+injection. The offline analysis of a finished run lives in doctor/."""

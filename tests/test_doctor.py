@@ -1,4 +1,4 @@
-"""The doctor (stability/doctor.py) end to end on the fault drills, and its rules on synthetic records.
+"""The doctor (doctor/cli.py) end to end on the fault drills, and its rules on synthetic records.
 
 Each drill (shrunk as in tests/helpers.py, fault at step S) trains once per session, shared with
 test_drills.py; the doctor must name the injected fault's class from telemetry alone and put the
@@ -18,8 +18,8 @@ import pytest
 import yaml
 
 from helpers import ROOT, SINGLE_PROCESS_DRILLS, S, env
-from stability.doctor import doctor
-from stability.doctor_report import SECTIONS
+from doctor.cli import doctor
+from doctor.report import SECTIONS
 
 EXPECTED = {  # drill -> the class the doctor must name
     "nan_activation": "numerics.nonfinite", "labels_shuffle": "data.corrupted_batch",
@@ -78,7 +78,7 @@ def test_healthy_run_is_healthy(runs):
 
 def test_cli_writes_report_and_plot(runs):
     d = runs.get("lr_spike")
-    r = subprocess.run([sys.executable, "-m", "stability.doctor", str(d)], cwd=ROOT, env=env(),
+    r = subprocess.run([sys.executable, "-m", "doctor", str(d)], cwd=ROOT, env=env(),
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "optim.lr_switch" in r.stdout
@@ -101,7 +101,7 @@ def test_diagnosis_ignores_the_fault_answer_key(runs, tmp_path):
 
 
 def test_not_a_run_directory_is_a_one_line_error(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "stability.doctor", str(tmp_path)], cwd=ROOT, env=env(),
+    r = subprocess.run([sys.executable, "-m", "doctor", str(tmp_path)], cwd=ROOT, env=env(),
                        capture_output=True, text=True, timeout=60)
     assert r.returncode != 0
     assert len(r.stderr.strip().splitlines()) == 1 and "metrics.jsonl" in r.stderr

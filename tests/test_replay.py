@@ -1,4 +1,4 @@
-"""Single-batch replay (stability/replay.py): a logged step rebuilt from its batch ID and the checkpoint
+"""Single-batch replay (doctor/replay.py): a logged step rebuilt from its batch ID and the checkpoint
 before it reproduces the logged loss; a NaN drill's replay is finite (the fault is not in the state or
 the batch) and the run's telemetry names the first non-finite layer.
 """
@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from helpers import ROOT, TINY, env, run_train
-from stability.replay import replay
+from doctor.replay import replay
 from test_drills import SMALL
 
 # NOTE: DCP warns on every single-process load; here one process is the point.
@@ -76,13 +76,13 @@ def test_nan_drill_replay_is_finite_and_telemetry_names_the_layer(nan_drill):
 
 
 def test_cli_prints_the_comparison_and_errors_in_one_line(healthy):
-    ok = subprocess.run([sys.executable, "-m", "stability.replay", str(healthy), "--step", "9"], cwd=ROOT, env=env(),
+    ok = subprocess.run([sys.executable, "-m", "doctor.replay", str(healthy), "--step", "9"], cwd=ROOT, env=env(),
                         capture_output=True, text=True, timeout=180)
     assert ok.returncode == 0, ok.stderr
     assert "vs logged" in ok.stdout and "|Δ| = " in ok.stdout
     out = json.loads((healthy / "replay_step_9.json").read_text())
     assert out["delta"] < 1e-6
-    bad = subprocess.run([sys.executable, "-m", "stability.replay", str(healthy), "--step", "3"], cwd=ROOT, env=env(),
+    bad = subprocess.run([sys.executable, "-m", "doctor.replay", str(healthy), "--step", "3"], cwd=ROOT, env=env(),
                          capture_output=True, text=True, timeout=180)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "no complete checkpoint" in bad.stderr
 

@@ -13,8 +13,8 @@ import json
 import math
 from pathlib import Path
 
-from stability.doctor_rules import Diagnosis
-from stability.doctor_timeline import LAYERS, Run
+from doctor.rules import Diagnosis
+from doctor.timeline import LAYERS, Run
 
 SECTIONS = ("Earliest anomaly", "Diagnosis", "Reproducible batch", "State and environment", "Rejected hypotheses",
             "Fix to try", "Regression check", "Timeline")

@@ -7,8 +7,8 @@
     → LR / batch / data / length switches at that step → compare update norms
     → one single-variable fix → short run → regression
 
-The class comes from the earliest deviating quantity (doctor_timeline) and the checks at its step
-(doctor_checks); every check that does not hold becomes a rejected hypothesis with its evidence.
+The class comes from the earliest deviating quantity (doctor/timeline.py) and the checks at its step
+(doctor/checks.py); every check that does not hold becomes a rejected hypothesis with its evidence.
 NOTE: nothing here reads the injector's "fault" events or the config's `fault` node.
 """
 from __future__ import annotations
@@ -17,10 +17,10 @@ import math
 import statistics
 from dataclasses import dataclass, field
 
-from stability.doctor_checks import (Check, Context, check_finite, check_input, check_lr, check_lr_too_large,
+from doctor.checks import (Check, Context, check_finite, check_input, check_lr, check_lr_too_large,
                                      check_mixture, check_replica, check_resume, check_update, corruption_kind,
                                      nonfinite_layer, resume_step, transient)
-from stability.doctor_timeline import (Deviation, Run, deviations, earliest, load_run, scoring_start,
+from doctor.timeline import (Deviation, Run, deviations, earliest, load_run, scoring_start,
                                        timeline)
 
 # symptom-table rows: (symptom, what to check first, what it is easily mistaken for)

@@ -2,7 +2,7 @@
 forward in FP32 (or FP64) on one process and compared with what the run logged (course note 000: only
 a saved batch ID lets you replay the same fault, shrunk, on one device).
 
-    python -m stability.replay runs/<run> --step S [--dtype float32|float64] [--checkpoint PATH]
+    python -m doctor.replay runs/<run> --step S [--dtype float32|float64] [--checkpoint PATH]
 
 The logged loss of step S was computed with the parameters after step S−1. A checkpoint at exactly
 S−1 replays exactly; from an older one at k the steps k+1..S−1 are re-run first with the real
@@ -236,7 +236,7 @@ def verdict(r: ReplayResult) -> list[str]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m stability.replay", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m doctor.replay", description=__doc__.split("\n\n")[0])
     ap.add_argument("run_dir")
     ap.add_argument("--step", type=int, required=True, help="the logged optimizer step to replay")
     ap.add_argument("--dtype", default="float32", choices=DTYPES)

@@ -13,7 +13,7 @@ import math
 import statistics
 from dataclasses import dataclass
 
-from stability.doctor_timeline import WINDOW, Deviation, Run, Series
+from doctor.timeline import WINDOW, Deviation, Run, Series
 
 NEAR = 1  # a deviation this many steps from t0 belongs to the same incident
 

@@ -103,7 +103,7 @@ def timeline(records: list[dict], config: dict) -> dict[str, Series]:
 
     NOTE: wall-clock quantities (tokens_per_s, step time, memory) are left out: a slow step changes no
     number, so it cannot be where a numerical incident starts; the symptom "throughput drop with a
-    normal loss" reads them separately (doctor_rules.throughput_drop).
+    normal loss" reads them separately (doctor/rules.py throughput_drop).
     """
     tl: dict[str, Series] = {}
 

@@ -1,11 +1,11 @@
 """The doctor: a fault report for one run, from its records alone.
 
-    python -m stability.doctor runs/<run>            # writes report.md, report.json, doctor_timeline.png
+    python -m doctor runs/<run>            # writes report.md, report.json, doctor_timeline.png
 
 It finds the earliest deviating quantity across the four layers of the timeline (input → forward →
-backward/update → system; doctor_timeline), walks the course notes' decision tree and symptom table
-(doctor_rules, doctor_checks), and writes the report (doctor_report): the earliest anomaly, the
-reproducible batch and its replay command (stability/replay.py), state and environment versions,
+backward/update → system; doctor/timeline.py), walks the course notes' decision tree and symptom table
+(doctor/rules.py, doctor/checks.py), and writes the report (doctor/report.py): the earliest anomaly, the
+reproducible batch and its replay command (doctor/replay.py), state and environment versions,
 the rejected hypotheses with their evidence, one single-variable fix and the regression command.
 
 Exit status: 0 with a report; 2 with a one-line error when the directory is not a run.
@@ -19,9 +19,9 @@ import sys
 from pathlib import Path
 
 from checkpoint.state import git_commit
-from stability import doctor_report
-from stability.doctor_rules import Diagnosis, diagnose
-from stability.doctor_timeline import Run
+from doctor import report as doctor_report
+from doctor.rules import Diagnosis, diagnose
+from doctor.timeline import Run
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -153,14 +153,14 @@ def commands(run: Run, diag: Diagnosis, fix: dict) -> dict:
     launch = "python" if world <= 1 else f"torchrun --standalone --nproc_per_node={world}"
     over = f" {fix['override']}" if fix.get("override") else ""
     fixed = f"{d}-fix"
-    return {"replay": f"python -m stability.replay {d} --step {diag.step}" if diag.step else None,
-            "replay_fp64": f"python -m stability.replay {d} --step {diag.step} --dtype float64" if diag.step else None,
+    return {"replay": f"python -m doctor.replay {d} --step {diag.step}" if diag.step else None,
+            "replay_fp64": f"python -m doctor.replay {d} --step {diag.step} --dtype float64" if diag.step else None,
             "regression": f"{launch} train.py --config-path {d.resolve()} --config-name config "
-                          f"hydra.run.dir={fixed}{over}\npython -m stability.doctor {fixed}"}
+                          f"hydra.run.dir={fixed}{over}\npython -m doctor {fixed}"}
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m stability.doctor", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m doctor", description=__doc__.split("\n\n")[0])
     ap.add_argument("run_dir", help="a run directory (holds metrics.jsonl)")
     ap.add_argument("--no-plots", action="store_true", help="skip doctor_timeline.png")
     args = ap.parse_args(argv)
