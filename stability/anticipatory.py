@@ -32,6 +32,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from stability.callbacks import Callback, StepState
+
 Routes = list[dict[int, Tensor]]  # one {MoE layer: ids (b, T, k)} per micro-batch
 
 
@@ -41,7 +43,7 @@ class _Entry:
     routes: Routes
 
 
-class AnticipatoryRouting:
+class AnticipatoryRouting(Callback):
     def __init__(self, model, loader, micro_batches: int, delay: int, device, autocast=None):
         """model: the unwrapped Transformer (compute_routes lives there); loader: the training Loader;
         micro_batches: train.micro_batches (routes follow the same split); autocast: the recipe's
@@ -95,6 +97,11 @@ class AnticipatoryRouting:
         entry = self._cache.pop(first_id)  # trained now: its ids are never needed again
         self._served = (step, entry.route_version)
         return entry.routes
+
+    def on_batch(self, s: StepState) -> None:
+        """The step's callback point: this batch's routes (None while off) and its StepRecord.routing."""
+        s.routes = self.routes_for(s.step, s.first_id)
+        s.routing = self.info(s.step)
 
     @torch.no_grad()
     def _route(self, j: int, step: int) -> _Entry:

@@ -14,11 +14,12 @@ state), so the detector, guard and doctor can be shown to find it.
     missing_reduce  one DDP rank keeps its local gradient instead of the average    one-shot
     mixture_switch  data.sources weights change; the loader draws the new mixture   persistent
 
-The loop's calls, at step t (first_id = loader.samples_consumed before next()):
+FaultInjector's calls, at step t (first_id = loader.samples_consumed before next()):
     before_batch(t); batch = loader.next(); batch = corrupt(t, first_id, batch); before_forward(t)
     forward/backward; lr × lr_factor(t) around optimizer.step(); after_update(t); pop_events()
 and wrap(wrapped) once, after parallel.wrap_model. The DDP comm hook of missing_reduce reads the step
-last given to before_forward (also public as `self.step`): call before_forward every step.
+last given to before_forward (also public as `self.step`): call before_forward every step. FaultDrill
+makes those calls from the step's callback points (stability/callbacks.py), so train.py names no fault.
 
 Time, the lesson of a rollback drill:
 - one-shot and transient faults live in wall-clock time: they fire the first time step s is reached
@@ -45,6 +46,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from data import IGNORE_INDEX, build_data
 from data.validate import check_keys, get_choice, get_float, get_int
 from model.moe import MoEOutput
+from stability.callbacks import Callback, StepState
 
 DATA_KINDS = ("labels_shuffle", "repeat_token", "overlong_doc")
 KEYS = {  # per kind, beside kind and step
@@ -316,6 +318,48 @@ class FaultInjector:
         # (rollback past s, resume) meets a fingerprint mismatch unless data changes are allowed.
         self.loader.dataset = self._new_data
         self._switched = True
+
+
+class FaultDrill(Callback):
+    """The injector attached to the step: one object, and the loop never asks which fault it is.
+
+    Its events go to the run's EventLog as soon as the fault fires, in the same story as the guard's.
+    """
+
+    def __init__(self, injector: FaultInjector, optimizer, events):
+        self.inj, self.optimizer, self.events = injector, optimizer, events
+        self._planned: list[float] | None = None  # the scheduled LRs an LR drill scaled this step
+
+    def before_batch(self, s: StepState) -> None:
+        self.inj.before_batch(s.step)
+        self._emit()
+
+    def on_batch(self, s: StepState) -> None:
+        s.batch = self.inj.corrupt(s.step, s.first_id, s.batch)
+        self._emit()
+
+    def before_forward(self, s: StepState) -> None:
+        self.inj.before_forward(s.step)
+
+    def before_update(self, s: StepState) -> None:
+        self._emit()  # a NaN hook fired during the forward
+        factor = self.inj.lr_factor(s.step)  # 1.0 unless an LR drill
+        self._planned = [g["lr"] for g in self.optimizer.param_groups]
+        for g in self.optimizer.param_groups:
+            g["lr"] *= factor
+        self._emit()
+
+    def after_update(self, s: StepState) -> None:
+        # NOTE: the scheduled LRs exactly (not lr / factor, which can round): the schedule continues from them
+        for g, lr in zip(self.optimizer.param_groups, self._planned or []):
+            g["lr"] = lr
+        self.inj.after_update(s.step)
+        self._emit()
+
+    def _emit(self) -> None:
+        for e in self.inj.pop_events():
+            info = {k: v for k, v in e.items() if k not in ("step", "kind")}
+            self.events.emit(e["step"], "fault", ", ".join(f"{k}={v}" for k, v in info.items()), **info)
 
 
 def _plain(cfg):

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import json
 import math
+import resource
 from dataclasses import dataclass, field
 from typing import Any
+
+from stability.callbacks import StepState
 
 
 @dataclass
@@ -59,6 +62,40 @@ class StepRecord:
         # log its NaN, not crash the logger or silently write null. vars(), not asdict(): every field
         # holds plain JSON values, and asdict's recursive deep copy cost 5× the dump (0.24 vs 0.05 ms).
         return json.dumps(vars(self), separators=(",", ":"), allow_nan=True)
+
+
+def step_record(s: StepState, *, tokens: int, world: int, batch_size: int, seq_len: int, names: list[str],
+                guard: dict, ckpt_id: str | None, device) -> StepRecord:
+    """The StepRecord of one finished step, from the step's state (stability/callbacks.py)."""
+    st, res, post = s.stats, s.result, s.post
+    return StepRecord(
+        step=s.step, tokens=tokens, world=world,
+        batch={"first": s.first_id, "size": batch_size},
+        source_mix={n: int(c) for n, c in zip(names, st["samples_by_source"])},
+        valid_tokens=s.n_valid,
+        tokens_by_source={n: int(c) for n, c in zip(names, st["tokens_by_source"])}, inputs=s.inputs,
+        loss=st["loss"], z_loss=st["z_loss"], aux_loss=st["aux_loss"], logit_max=st["logit_max"],
+        loss_by_source=s.loss_by_source,
+        expert_load={str(l): (load / load.sum()).tolist() for l, load in st["moe_load"].items()},
+        lr=s.lr, grad_norm=res.norm.item(), clip_coef=res.coef.item(), skipped=res.skipped, loss_scale=res.loss_scale,
+        layers=post.get("layers", {}), moe=s.moe, update_ratio_max=post.get("update_ratio_max"),
+        nonfinite={**s.flags, **post.get("nonfinite", {})}, replica=post.get("replica", {}), guard=guard,
+        routing=s.routing, time_s=s.time_s, tokens_per_s=batch_size * seq_len / s.time_s["total"],
+        memory_mb=peak_memory_mb(device), events=s.events, eval=s.eval, ckpt_id=ckpt_id,
+    )
+
+
+def loss_by_source(stats: dict, names: list[str]) -> dict[str, float]:
+    """CE per valid token of each source present in the global batch."""
+    return {n: s / c for n, s, c in zip(names, stats["loss_sum_by_source"], stats["tokens_by_source"]) if c}
+
+
+def peak_memory_mb(device) -> float:
+    if device.type == "cuda":
+        import torch  # NOTE: here, not at the top: the doctor reads records without loading torch
+
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
 def read_records(path) -> list[dict]:

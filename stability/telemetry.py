@@ -32,6 +32,7 @@ import torch.distributed as tdist
 from torch import Tensor, nn
 
 from parallel.dist import all_reduce_max, all_reduce_sum
+from stability.callbacks import Callback, StepState
 from stability.telemetry_layers import ParamLayout, layer_order, local, norms, swiglu_layer
 
 
@@ -201,6 +202,23 @@ class Telemetry:
         out = all_reduce_max(torch.stack(vals)).tolist()
         replica = {"param_sum_spread": out[1] + out[2], "grad_norm_spread": out[3] + out[4]} if replicated else {}
         return bool(out[0]), replica
+
+
+class StepTelemetry(Callback):
+    """Telemetry attached to the step: hooks on before the forward, θ snapshot before the update, the
+    per-layer numbers into s.post after it (on telemetry steps; every call is a no-op otherwise)."""
+
+    def __init__(self, telemetry: Telemetry, optimizer: torch.optim.Optimizer):
+        self.tel, self.optimizer = telemetry, optimizer
+
+    def before_forward(self, s: StepState) -> None:
+        self.tel.start(s.step)
+
+    def before_update(self, s: StepState) -> None:
+        self.tel.before_update()
+
+    def after_update(self, s: StepState) -> None:
+        s.post = self.tel.finish(s.result.coef, self.optimizer)
 
 
 def _stack(xs: list[Tensor], device) -> Tensor:

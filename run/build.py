@@ -1,0 +1,156 @@
+"""Build a run from the composed config: every component, in the order their dependencies allow.
+
+    run = build_run(cfg, dist)   # validates, builds, writes the run directory's header files, resumes
+    train(run)                   # train.py's loop reads everything from `run`
+
+Order matters: the precision recipe converts modules before sharding; FSDP2 swaps the parameters, so
+the optimizer comes after wrap_model; the checkpointer resumes last (it restores every RNG stream just
+before the first step). Everything that can reject the config runs before the run directory is written.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from checkpoint import Checkpointer, TrainState, resume_options
+from checkpoint.state import versions
+from data import build_data
+from data.loader import Loader, eval_batches
+from model import ModelConfig, Transformer
+from optim import build_optimizer, build_scheduler, format_table
+from parallel import Dist, barrier, wrap_model
+from precision import build_recipe
+from stability.anticipatory import AnticipatoryRouting
+from stability.callbacks import Callbacks
+from stability.events import EventLog
+from stability.faults import FaultDrill, FaultInjector
+from stability.guard import Guard
+from stability.sinks import build_sinks
+from stability.telemetry import StepTelemetry, Telemetry
+
+
+@dataclass
+class Run:
+    """One run's components; train() takes this and nothing else."""
+    cfg: DictConfig
+    train: SimpleNamespace  # train.* as plain attributes (an OmegaConf attribute read costs ~17 µs)
+    dist: Dist
+    run_dir: Path
+    dataset: object
+    model: Transformer      # the bare module (telemetry, MoE bias, checkpoints read it)
+    wrapped: torch.nn.Module  # what the step calls: DDP / FSDP2 / compiled
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: object          # optim.scaler.DynamicLossScaler or None
+    recipe: object          # precision recipe: autocast, table
+    loader: Loader
+    evals: list
+    events: EventLog
+    guard: Guard
+    ckpt: Checkpointer
+    callbacks: Callbacks    # drills, anticipatory routing, telemetry: attached at the step's named points
+    sinks: list
+
+    def close(self) -> None:
+        self.ckpt.close()  # the run is not over until its last async save is published
+        self.events.close()
+
+
+def build_run(cfg: DictConfig, dist: Dist) -> Run:
+    check_train_cfg(cfg, dist.world)
+    if cfg.threads:
+        torch.set_num_threads(int(cfg.threads))
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    config = OmegaConf.to_container(cfg, resolve=True)
+    if dist.is_main and (run_dir / "metrics.jsonl").exists() and not resume_options(config["resume"])[0]:
+        raise ValueError(f"hydra.run.dir={run_dir} already holds a run; pick a new directory")
+    torch.manual_seed(cfg.seed)  # same seed on every rank → identical initial weights
+    recipe = build_recipe(config["precision"], dist.device)  # te_fp8 without CUDA/TE stops here, in one line
+
+    dataset = build_data(OmegaConf.to_container(cfg.data, resolve=True))
+    model_cfg = ModelConfig.from_dict({**OmegaConf.to_container(cfg.model, resolve=True),
+                                       "vocab_size": dataset.vocab_size, "seq_len": dataset.seq_len})
+    model = Transformer(model_cfg).to(dist.device)
+    recipe.convert(model)  # swaps eligible Linears (FP8): before sharding and before the optimizer
+    wrapped = wrap_model(model, dist=dist, **{**config["parallel"], **recipe.fsdp_dtypes()})  # before the optimizer: FSDP2 swaps the params
+    if cfg.train.compile:  # fuses the elementwise ops between matmuls (norms, RoPE, SwiGLU, loss)
+        wrapped = torch.compile(wrapped)
+    optimizer, group_table = build_optimizer(model, OmegaConf.to_container(cfg.optim, resolve=True))
+    scheduler = build_scheduler(optimizer, OmegaConf.to_container(cfg.optim.schedule, resolve=True), cfg.train.steps)
+    scaler = recipe.make_scaler()  # None unless fp16
+    loader = Loader(dataset, cfg.train.batch_size, dist.rank, dist.world)
+    evals = eval_batches(dataset, cfg.train.eval_samples, cfg.train.eval_batch_size, dist.rank, dist.world)
+    floor = dataset.expected_floor() if hasattr(dataset, "expected_floor") else None
+    # the stability pieces validate their config here too, before anything is written
+    events = EventLog(run_dir, dist.is_main)
+    faults = FaultInjector(config["fault"], model=model, optimizer=optimizer, loader=loader,
+                           data_cfg=config["data"], dist=dist)
+    faults.wrap(wrapped)  # a missing-reduction drill hooks DDP's gradient communication
+    telemetry = Telemetry(model, cfg.telemetry.every)
+    is_moe = bool(model.moe_layers())
+    an = config["guard"]["anticipatory"]
+    routing = AnticipatoryRouting(model, loader, cfg.train.micro_batches, an["delay"], dist.device,
+                                  recipe.autocast) if is_moe and an["enabled"] else None
+    state = TrainState(model, optimizer, scheduler, loader, config, dist.rank, dist.world,
+                       extras={"loss_scaler": scaler, "faults": faults} if scaler else {"faults": faults})
+    state.guard = guard = Guard(config["guard"], state=state, ckpt=None, events=events, routing=routing,
+                                is_moe=is_moe)
+    # NOTE: the drill first, telemetry last: after_update runs in reverse, so telemetry measures the
+    # update before an optimizer-state drill corrupts the moments.
+    callbacks = Callbacks([FaultDrill(faults, optimizer, events) if faults.kind != "none" else None, routing,
+                           StepTelemetry(telemetry, optimizer) if telemetry.every else None])
+
+    if dist.is_main:
+        write_header(cfg, dist, run_dir, dataset, model, model_cfg, group_table, recipe)
+    sinks = build_sinks(cfg.logging, run_dir, cfg.train.steps, floor, cfg.run_name, config) if dist.is_main else []
+    ckpt = Checkpointer(config, dist, run_dir, state)
+    guard.ckpt = ckpt
+    ckpt.resume()  # last: restores every RNG stream just before the first step
+    guard.start(state.step)
+    barrier()
+    return Run(cfg=cfg, train=SimpleNamespace(**OmegaConf.to_container(cfg.train, resolve=True)), dist=dist,
+               run_dir=run_dir, dataset=dataset, model=model, wrapped=wrapped, optimizer=optimizer,
+               scheduler=scheduler, scaler=scaler, recipe=recipe, loader=loader, evals=evals, events=events,
+               guard=guard, ckpt=ckpt, callbacks=callbacks, sinks=sinks)
+
+
+def write_header(cfg, dist: Dist, run_dir: Path, dataset, model, model_cfg, group_table, recipe) -> None:
+    """Rank 0: the resolved config, the environment, and the tables a reader checks before the loss."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
+    env = {**versions(), "world": dist.world, "device": str(dist.device), "argv": sys.argv[1:]}
+    (run_dir / "environment.json").write_text(json.dumps(env, indent=1) + "\n")  # for the doctor's report
+    print(f"run dir {run_dir} | {dist.world} process(es) on {dist.device} | data {dataset.fingerprint[:12]}")
+    print(dataset.describe())
+    print(f"model: {model.num_params() / 1e6:.3f}M parameters, "
+          f"{sum(model_cfg.is_moe_layer(i) for i in range(model_cfg.n_layers))} MoE layer(s) of {model_cfg.n_layers}")
+    print(format_table(group_table))
+    table = recipe.table()
+    print(table.to_markdown())
+    table.save(run_dir)
+
+
+def check_train_cfg(cfg, world: int) -> None:
+    tc = cfg.train
+    for key in ("steps", "batch_size", "micro_batches", "eval_every", "eval_samples", "eval_batch_size"):
+        if int(tc[key]) <= 0:
+            raise ValueError(f"train.{key}={tc[key]}: must be a positive integer")
+    if tc.batch_size % (world * tc.micro_batches):
+        raise ValueError(f"train.batch_size={tc.batch_size} is not divisible by world size {world} × "
+                         f"train.micro_batches={tc.micro_batches}")
+    if tc.max_grad_norm is not None and tc.max_grad_norm < 0:
+        raise ValueError(f"train.max_grad_norm={tc.max_grad_norm}: must be >= 0 or null")
+    if tc.z_loss < 0:
+        raise ValueError(f"train.z_loss={tc.z_loss}: must be >= 0")
+    if tc.compile and cfg.model.get("moe"):
+        raise ValueError("train.compile=true: MoE dispatch has data-dependent shapes (one recompile per "
+                         "expert-load pattern); compile dense models only")
+    if cfg.data.kind == "text" and OmegaConf.is_missing(cfg.data, "path"):
+        raise ValueError("data.path is required for data=text (e.g. data.path=input.txt)")

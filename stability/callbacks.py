@@ -1,0 +1,90 @@
+"""The seam where components act on the step: named points of one optimizer step, and the step's state.
+
+train.py runs the step — batch → forward/backward → clip → guard → update → record — and calls the
+attached callbacks at these points (OLMo-core's trainer does the same), so a drill, per-layer telemetry
+or anticipatory routing is one object attached at start, and the loop does not grow with them:
+
+    before_batch(s)     before loader.next()                    a mixture switch drill
+    on_batch(s)         s.batch is this step's batch            a data drill corrupts it; anticipatory
+                                                                routing sets s.routes / s.routing
+    before_forward(s)   right before the first micro-batch      telemetry hooks on; NaN / reduce drills arm
+    before_update(s)    gradients final (after the backward),   telemetry snapshots θ; an LR drill scales
+                        before clip, guard and optimizer.step   the LRs (s.lr is read after this point)
+    after_update(s)     s.result holds the update's outcome,    telemetry reads grads and Δθ into s.post;
+                        before zero_grad                        an LR drill restores the planned LRs; an
+                                                                optimizer-state drill corrupts the moments
+
+`before_*` points call the callbacks in the order they were attached, `after_update` in reverse (the
+last one in is the first one out, like nested context managers): telemetry, attached after a drill,
+measures the update before the drill tampers with the optimizer state.
+WARN: every rank must call every point (telemetry and the reduce drill run collectives inside them).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class StepState:
+    """What one step has computed so far: callbacks read and write it, stability/record.py turns it
+    into the StepRecord."""
+    step: int
+    first_id: int = 0                 # global id of the batch's first sample (the batch ID)
+    batch: Any = None                 # this rank's Batch
+    routes: list | None = None        # anticipatory routes per micro-batch (None: normal top-k routing)
+    routing: dict = field(default_factory=dict)   # StepRecord.routing
+    n_valid: int = 0                  # global valid label tokens
+    inputs: dict = field(default_factory=dict)    # input-layer statistics of the global batch
+    stats: dict = field(default_factory=dict)     # reduced loss / source / MoE sums (optim.accumulate)
+    loss_by_source: dict[str, float] = field(default_factory=dict)
+    lr: float = float("nan")          # the LR this step's update used (group 0, without its lr_scale)
+    flags: dict = field(default_factory=dict)     # non-finite loss / logits / grads
+    result: Any = None                # precision.step.StepResult
+    post: dict = field(default_factory=dict)      # telemetry after the update (layers, ρ, replicas)
+    moe: dict = field(default_factory=dict)       # expert-load summary per MoE layer
+    events: list[str] = field(default_factory=list)  # one-line notes of this step (StepRecord.events)
+    eval: dict | None = None
+    time_s: dict[str, float] = field(default_factory=dict)
+
+
+
+class Callback:
+    """Base: every point is a no-op. Subclasses override the points they act at."""
+
+    def before_batch(self, s: StepState) -> None: ...
+
+    def on_batch(self, s: StepState) -> None: ...
+
+    def before_forward(self, s: StepState) -> None: ...
+
+    def before_update(self, s: StepState) -> None: ...
+
+    def after_update(self, s: StepState) -> None: ...
+
+
+class Callbacks:
+    """The attached callbacks, called at each point in attachment order (after_update: reversed)."""
+
+    def __init__(self, callbacks):
+        self.items = [c for c in callbacks if c is not None]
+
+    def before_batch(self, s: StepState) -> None:
+        for c in self.items:
+            c.before_batch(s)
+
+    def on_batch(self, s: StepState) -> None:
+        for c in self.items:
+            c.on_batch(s)
+
+    def before_forward(self, s: StepState) -> None:
+        for c in self.items:
+            c.before_forward(s)
+
+    def before_update(self, s: StepState) -> None:
+        for c in self.items:
+            c.before_update(s)
+
+    def after_update(self, s: StepState) -> None:
+        for c in reversed(self.items):
+            c.after_update(s)
