@@ -17,7 +17,6 @@ import torch
 from data.batch import Batch
 from data.ids import fingerprint_of, sample_rngs, split_code
 from data.tokenizers import build_tokenizer
-from data.validate import get_int
 
 FORMATS = ("text", "json", "parquet")
 _EXT_FORMAT = {".txt": "text", ".text": "text", ".md": "text", ".json": "json", ".jsonl": "json",
@@ -66,10 +65,6 @@ class TextDataset:
     def __init__(self, path: str, seq_len: int, seed: int, tokenizer: str = "byte",
                  vocab_size: int | None = None, val_fraction: float = 0.1, format: str | None = None,
                  text_field: str = "text"):
-        if not 0.0 < val_fraction < 1.0:
-            raise ValueError(f"data.val_fraction={val_fraction}: must be in (0, 1)")
-        seq_len = get_int({"seq_len": seq_len}, "seq_len", "data", lo=1)
-        seed = get_int({"seed": seed}, "seed", "data", lo=0)
         self.path, self.seq_len, self.seed, self.val_fraction = path, seq_len, seed, val_fraction
         text = load_text(path, format, text_field)
         self.n_chars = len(text)

@@ -27,10 +27,10 @@ def fail(key: str, value: Any, rule: str, sep: str = ": ") -> None:
     raise ConfigError(f"{key}={_show(value)}{sep}{rule}")
 
 
-def check(ok: bool, key: str, value: Any, rule: str) -> None:
+def check(ok: bool, key: str, value: Any, rule: str, sep: str = ": ") -> None:
     """The one range/choice check of the schema: `key=value: rule` unless ok."""
     if not ok:
-        fail(key, value, rule)
+        fail(key, value, rule, sep)
 
 
 def choice(key: str, value: Any, choices) -> None:
