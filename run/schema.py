@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 from typing import Any, Mapping, TypeVar
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 T = TypeVar("T")
+_CONVERT = re.compile(r"Value '(?P<value>.*)' of type '(?P<got>[^']*)' could not be converted to (?P<to>\w+)")
+_TYPES = {"Integer": "an integer", "Float": "a number", "Boolean": "true or false", "String": "a string"}
 
 
 class ConfigError(ValueError):
@@ -81,14 +84,12 @@ def one_line(e: BaseException, where: str = "") -> str:
     if isinstance(root, MissingMandatoryValue):
         return f"{key}: missing (set {key}=...)"
     value = getattr(root, "value", None) if hasattr(root, "value") else None
-    if "could not be converted" in first or "Invalid type" in first or "is not a subclass" in first:
-        return f"{key}={_show(_bad_value(first))}: wrong type ({first.split(': ')[-1] if ': ' in first else first})"
+    m = _CONVERT.search(first)
+    if m:  # "Value 'abc' of type 'str' could not be converted to Integer"
+        return f"{key}={m['value']}: expected {_TYPES.get(m['to'], m['to'])} (got {m['got']})"
+    if "Invalid type" in first or "is not a subclass" in first or "Unsupported value type" in first:
+        return f"{key}: wrong type ({first})"
     return f"{key}: {first}" if value is None else f"{key}={_show(value)}: {first}"
-
-
-def _bad_value(msg: str) -> str:
-    # "Value 'abc' of type 'str' could not be converted to Integer" -> abc
-    return msg.split("'")[1] if msg.count("'") >= 2 else msg
 
 
 def _known(err: OmegaConfBaseException) -> list[str]:
