@@ -31,6 +31,8 @@ from optim import build_optimizer, build_scheduler, format_table
 from optim.accumulate import count_valid_tokens, forward_backward, reduce_step_sums
 from parallel import all_reduce_sum, barrier, destroy, init_distributed, wrap_model
 from precision import build_recipe, optimizer_step
+from run.config import preflight, register, validate
+from run.schema import ConfigError
 from stability.anticipatory import AnticipatoryRouting
 from stability.events import EventLog
 from stability.faults import FaultInjector
@@ -40,6 +42,8 @@ from stability.plots import plot_losses
 from stability.record import StepRecord, read_records
 from stability.sinks import build_sinks
 from stability.telemetry import Telemetry, moe_summary, nonfinite_flags
+
+register()  # the typed schema conf/config.yaml's defaults list starts with (run/config.py)
 
 
 @hydra.main(config_path="conf", config_name="config", version_base=None)
@@ -63,7 +67,7 @@ def main(cfg: DictConfig) -> None:
 
 
 def build(cfg: DictConfig, dist) -> dict:
-    check_train_cfg(cfg, dist.world)
+    validate(cfg).train.check_world(dist.world)  # every group's keys, types and rules: run/config.py
     if cfg.threads:
         torch.set_num_threads(int(cfg.threads))
     run_dir = Path(HydraConfig.get().runtime.output_dir)
@@ -264,25 +268,6 @@ def finish(cfg, sinks, run_dir: Path, dataset) -> None:
     print(f"final eval loss {last['loss']:.4f}{floor}\n  by source: {by_src}\n  metrics: {run_dir / 'metrics.jsonl'}")
 
 
-def check_train_cfg(cfg, world: int) -> None:
-    tc = cfg.train
-    for key in ("steps", "batch_size", "micro_batches", "eval_every", "eval_samples", "eval_batch_size"):
-        if int(tc[key]) <= 0:
-            raise ValueError(f"train.{key}={tc[key]}: must be a positive integer")
-    if tc.batch_size % (world * tc.micro_batches):
-        raise ValueError(f"train.batch_size={tc.batch_size} is not divisible by world size {world} × "
-                         f"train.micro_batches={tc.micro_batches}")
-    if tc.max_grad_norm is not None and tc.max_grad_norm < 0:
-        raise ValueError(f"train.max_grad_norm={tc.max_grad_norm}: must be >= 0 or null")
-    if tc.z_loss < 0:
-        raise ValueError(f"train.z_loss={tc.z_loss}: must be >= 0")
-    if tc.compile and cfg.model.get("moe"):
-        raise ValueError("train.compile=true: MoE dispatch has data-dependent shapes (one recompile per "
-                         "expert-load pattern); compile dense models only")
-    if cfg.data.kind == "text" and OmegaConf.is_missing(cfg.data, "path"):
-        raise ValueError("data.path is required for data=text (e.g. data.path=input.txt)")
-
-
 def peak_memory_mb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
@@ -290,4 +275,9 @@ def peak_memory_mb(device: torch.device) -> float:
 
 
 if __name__ == "__main__":
+    try:  # one line for a bad key or value, before Hydra's multi-line message or any file is written
+        preflight(sys.argv[1:], str(Path(__file__).resolve().parent / "conf"))
+    except ConfigError as e:
+        print(f"ballast: config error: {e}", file=sys.stderr)
+        sys.exit(2)
     main()

@@ -9,7 +9,7 @@ from typing import Mapping
 from data.sources import MAX_TABLE
 from omegaconf import DictConfig, OmegaConf
 
-from run.schema import check, choice, fail, from_mapping, unused_keys
+from run.schema import ConfigError, check, choice, fail, from_mapping, unused_keys
 
 KINDS = ("synthetic", "text")
 TOKENIZERS = ("byte", "char", "bpe")
@@ -94,7 +94,7 @@ class DataConfig:
             check(len(set(names)) == len(names), "data.sources names", names, "names must be unique")
         else:
             if not self.path:
-                fail("data.path", self.path, "required for data=text (e.g. data.path=input.txt)")
+                raise ConfigError("data.path: required for data=text (e.g. data.path=input.txt)")
             choice("data.tokenizer", self.tokenizer, TOKENIZERS)
             choice("data.format", self.format, FORMATS)
             check(self.bpe_vocab_size >= 1, "data.bpe_vocab_size", self.bpe_vocab_size, "must be >= 1")

@@ -111,3 +111,22 @@ class OptimConfig:
         if isinstance(d.get("groups"), (list, tuple)):  # one by one, so an error names its index
             d["groups"] = [from_mapping(GroupRule, r, f"optim.groups[{i}]") for i, r in enumerate(d["groups"])]
         return from_mapping(cls, d, "optim")
+
+
+@dataclass
+class LossScaleConfig:
+    """Dynamic loss scaling (optim/scaler.py; precision=fp16). Keep init, growth and backoff powers of
+    two: unscaling by S is then exact."""
+    init: float = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000  # finite steps in a row before the scale grows
+    min_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        p = "precision.loss_scale"
+        check(self.init > 0, f"{p}.init", self.init, "must be > 0")
+        check(self.growth_factor > 1, f"{p}.growth_factor", self.growth_factor, "must be > 1")
+        check(0 < self.backoff_factor < 1, f"{p}.backoff_factor", self.backoff_factor, "must be in (0, 1)")
+        check(self.growth_interval >= 1, f"{p}.growth_interval", self.growth_interval, "must be an integer >= 1")
+        check(0 < self.min_scale <= self.init, f"{p}.min_scale", self.min_scale, f"must be in (0, init={self.init}]")

@@ -19,6 +19,7 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 T = TypeVar("T")
 _CONVERT = re.compile(r"Value '(?P<value>.*)' of type '(?P<got>[^']*)' could not be converted to (?P<to>\w+)")
+_BOOL = re.compile(r"Value '(?P<value>.*)' is not a valid bool \(type (?P<got>\w+)\)")
 _TYPES = {"Integer": "an integer", "Float": "a number", "Boolean": "true or false", "String": "a string"}
 
 
@@ -64,17 +65,38 @@ def unused_keys(obj, used, where: str, what: str) -> None:
             fail(f"{where}.{f.name}", value, f"not used by {what}")
 
 
+def known_keys_only(node: DictConfig, prefix: str = "") -> None:
+    """Refuse a key a structured node does not define. OmegaConf refuses it on merge, but Hydra's
+    `+group.key=value` force-adds it, and OmegaConf.to_object then drops it without a word."""
+    typ = OmegaConf.get_type(node)
+    names = [f.name for f in dataclasses.fields(typ)] if dataclasses.is_dataclass(typ) else None
+    for key in node.keys():
+        path = f"{prefix}{key}"
+        if names is not None and key not in names:
+            near = difflib.get_close_matches(str(key), names, n=1)
+            hint = f" (did you mean {prefix}{near[0]}?)" if near else f" (known: {', '.join(names)})"
+            raise ConfigError(f"{path}: unknown key{hint}")
+        child = node._get_node(key)
+        if isinstance(child, DictConfig) and not child._is_none() and not child._is_missing():
+            known_keys_only(child, f"{path}.")
+        elif isinstance(child, ListConfig) and not child._is_none() and not child._is_missing():
+            for i in range(len(child)):
+                item = child._get_node(i)
+                if isinstance(item, DictConfig) and not item._is_none():
+                    known_keys_only(item, f"{path}[{i}].")
+
+
 def one_line(e: BaseException, where: str = "") -> str:
     """OmegaConf's (or Hydra's) multi-line message as `where.key: what (did you mean where.other?)`."""
     root = e
     while not isinstance(root, OmegaConfBaseException) and root.__cause__ is not None:
         root = root.__cause__  # Hydra wraps OmegaConf's error in a ConfigCompositionException
     if not isinstance(root, OmegaConfBaseException):
-        return str(e).strip().splitlines()[0]
+        return _hydra_line(root)
     full = str(getattr(root, "full_key", None) or getattr(root, "key", None) or "")
     key = f"{where}.{full}" if where and full else (where or full)
     first = str(root).strip().splitlines()[0] if str(root).strip() else type(root).__name__
-    if isinstance(root, KeyError):  # ConfigKeyError: an unknown key
+    if isinstance(root, (KeyError, AttributeError)) and " not in " in first:  # an unknown key
         known = _known(root)
         near = difflib.get_close_matches(full.rpartition(".")[2], known, n=1)
         parent = key.rpartition(".")[0]
@@ -87,9 +109,25 @@ def one_line(e: BaseException, where: str = "") -> str:
     m = _CONVERT.search(first)
     if m:  # "Value 'abc' of type 'str' could not be converted to Integer"
         return f"{key}={m['value']}: expected {_TYPES.get(m['to'], m['to'])} (got {m['got']})"
+    m = _BOOL.search(first)
+    if m:  # "Value 'maybe' is not a valid bool (type str)"
+        return f"{key}={m['value']}: expected true or false (got {m['got']})"
     if "Invalid type" in first or "is not a subclass" in first or "Unsupported value type" in first:
         return f"{key}: wrong type ({first})"
     return f"{key}: {first}" if value is None else f"{key}={_show(value)}: {first}"
+
+
+def _hydra_line(e: BaseException) -> str:
+    """Hydra's own errors: a group option that does not exist, an override it cannot parse."""
+    text = str(e).strip()
+    m = re.search(r"Could not find '([^']+)/([^'/]+)'", text)
+    if m:  # `fault=lr_spkie`: "Could not find 'fault/lr_spkie'" + "Available options in 'fault':" + tab lines
+        group, name = m[1], m[2]
+        options = [line.strip() for line in text.splitlines() if line.startswith("\t") and "=" not in line]
+        near = difflib.get_close_matches(name, options, n=1)
+        hint = f"did you mean {group}={near[0]}?" if near else f"options: {', '.join(options)}"
+        return f"{group}={name}: no such option in conf/{group}/ ({hint})"
+    return " ".join(line.strip() for line in text.splitlines() if line.strip())
 
 
 def _known(err: OmegaConfBaseException) -> list[str]:

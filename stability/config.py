@@ -16,6 +16,7 @@ from run.schema import ConfigError, check, choice, fail, from_mapping, unused_ke
 
 ACTIONS = ("log", "skip", "rollback")
 DIRECTIONS = ("up", "both")
+WANDB_MODES = ("offline", "online", "disabled")
 
 
 @dataclass
@@ -24,6 +25,20 @@ class TelemetryConfig:
 
     def __post_init__(self) -> None:
         check(self.every >= 0, "telemetry.every", self.every, "must be an integer >= 0 (0 = off)")
+
+
+@dataclass
+class LoggingConfig:
+    """Where StepRecords go besides metrics.jsonl (stability/sinks.py)."""
+    log_every: int = 50          # a compact console line every N steps; 0 = none
+    progress: bool = True        # tqdm progress bar
+    wandb: str = "offline"       # offline | online | disabled (offline writes under the run dir)
+    wandb_project: str = "ballast"
+    plot: bool = True            # loss.png at the end
+
+    def __post_init__(self) -> None:
+        check(self.log_every >= 0, "logging.log_every", self.log_every, "must be >= 0 (0 = none)")
+        choice("logging.wandb", self.wandb, WANDB_MODES)
 
 
 @dataclass
