@@ -31,8 +31,7 @@ def load_text(path: str, fmt: str | None = None, text_field: str = "text") -> st
     from the caller's HF_DATASETS_OFFLINE / HF_HUB_OFFLINE."""
     import datasets
 
-    if fmt is not None and fmt not in FORMATS:  # None = by extension
-        raise ValueError(f"data.format={fmt}: expected one of {', '.join(FORMATS)}")
+    # fmt: None (by extension) or one of FORMATS, checked by the schema (data/config.py)
     p = Path(path).expanduser()
     if p.is_dir():
         raise ValueError(f"data.path={path}: is a directory; pass a file")

@@ -126,15 +126,19 @@ def validate(cfg: DictConfig) -> Config:
         raise ConfigError(one_line(e)) from None
 
 
-def compose_check(overrides: list[str], config_dir: str, config_name: str = "config") -> Config:
+def compose_check(overrides: list[str], config_dir: str | None = None, config_name: str = "config") -> Config:
     """Compose conf/ with these command-line overrides, as @hydra.main will, and validate: the pre-flight
-    that turns Hydra's and OmegaConf's multi-line messages into one ConfigError line."""
+    that turns Hydra's and OmegaConf's multi-line messages into one ConfigError line. config_dir=None:
+    inside a caller's `hydra.initialize_config_dir` (tests compose many configs under one)."""
+    from contextlib import nullcontext
+
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
 
     register()
+    init = nullcontext() if config_dir is None else initialize_config_dir(config_dir=config_dir, version_base=None)
     try:
-        with initialize_config_dir(config_dir=config_dir, version_base=None):
+        with init:
             cfg = compose(config_name=config_name, overrides=overrides)
     except (HydraException, OmegaConfBaseException) as e:
         raise ConfigError(one_line(e)) from None

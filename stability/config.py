@@ -71,7 +71,7 @@ class DetectorConfig:
         check(self.cooldown >= 0, f"{p}.cooldown", self.cooldown, "must be >= 0")
         check(self.warmup >= 0, f"{p}.warmup", self.warmup, "must be >= 0")
         if not self.metrics:
-            raise ValueError(f"{p}.metrics: empty; watch at least one metric (e.g. loss)")
+            raise ConfigError(f"{p}.metrics: empty; watch at least one metric (e.g. loss)")
         for name, spec in self.metrics.items():
             choice(f"{p}.metrics.{name}.direction", spec.direction, DIRECTIONS)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from hydra import initialize_config_dir
 from omegaconf import OmegaConf
 
 from run.config import Config, compose_check
@@ -14,8 +15,14 @@ CONF = str(Path(__file__).resolve().parents[1] / "conf")
 EXPERIMENTS = sorted(p.stem for p in Path(CONF, "experiment").glob("*.yaml"))
 
 
+@pytest.fixture(scope="module", autouse=True)
+def hydra_conf():
+    with initialize_config_dir(config_dir=CONF, version_base=None):  # once: each init costs ~0.5 s
+        yield
+
+
 def compose(*overrides: str) -> Config:
-    return compose_check(list(overrides), CONF)
+    return compose_check(list(overrides))
 
 
 def test_default_and_every_experiment_compose():
