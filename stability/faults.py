@@ -42,7 +42,7 @@ import torch
 import torch.distributed as tdist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from data import IGNORE_INDEX, build_data
+from data import IGNORE_INDEX, DataConfig, build_data
 from model.moe import MoEOutput
 from stability.config import FaultConfig
 
@@ -258,13 +258,14 @@ class FaultInjector:
         return fut.then(lambda f: f.value()[0] if local is None else local)
 
     def _build_switched(self, data_cfg: dict):
-        sources, w = data_cfg.get("sources"), self.cfg["weights"]
-        if data_cfg.get("kind") != "synthetic" or not isinstance(sources, list):
+        data, w = DataConfig.from_dict(data_cfg), self.cfg["weights"]  # the run's data, defaults filled in
+        if data.kind != "synthetic":
             raise ValueError(f"fault.kind=mixture_switch: needs data.kind=synthetic with data.sources; "
-                             f"got data.kind={data_cfg.get('kind')}")
-        if len(w) != len(sources):
-            raise ValueError(f"fault.weights={w}: expected {len(sources)} weights, one per data.sources entry")
-        return build_data({**data_cfg, "sources": [{**src, "weight": x} for src, x in zip(sources, w)]})
+                             f"got data.kind={data.kind}")
+        if len(w) != len(data.sources):
+            raise ValueError(f"fault.weights={w}: expected {len(data.sources)} weights, one per data.sources entry")
+        return build_data(dataclasses.replace(data, sources=[dataclasses.replace(src, weight=x)
+                                                             for src, x in zip(data.sources, w)]))
 
     def _switch(self) -> None:
         # WARN: the loader's fingerprint changes with the weights: restoring a pre-switch loader state
