@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 
 import hydra
 import torch
@@ -23,12 +24,16 @@ from optim.accumulate import count_valid_tokens, forward_backward, reduce_step_s
 from parallel import all_reduce_sum, destroy, init_distributed
 from precision import optimizer_step
 from run.build import Run, build_run
+from run.config import preflight, register
+from run.schema import ConfigError
 from stability.callbacks import StepState
 from stability.guard import GuardAbort
 from stability.inputs import input_stats
 from stability.plots import plot_losses
 from stability.record import loss_by_source, read_records, step_record
 from stability.telemetry import moe_summary, nonfinite_flags
+
+register()  # the typed schema conf/config.yaml's defaults list starts with (run/config.py)
 
 
 @hydra.main(config_path="conf", config_name="config", version_base=None)
@@ -160,4 +165,9 @@ def finish(run: Run) -> None:
 
 
 if __name__ == "__main__":
+    try:  # one line for a bad key or value, before Hydra's multi-line message or any file is written
+        preflight(sys.argv[1:], str(Path(__file__).resolve().parent / "conf"))
+    except ConfigError as e:
+        print(f"ballast: config error: {e}", file=sys.stderr)
+        sys.exit(2)
     main()

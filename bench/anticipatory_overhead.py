@@ -11,6 +11,7 @@ report cites ~20 % while on; the target for OFF is <= 1 %, i.e. lost in the nois
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import time
@@ -27,6 +28,7 @@ from model import ModelConfig, Transformer  # noqa: E402
 from optim import build_optimizer  # noqa: E402
 from optim.accumulate import count_valid_tokens, forward_backward  # noqa: E402
 from precision import optimizer_step  # noqa: E402
+from run.config import TrainConfig  # noqa: E402
 from stability.anticipatory import AnticipatoryRouting  # noqa: E402
 
 ARMS = ("baseline", "off", "on")
@@ -49,7 +51,7 @@ def main() -> None:
     # the model, data and optimizer groups, whatever else config.yaml's defaults list grows to hold.
     conf = ROOT / "conf"
     load = lambda *parts: OmegaConf.to_container(OmegaConf.load(conf.joinpath(*parts)), resolve=True)  # noqa: E731
-    train_cfg = OmegaConf.to_container(OmegaConf.load(conf / "config.yaml").train)  # unresolved: ${now:}
+    train_cfg = dataclasses.asdict(TrainConfig())  # the schema's train.* defaults (run/config.py)
     tc = OmegaConf.create({**train_cfg, "batch_size": args.batch_size, "micro_batches": args.micro_batches})
     dev = torch.device(args.device)
     torch.manual_seed(0)

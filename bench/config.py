@@ -13,9 +13,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def compose_config(overrides: list[str]) -> DictConfig:
-    """Compose the config; apply `threads` (torch intra-op threads) as train.py does."""
+    """Compose the config (checked by the schema, as train.py's is); apply `threads` as train.py does."""
+    from run.config import register, validate
+
+    register()
     with initialize_config_dir(str(ROOT / "conf"), version_base=None):
         cfg = compose("config", overrides=list(overrides))
+    validate(cfg)
     if cfg.threads:
         torch.set_num_threads(int(cfg.threads))
     return cfg

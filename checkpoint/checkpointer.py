@@ -19,60 +19,37 @@ import torch.distributed as tdist
 from torch.distributed.checkpoint import FileSystemReader
 
 from checkpoint import publish
+from checkpoint.config import CheckpointConfig, ResumeConfig
 from checkpoint.resume import check_config, check_data, check_model, check_progress, check_versions
 from checkpoint.saver import Saver
 from checkpoint.state import TrainState, read_blobs, versions
 from parallel.dist import broadcast_object
-
-CKPT_KEYS = {"every", "dir", "mode", "keep_last", "keep_every", "verify_hashes", "stop_after"}
-RESUME_KEYS = {"path", "allow_data_change", "allow_config_change"}
-
-
-def _int(value, key: str, lo: int, allow_none: bool = False) -> int | None:
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-        raise ValueError(f"{key}={value}: must be an integer >= {lo}" + (" or null" if allow_none else ""))
-    return value
-
+from run.schema import from_mapping
 
 def resume_options(resume) -> tuple[str | None, bool, list[str]]:
     """(what to resume from, allow_data_change, allow_config_change) from `resume=latest` or the full node."""
     if resume is None or isinstance(resume, str):  # `resume=latest` replaces the node with a string
         return resume, False, []
-    if not isinstance(resume, Mapping):
-        raise ValueError(f"resume={resume!r}: expected latest, a checkpoint path, or resume.path=...")
-    extra = set(resume) - RESUME_KEYS
-    if extra:
-        raise ValueError(f"resume.{sorted(extra)[0]}: unknown key, expected one of {sorted(RESUME_KEYS)}")
-    allowed = resume.get("allow_config_change") or []
-    if isinstance(allowed, str) or not all(isinstance(k, str) for k in allowed):
-        raise ValueError(f"resume.allow_config_change={allowed!r}: expected a list of config keys")
-    return resume.get("path"), bool(resume.get("allow_data_change", False)), list(allowed)
+    r = from_mapping(ResumeConfig, resume, "resume")  # the schema checks the keys and types
+    return r.path, bool(r.allow_data_change), list(r.allow_config_change)
 
 
 class Checkpointer:
     def __init__(self, cfg: Mapping, dist, run_dir: Path, state: TrainState):
-        ck = cfg["checkpoint"]
-        extra = set(ck) - CKPT_KEYS
-        if extra:
-            raise ValueError(f"checkpoint.{sorted(extra)[0]}: unknown key, expected one of {sorted(CKPT_KEYS)}")
+        ck = CheckpointConfig.from_dict(cfg["checkpoint"])  # the schema checks keys, types and ranges
         steps = cfg["train"]["steps"]
-        self.every = _int(ck["every"], "checkpoint.every", 0)
-        self.stop_after = _int(ck["stop_after"], "checkpoint.stop_after", 1, allow_none=True)
-        if self.stop_after is not None and self.stop_after > steps:
-            raise ValueError(f"checkpoint.stop_after={self.stop_after}: beyond train.steps={steps}")
+        ck.check_steps(steps)
+        self.every, self.stop_after = ck.every, ck.stop_after
         self.last_step = self.stop_after or steps  # the schedule still spans train.steps
-        self.verify_hashes = bool(ck["verify_hashes"])
+        self.verify_hashes = bool(ck.verify_hashes)
         self.spec, self.allow_data_change, self.allow_config = resume_options(cfg.get("resume"))
-        self.root = Path(ck["dir"]) if ck["dir"] else run_dir / "checkpoints"
+        self.root = Path(ck.dir) if ck.dir else run_dir / "checkpoints"
         self.dist, self.run_dir, self.state = dist, run_dir, state
         self.ckpt_id: str | None = None  # the checkpoint this run last published or resumed from
         self._events: list[str] = []
         saving = self.every > 0 or self.stop_after is not None
         group = tdist.new_group(backend="gloo") if saving and dist.world > 1 else None
-        self.saver = Saver(self.root, ck["mode"], _int(ck["keep_last"], "checkpoint.keep_last", 1),
-                           _int(ck["keep_every"], "checkpoint.keep_every", 1, allow_none=True), dist.rank, group)
+        self.saver = Saver(self.root, ck.mode, ck.keep_last, ck.keep_every, dist.rank, group)
         if saving and not self.spec and publish.list_steps(self.root):  # every rank sees it and stops
             raise ValueError(f"checkpoint.dir={self.root} already holds checkpoints of another run; "
                              f"pass resume=latest to continue it, or choose another checkpoint.dir")

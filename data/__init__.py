@@ -11,40 +11,20 @@ from data.batch import IGNORE_INDEX, Batch
 from data.loader import Loader, eval_batches
 from data.synthetic import PAD_ID, SyntheticMixture
 from data.text import TextDataset
-from data.validate import check_keys, get_choice, get_float, get_int
-
-KINDS = ("synthetic", "text")
-_SYNTHETIC_KEYS = {"kind", "seq_len", "min_doc_len", "seed", "sources"}
-_TEXT_KEYS = {"kind", "path", "seq_len", "seed", "tokenizer", "bpe_vocab_size", "val_fraction", "format", "text_field"}
+from data.config import DataConfig, SourceConfig
 
 
-def build_data(cfg: Mapping):
-    """Build the dataset named by cfg["kind"] (a plain dict or an OmegaConf DictConfig)."""
-    if hasattr(cfg, "_metadata"):  # OmegaConf container -> plain, resolved python
-        from omegaconf import OmegaConf
-        cfg = OmegaConf.to_container(cfg, resolve=True)
-    kind = cfg.get("kind")
-    if kind not in KINDS:
-        raise ValueError(f"data.kind={kind}: expected one of {', '.join(KINDS)}")
-    if kind == "synthetic":
-        check_keys(cfg, _SYNTHETIC_KEYS, "data")
-        seq_len = get_int(cfg, "seq_len", "data", lo=1)
-        return SyntheticMixture(cfg.get("sources"), seq_len=seq_len,
-                                min_doc_len=get_int(cfg, "min_doc_len", "data", lo=2, hi=seq_len + 1),
-                                seed=get_int(cfg, "seed", "data", lo=0))
-    check_keys(cfg, _TEXT_KEYS, "data")
-    path = cfg.get("path")
-    if not isinstance(path, str) or not path:
-        raise ValueError(f"data.path={path!r}: expected a file path or hub name")
-    tokenizer = get_choice(cfg, "tokenizer", "data", ("byte", "char", "bpe"), "byte")
-    vocab_size = get_int(cfg, "bpe_vocab_size", "data", lo=1) if tokenizer == "bpe" else None
-    fmt = get_choice(cfg, "format", "data", ("auto", "text", "json", "parquet"), "auto")
-    return TextDataset(path, seq_len=get_int(cfg, "seq_len", "data", lo=1), seed=get_int(cfg, "seed", "data", lo=0),
-                       tokenizer=tokenizer, vocab_size=vocab_size,
-                       val_fraction=get_float(cfg, "val_fraction", "data", 0.1),
-                       format=None if fmt == "auto" else fmt,
-                       text_field=str(cfg.get("text_field") or "text"))
+def build_data(cfg: Mapping | DataConfig):
+    """Build the dataset named by cfg.kind (a DataConfig, a plain dict or an OmegaConf DictConfig; a
+    mapping goes through the DataConfig schema, so its keys, types and ranges are checked there)."""
+    cfg = DataConfig.from_dict(cfg)
+    if cfg.kind == "synthetic":
+        return SyntheticMixture(cfg.sources, seq_len=cfg.seq_len, min_doc_len=cfg.min_doc_len, seed=cfg.seed)
+    return TextDataset(cfg.path, seq_len=cfg.seq_len, seed=cfg.seed, tokenizer=cfg.tokenizer,
+                       vocab_size=cfg.bpe_vocab_size if cfg.tokenizer == "bpe" else None,
+                       val_fraction=cfg.val_fraction, format=None if cfg.format == "auto" else cfg.format,
+                       text_field=cfg.text_field)
 
 
 __all__ = ["Batch", "IGNORE_INDEX", "PAD_ID", "Loader", "eval_batches", "SyntheticMixture", "TextDataset",
-           "build_data"]
+           "build_data", "DataConfig", "SourceConfig"]

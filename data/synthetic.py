@@ -16,57 +16,30 @@ import torch
 
 from data.batch import IGNORE_INDEX, Batch
 from data.ids import fingerprint_of, sample_rngs
-from data.sources import MAX_TABLE, CopySource, MarkovSource
-from data.validate import check_keys, get_choice, get_float, get_int
+from data.sources import CopySource, MarkovSource
+from data.config import DataConfig, SourceConfig
 
 PAD_ID = 0
 GENERATOR_VERSION = 1  # bump when the sampling algorithm changes: old cursors then mean other data
 
-_DEFAULTS = {
-    "markov": {"alphabet": 32, "order": 2, "support": 4, "concentration": 0.5},
-    "copy": {"alphabet": 32, "segment": 12},
-}
-
-
-def _build_source(i: int, cfg: Mapping, seed: int) -> tuple[object, dict]:
-    """Validate one sources[i] entry; return the source and its fully resolved config."""
-    where = f"data.sources[{i}]"
-    if not isinstance(cfg, Mapping):
-        raise ValueError(f"{where}={cfg!r}: expected a mapping")
-    kind = get_choice(cfg, "kind", where, tuple(_DEFAULTS))
-    check_keys(cfg, {"name", "kind", "weight", *_DEFAULTS[kind]}, where)
-    name = str(cfg.get("name") or kind)
-    out = {"name": name, "kind": kind, "weight": get_float(cfg, "weight", where, 1.0, lo=0.0)}
-    d = _DEFAULTS[kind]
-    A = out["alphabet"] = get_int(cfg, "alphabet", where, d["alphabet"], lo=2)
-    if kind == "markov":
-        k = out["order"] = get_int(cfg, "order", where, d["order"], lo=1)
-        s = out["support"] = get_int(cfg, "support", where, d["support"], lo=1)
-        if s > A:
-            raise ValueError(f"{where}.support={s} > alphabet={A}")
-        if A ** (k + 1) > MAX_TABLE:
-            raise ValueError(f"{where}.order={k}: alphabet**(order+1)={A ** (k + 1)} > {MAX_TABLE} (table too big)")
-        out["concentration"] = get_float(cfg, "concentration", where, d["concentration"], positive=True)
-        src = MarkovSource(name, A, k, s, out["concentration"], seed)
-    else:
-        seg = out["segment"] = get_int(cfg, "segment", where, d["segment"], lo=1)
-        src = CopySource(name, A, seg)
-    return src, out
+def _build_source(cfg: SourceConfig, seed: int) -> tuple[object, dict]:
+    """The source of one checked sources[i] entry, and its resolved config (fingerprinted)."""
+    out = cfg.resolved()
+    if cfg.kind == "markov":
+        return MarkovSource(out["name"], cfg.alphabet, cfg.order, cfg.support, out["concentration"], seed), out
+    return CopySource(out["name"], cfg.alphabet, cfg.segment), out
 
 
 class SyntheticMixture:
     def __init__(self, sources_cfg: Sequence[Mapping], seq_len: int, min_doc_len: int, seed: int):
-        self.seq_len = get_int({"seq_len": seq_len}, "seq_len", "data", lo=1)
-        self.min_doc_len = get_int({"min_doc_len": min_doc_len}, "min_doc_len", "data", lo=2, hi=self.seq_len + 1)
-        self.seed = get_int({"seed": seed}, "seed", "data", lo=0)
-        if isinstance(sources_cfg, (str, bytes, Mapping)) or not sources_cfg:
-            raise ValueError(f"data.sources={sources_cfg!r}: expected a non-empty list of sources")
-        built = [_build_source(i, c, self.seed) for i, c in enumerate(sources_cfg)]
+        # the schema checks the keys, types, ranges and unique names (data/config.py)
+        cfg = DataConfig.from_dict({"kind": "synthetic", "sources": list(sources_cfg), "seq_len": seq_len,
+                                    "min_doc_len": min_doc_len, "seed": seed})
+        self.seq_len, self.min_doc_len, self.seed = cfg.seq_len, cfg.min_doc_len, cfg.seed
+        built = [_build_source(c, self.seed) for c in cfg.sources]
         self.sources = [s for s, _ in built]
         self._cfgs = [c for _, c in built]
         self.source_names = [s.name for s in self.sources]
-        if len(set(self.source_names)) != len(self.source_names):
-            raise ValueError(f"data.sources names={self.source_names}: names must be unique")
         # Source s owns ids [bos_s, bos_s + alphabet_s]: BOS first, then its alphabet.
         self.bos_ids = list(np.cumsum([1] + [1 + s.alphabet for s in self.sources[:-1]]))
         self.vocab_size = 1 + sum(1 + s.alphabet for s in self.sources)

@@ -17,7 +17,6 @@ import torch
 from data.batch import Batch
 from data.ids import fingerprint_of, sample_rngs, split_code
 from data.tokenizers import build_tokenizer
-from data.validate import get_int
 
 FORMATS = ("text", "json", "parquet")
 _EXT_FORMAT = {".txt": "text", ".text": "text", ".md": "text", ".json": "json", ".jsonl": "json",
@@ -32,8 +31,7 @@ def load_text(path: str, fmt: str | None = None, text_field: str = "text") -> st
     from the caller's HF_DATASETS_OFFLINE / HF_HUB_OFFLINE."""
     import datasets
 
-    if fmt is not None and fmt not in FORMATS:  # None = by extension
-        raise ValueError(f"data.format={fmt}: expected one of {', '.join(FORMATS)}")
+    # fmt: None (by extension) or one of FORMATS, checked by the schema (data/config.py)
     p = Path(path).expanduser()
     if p.is_dir():
         raise ValueError(f"data.path={path}: is a directory; pass a file")
@@ -66,10 +64,6 @@ class TextDataset:
     def __init__(self, path: str, seq_len: int, seed: int, tokenizer: str = "byte",
                  vocab_size: int | None = None, val_fraction: float = 0.1, format: str | None = None,
                  text_field: str = "text"):
-        if not 0.0 < val_fraction < 1.0:
-            raise ValueError(f"data.val_fraction={val_fraction}: must be in (0, 1)")
-        seq_len = get_int({"seq_len": seq_len}, "seq_len", "data", lo=1)
-        seed = get_int({"seed": seed}, "seed", "data", lo=0)
         self.path, self.seq_len, self.seed, self.val_fraction = path, seq_len, seed, val_fraction
         text = load_text(path, format, text_field)
         self.n_chars = len(text)

@@ -1,9 +1,11 @@
-"""Model configuration: plain dataclasses, validated with messages that name the Hydra key."""
+"""Model configuration: the `model` group's schema (registered by run/config.py), validated on construction
+with one-line messages that name the Hydra key. vocab_size and seq_len come from the data, never the user."""
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
+
+from run.schema import check, fail, from_mapping
 
 SCORES = ("softmax", "sigmoid")
 
@@ -12,27 +14,16 @@ def _round_up(x: float, multiple: int) -> int:
     return int(multiple * -(-x // multiple))
 
 
-def _check_positive_int(key: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{key}={value!r} must be a positive integer")
+def _positive_int(key: str, value) -> None:
+    check(value > 0, key, value, "must be a positive integer")
 
 
-def _check_positive(key: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"{key}={value!r} must be a positive number")
+def _positive(key: str, value) -> None:
+    check(value > 0, key, value, "must be a positive number")
 
 
-def _check_non_negative(key: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-        raise ValueError(f"{key}={value!r} must be >= 0")
-
-
-def _fields_from(cls, d: Mapping, prefix: str) -> dict:
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(d) - names)
-    if unknown:
-        raise ValueError(f"{prefix}.{unknown[0]} is not a known key (known: {', '.join(sorted(names))})")
-    return dict(d)
+def _non_negative(key: str, value) -> None:
+    check(value >= 0, key, value, "must be >= 0")
 
 
 @dataclass
@@ -49,29 +40,24 @@ class MoEConfig:
     bias_update_speed: float = 0.0  # DeepSeek aux-loss-free bias speed gamma (0 = off)
     router_z_coef: float = 0.0      # router z-loss coefficient
 
-    def validate(self, n_layers: int) -> None:
+    def __post_init__(self) -> None:
         p = "model.moe"
-        _check_positive_int(f"{p}.n_experts", self.n_experts)
-        _check_positive_int(f"{p}.top_k", self.top_k)
+        _positive_int(f"{p}.n_experts", self.n_experts)
+        _positive_int(f"{p}.top_k", self.top_k)
         if self.top_k > self.n_experts:
-            raise ValueError(f"{p}.top_k={self.top_k} > {p}.n_experts={self.n_experts}")
-        _check_positive_int(f"{p}.expert_hidden", self.expert_hidden)
-        if self.score not in SCORES:
-            raise ValueError(f"{p}.score={self.score!r}: expected one of {', '.join(SCORES)}")
-        if isinstance(self.first_dense, bool) or not isinstance(self.first_dense, int) or self.first_dense < 0:
-            raise ValueError(f"{p}.first_dense={self.first_dense!r} must be an integer >= 0")
-        if self.first_dense >= n_layers:
-            raise ValueError(f"{p}.first_dense={self.first_dense} leaves no MoE layer (model.n_layers={n_layers})")
-        _check_positive_int(f"{p}.every", self.every)
-        _check_non_negative(f"{p}.balance_coef", self.balance_coef)
-        _check_non_negative(f"{p}.bias_update_speed", self.bias_update_speed)
-        _check_non_negative(f"{p}.router_z_coef", self.router_z_coef)
+            fail(f"{p}.top_k", self.top_k, f"> {p}.n_experts={self.n_experts}", sep=" ")
+        _positive_int(f"{p}.expert_hidden", self.expert_hidden)
+        check(self.score in SCORES, f"{p}.score", repr(self.score), f"expected one of {', '.join(SCORES)}")
+        check(self.first_dense >= 0, f"{p}.first_dense", self.first_dense, "must be an integer >= 0")
+        _positive_int(f"{p}.every", self.every)
+        for key in ("balance_coef", "bias_update_speed", "router_z_coef"):
+            _non_negative(f"{p}.{key}", getattr(self, key))
 
 
 @dataclass
 class ModelConfig:
-    vocab_size: int
-    seq_len: int
+    vocab_size: int | None = None   # from the data (dataset.vocab_size): never a user setting
+    seq_len: int | None = None      # from the data (data.seq_len)
     d_model: int = 128
     n_layers: int = 4
     n_heads: int = 4
@@ -87,19 +73,15 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "ModelConfig":
-        """Build from a (Hydra) mapping; a nested `moe` mapping becomes MoEConfig. Validates."""
-        kwargs = _fields_from(cls, d, "model")
-        moe = kwargs.get("moe")
-        if isinstance(moe, Mapping):
-            kwargs["moe"] = MoEConfig(**_fields_from(MoEConfig, moe, "model.moe"))
-        elif moe is not None and not isinstance(moe, MoEConfig):
-            raise ValueError(f"model.moe={moe!r} must be a mapping or null")
-        try:
-            cfg = cls(**kwargs)
-        except TypeError as e:  # a required key is missing
-            raise ValueError(f"model: {e}") from None
-        cfg.validate()
+        """The config of a model to build, from a (Hydra) mapping with vocab_size and seq_len filled
+        in by the data; a nested `moe` mapping becomes MoEConfig."""
+        cfg = from_mapping(cls, d, "model")
+        cfg.check_sizes()
         return cfg
+
+    def check_sizes(self) -> None:
+        for key in ("vocab_size", "seq_len"):
+            check(getattr(self, key) is not None, f"model.{key}", None, "missing (it comes from the data)")
 
     # Resolved sizes: the rest of the package reads these, never the Optional fields.
     @property
@@ -117,27 +99,27 @@ class ModelConfig:
             return self.mlp_hidden
         return _round_up(8 * self.d_model / 3, self.mlp_multiple_of)
 
-    def validate(self) -> None:
-        for key in ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "mlp_multiple_of"):
-            _check_positive_int(f"model.{key}", getattr(self, key))
-        if self.n_kv_heads is not None:
-            _check_positive_int("model.n_kv_heads", self.n_kv_heads)
-        if self.mlp_hidden is not None:
-            _check_positive_int("model.mlp_hidden", self.mlp_hidden)
+    def __post_init__(self) -> None:
+        for key in ("vocab_size", "seq_len", "n_kv_heads", "mlp_hidden"):
+            if getattr(self, key) is not None:
+                _positive_int(f"model.{key}", getattr(self, key))
+        for key in ("d_model", "n_layers", "n_heads", "mlp_multiple_of"):
+            _positive_int(f"model.{key}", getattr(self, key))
         for key in ("rope_theta", "norm_eps", "init_std"):
-            _check_positive(f"model.{key}", getattr(self, key))
+            _positive(f"model.{key}", getattr(self, key))
         if self.swiglu_clamp is not None:
-            _check_positive("model.swiglu_clamp", self.swiglu_clamp)
+            _positive("model.swiglu_clamp", self.swiglu_clamp)
         if self.d_model % self.n_heads:
-            raise ValueError(f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}")
+            fail("model.d_model", self.d_model, f"is not divisible by model.n_heads={self.n_heads}", sep=" ")
         if self.n_heads % self.kv_heads:
-            raise ValueError(f"model.n_heads={self.n_heads} is not divisible by model.n_kv_heads={self.kv_heads}")
+            fail("model.n_heads", self.n_heads, f"is not divisible by model.n_kv_heads={self.kv_heads}", sep=" ")
         if self.head_dim % 2:
-            raise ValueError(f"model.d_model/model.n_heads={self.head_dim} must be even (RoPE rotates pairs)")
+            fail("model.d_model/model.n_heads", self.head_dim, "must be even (RoPE rotates pairs)", sep=" ")
         if self.moe is not None:
-            if not isinstance(self.moe, MoEConfig):
-                raise ValueError(f"model.moe={self.moe!r} must be a MoEConfig or null")
-            self.moe.validate(self.n_layers)
+            check(isinstance(self.moe, MoEConfig), "model.moe", self.moe, "must be a MoEConfig or null")
+            if self.moe.first_dense >= self.n_layers:
+                fail("model.moe.first_dense", self.moe.first_dense,
+                     f"leaves no MoE layer (model.n_layers={self.n_layers})", sep=" ")
 
     def is_moe_layer(self, i: int) -> bool:
         m = self.moe

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 import torch
 import torch.nn as nn
 
+from optim.config import OptimConfig
 from optim.groups import build_param_groups
 
 
@@ -29,12 +30,8 @@ def build_optimizer(model: nn.Module, cfg: Mapping) -> tuple[torch.optim.AdamW, 
 
     cfg is the `optim` node: lr, betas, eps, weight_decay, groups.
     """
-    betas = tuple(float(b) for b in cfg.get("betas", (0.9, 0.95)))
-    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
-        raise ValueError(f"optim.betas={list(betas)}: expected two values in [0, 1)")
-    eps = float(cfg.get("eps", 1e-8))
-    if not eps > 0:
-        raise ValueError(f"optim.eps={eps}: must be > 0")
+    cfg = OptimConfig.from_dict(cfg)  # the schema checks betas, eps, lr and the rules (optim/config.py)
+    betas, eps = tuple(float(b) for b in cfg.betas), float(cfg.eps)
 
     groups, table = build_param_groups(model, cfg)
     params = [p for g in groups for p in g["params"]]
@@ -45,7 +42,7 @@ def build_optimizer(model: nn.Module, cfg: Mapping) -> tuple[torch.optim.AdamW, 
                              "optimizer state needs FP32 master weights")
 
     fused = _fused_supported(params)
-    opt = torch.optim.AdamW(groups, lr=float(cfg["lr"]), betas=betas, eps=eps,
-                            weight_decay=float(cfg.get("weight_decay", 0.0)),
+    opt = torch.optim.AdamW(groups, lr=float(cfg.lr), betas=betas, eps=eps,
+                            weight_decay=float(cfg.weight_decay),
                             fused=fused, foreach=not fused)
     return opt, table

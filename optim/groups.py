@@ -21,9 +21,7 @@ from fnmatch import fnmatchcase
 
 import torch.nn as nn
 
-KINDS = ("bias", "norm", "embedding", "router", "expert_bias")
-RULE_KEYS = {"name", "kinds", "names", "weight_decay", "lr_scale"}
-DEFAULT_GROUP = "default"
+from optim.config import DEFAULT_GROUP, KINDS, OptimConfig  # noqa: F401  (KINDS: re-exported)
 
 
 def _module_kinds(module: nn.Module, module_name: str, param_name: str) -> set[str]:
@@ -62,36 +60,8 @@ def param_kinds(model: nn.Module) -> dict[str, set[str]]:
     return {n: kinds_by_id[id(p)] for n, p in model.named_parameters() if p.requires_grad}
 
 
-def _check_rule(i: int, rule: Mapping) -> tuple[str, tuple[str, ...], tuple[str, ...]]:
-    key = f"optim.groups[{i}]"
-    if not isinstance(rule, Mapping):
-        raise ValueError(f"{key}={rule!r}: expected a mapping with name/kinds/names")
-    extra = set(rule) - RULE_KEYS
-    if extra:
-        raise ValueError(f"{key} has unknown keys {sorted(extra)}: expected {sorted(RULE_KEYS)}")
-    name = str(rule.get("name", f"group{i}"))
-    kinds = tuple(rule.get("kinds") or ())
-    names = tuple(rule.get("names") or ())
-    bad = [k for k in kinds if k not in KINDS]
-    if bad:
-        raise ValueError(f"{key}.kinds={list(kinds)}: unknown kind {bad[0]!r}, "
-                         f"expected one of {', '.join(KINDS)}")
-    if not kinds and not names:
-        raise ValueError(f"{key} ({name}) gives neither kinds nor names: it could match nothing")
-    if name == DEFAULT_GROUP:
-        raise ValueError(f"{key}.name={name}: reserved for parameters that no rule matches")
-    return name, kinds, names
-
-
 def _matches(rule: dict, pname: str, kinds: set[str]) -> bool:
     return bool(rule["kinds"] & kinds) or any(fnmatchcase(pname, pat) for pat in rule["names"])
-
-
-def _nonneg(value, key: str) -> float:
-    value = float(value)
-    if not value >= 0:  # NOTE: also rejects NaN
-        raise ValueError(f"{key}={value}: must be >= 0")
-    return value
 
 
 def build_param_groups(model: nn.Module, cfg: Mapping) -> tuple[list[dict], list[dict]]:
@@ -100,19 +70,13 @@ def build_param_groups(model: nn.Module, cfg: Mapping) -> tuple[list[dict], list
     Group dicts carry params, name, weight_decay, lr_scale and lr = cfg.lr · lr_scale. Parameters keep
     model.named_parameters() order inside each group, so optimizer state maps back deterministically.
     """
-    base_lr = float(cfg["lr"])
-    if not base_lr > 0:
-        raise ValueError(f"optim.lr={cfg['lr']}: must be > 0")
-    base_wd = _nonneg(cfg.get("weight_decay", 0.0), "optim.weight_decay")
-
+    cfg = OptimConfig.from_dict(cfg)  # keys, types, ranges, kinds and duplicate names: the schema's
+    base_lr, base_wd = float(cfg.lr), float(cfg.weight_decay)
     rules = []
-    for i, rule in enumerate(cfg.get("groups") or ()):
-        name, kinds, names = _check_rule(i, rule)
-        if any(name == r["name"] for r in rules):
-            raise ValueError(f"optim.groups[{i}].name={name}: duplicate group name")
-        wd = _nonneg(rule.get("weight_decay", base_wd), f"optim.groups[{i}].weight_decay")
-        lr_scale = _nonneg(rule.get("lr_scale", 1.0), f"optim.groups[{i}].lr_scale")
-        rules.append(dict(name=name, kinds=set(kinds), names=names, weight_decay=wd, lr_scale=lr_scale))
+    for i, rule in enumerate(cfg.groups):
+        wd = base_wd if rule.weight_decay is None else float(rule.weight_decay)
+        rules.append(dict(name=rule.name or f"group{i}", kinds=set(rule.kinds), names=tuple(rule.names),
+                          weight_decay=wd, lr_scale=float(rule.lr_scale)))
     default = dict(name=DEFAULT_GROUP, weight_decay=base_wd, lr_scale=1.0)
 
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}

@@ -19,20 +19,13 @@ from collections.abc import Iterable
 
 import torch
 
+from optim.config import LossScaleConfig
+
 
 class DynamicLossScaler:
     def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
                  growth_interval: int = 2000, min_scale: float = 1.0):
-        if not init_scale > 0:
-            raise ValueError(f"precision.loss_scale.init={init_scale}: must be > 0")
-        if not growth_factor > 1:
-            raise ValueError(f"precision.loss_scale.growth_factor={growth_factor}: must be > 1")
-        if not 0 < backoff_factor < 1:
-            raise ValueError(f"precision.loss_scale.backoff_factor={backoff_factor}: must be in (0, 1)")
-        if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) or growth_interval < 1:
-            raise ValueError(f"precision.loss_scale.growth_interval={growth_interval!r}: must be an integer >= 1")
-        if not 0 < min_scale <= init_scale:
-            raise ValueError(f"precision.loss_scale.min_scale={min_scale}: must be in (0, init={init_scale}]")
+        LossScaleConfig(init_scale, growth_factor, backoff_factor, growth_interval, min_scale)  # the schema's checks
         self.scale = float(init_scale)
         self.growth_factor, self.backoff_factor = float(growth_factor), float(backoff_factor)
         self.growth_interval, self.min_scale = growth_interval, float(min_scale)

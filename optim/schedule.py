@@ -25,38 +25,14 @@ from collections.abc import Mapping
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-SCHEDULES = ("cosine", "linear", "wsd", "constant")
+from optim.config import SCHEDULES, ScheduleConfig  # noqa: F401  (SCHEDULES: re-exported)
 
-
-def _phases(cfg: Mapping, total_steps: int) -> tuple[str, int, int, int, float]:
-    """Validated (name, W, s₀, D, r) of a schedule over total_steps; ValueError names the bad key."""
-    name = cfg.get("name", "cosine")
-    if name not in SCHEDULES:
-        raise ValueError(f"optim.schedule.name={name}: expected one of {', '.join(SCHEDULES)}")
-    if not (isinstance(total_steps, int) and total_steps > 0):
-        raise ValueError(f"train.steps={total_steps}: must be a positive integer")
-    warmup = cfg.get("warmup_steps", 0) or 0
-    if not (isinstance(warmup, int) and 0 <= warmup <= total_steps):
-        raise ValueError(f"optim.schedule.warmup_steps={warmup}: must be an integer in "
-                         f"[0, train.steps={total_steps}]")
-    ratio = float(cfg.get("min_lr_ratio", 0.0))
-    if not 0.0 <= ratio <= 1.0:
-        raise ValueError(f"optim.schedule.min_lr_ratio={ratio}: must be in [0, 1]")
-    decay = cfg.get("decay_steps")
-    if decay is not None and not (isinstance(decay, int) and decay > 0):
-        raise ValueError(f"optim.schedule.decay_steps={decay}: must be a positive integer or null")
-
-    if name != "wsd":
-        return name, warmup, warmup, decay or max(total_steps - warmup, 1), ratio
-    if decay is None:
-        fraction = float(cfg.get("decay_fraction", 0.2))
-        if not 0.0 < fraction <= 1.0:
-            raise ValueError(f"optim.schedule.decay_fraction={fraction}: must be in (0, 1]")
-        decay = max(round(fraction * total_steps), 1)
-    if warmup + decay > total_steps:
-        raise ValueError(f"optim.schedule: warmup_steps={warmup} + decay steps={decay} "
-                         f"exceed train.steps={total_steps}")
-    return name, warmup, total_steps - decay, decay, ratio
+def _phases(cfg: Mapping | ScheduleConfig, total_steps: int) -> tuple[str, int, int, int, float]:
+    """(name, W, s₀, D, r) of a schedule over total_steps; the schema checks it (optim/config.py)."""
+    cfg = ScheduleConfig.from_dict(cfg)
+    decay = cfg.decay_over(total_steps)
+    start = total_steps - decay if cfg.name == "wsd" else cfg.warmup_steps
+    return cfg.name, cfg.warmup_steps, start, decay, float(cfg.min_lr_ratio)
 
 
 def _factor(step: int, name: str, warmup: int, start: int, decay: int, ratio: float) -> float:

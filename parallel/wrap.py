@@ -9,11 +9,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from parallel.config import ParallelConfig
 from parallel.dist import Dist
+from run.schema import from_mapping
 
-MODES = ("auto", "none", "ddp", "fsdp")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-FSDP_KEYS = {"param_dtype", "reduce_dtype", "reshard_after_forward"}
 
 
 def wrap_model(model: nn.Module, mode: str, dist: Dist, **fsdp) -> nn.Module:
@@ -24,13 +24,9 @@ def wrap_model(model: nn.Module, mode: str, dist: Dist, **fsdp) -> nn.Module:
     NOTE: ddp and fsdp over one process return the model itself: a 1-way replica or shard is the
     module, and one command line then works for any world size (resume 2 -> 1 included).
     """
-    if mode not in MODES:
-        raise ValueError(f"parallel.mode={mode}: expected one of {', '.join(MODES)}")
-    extra = set(fsdp) - FSDP_KEYS
-    if extra:
-        raise ValueError(f"parallel.{sorted(extra)[0]}: unknown key, expected mode or one of {sorted(FSDP_KEYS)}")
-    for key in ("param_dtype", "reduce_dtype"):  # checked on any world size: a typo fails on the laptop too
-        _dtype(fsdp.get(key, "float32"), key)
+    # the schema checks the mode, the option names and the dtypes on any world size: a typo fails on the laptop too
+    fsdp = vars(from_mapping(ParallelConfig, {"mode": mode, **fsdp}, "parallel")).copy()
+    mode = fsdp.pop("mode")
     if dist.world == 1:
         return model
     if mode == "none":
@@ -43,12 +39,6 @@ def wrap_model(model: nn.Module, mode: str, dist: Dist, **fsdp) -> nn.Module:
     # expert, even on zero tokens, so every parameter is in every graph.
     device_ids = [dist.device.index] if dist.device.type == "cuda" else None
     return DDP(model, device_ids=device_ids, broadcast_buffers=False, gradient_as_bucket_view=True)
-
-
-def _dtype(value: str, key: str) -> torch.dtype:
-    if value not in DTYPES:
-        raise ValueError(f"parallel.{key}={value}: expected one of {', '.join(DTYPES)}")
-    return DTYPES[value]
 
 
 def shard_model(model: nn.Module, dist: Dist, param_dtype: str = "float32", reduce_dtype: str = "float32",
@@ -64,8 +54,7 @@ def shard_model(model: nn.Module, dist: Dist, param_dtype: str = "float32", redu
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mp = MixedPrecisionPolicy(param_dtype=_dtype(param_dtype, "param_dtype"),
-                              reduce_dtype=_dtype(reduce_dtype, "reduce_dtype"))
+    mp = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[reduce_dtype])
     mesh = init_device_mesh(dist.device.type, (dist.world,))
     opts = dict(mesh=mesh, mp_policy=mp, reshard_after_forward=bool(reshard_after_forward))
     # NOTE: FSDP2 warns when a sharded block returns a view; the MoE output tuple carries views

@@ -12,23 +12,19 @@ from collections.abc import Mapping
 import torch
 
 from precision.amp import Bf16Recipe, Fp16Recipe
+from precision.config import RECIPES, PrecisionConfig
 from precision.fp8 import Fp8Recipe
 from precision.recipe import Recipe
 from precision.step import StepResult, optimizer_step
 from precision.table import ModuleDecision, PrecisionTable
 
 # NOTE: te_fp8 is imported lazily: precision/te.py is import-safe, but nothing pays for it unless asked.
-RECIPES = ("fp32", "bf16", "fp16", "fp8_block", "fp8_tensor", "te_fp8")
 
 
 def build_recipe(cfg: Mapping | None, device: torch.device | str = "cpu") -> Recipe:
     """The recipe named by cfg["name"] (a plain mapping or an OmegaConf node; None means fp32)."""
-    if cfg is None:
-        cfg = {"name": "fp32"}
-    if hasattr(cfg, "_metadata"):
-        from omegaconf import OmegaConf
-        cfg = OmegaConf.to_container(cfg, resolve=True)
-    name = cfg.get("name")
+    cfg = PrecisionConfig.from_dict(cfg).options()  # the schema checks names, options and ranges
+    name = cfg["name"]
     if name == "fp32":
         return Recipe(cfg, device)
     if name == "bf16":
@@ -40,7 +36,7 @@ def build_recipe(cfg: Mapping | None, device: torch.device | str = "cpu") -> Rec
     if name == "te_fp8":
         from precision.te import TeRecipe
         return TeRecipe(cfg, device)
-    raise ValueError(f"precision.name={name!r}: expected one of {', '.join(RECIPES)}")
+    raise AssertionError(name)  # unreachable: the schema admits only RECIPES
 
 
 __all__ = ["RECIPES", "ModuleDecision", "PrecisionTable", "Recipe", "StepResult", "build_recipe",

@@ -59,7 +59,6 @@ class Bf16Recipe(AmpRecipe):
 class Fp16Recipe(AmpRecipe):
     name = "fp16"
     dtype = torch.float16
-    KEYS = Recipe.KEYS | {"loss_scale"}
 
     def __init__(self, cfg, device="cpu"):
         super().__init__(cfg, device)

@@ -16,8 +16,10 @@ from torch import nn
 
 from model.moe import GroupedExperts, MoE
 from model.layers import Attention
+from optim.config import LossScaleConfig
 from optim.scaler import DynamicLossScaler
 from precision.table import ModuleDecision, PrecisionTable
+from run.schema import from_mapping
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -67,38 +69,23 @@ def swap_module(model: nn.Module, name: str, new: nn.Module) -> None:
 
 
 def scaler_from_cfg(cfg: Mapping | None) -> DynamicLossScaler:
-    cfg = dict(cfg or {})
-    known = {"init", "growth_factor", "backoff_factor", "growth_interval", "min_scale"}
-    for key in cfg:
-        if key not in known:
-            raise ValueError(f"precision.loss_scale.{key}: unknown key (expected some of {', '.join(sorted(known))})")
-    return DynamicLossScaler(init_scale=float(cfg.get("init", 2.0**16)),
-                             growth_factor=float(cfg.get("growth_factor", 2.0)),
-                             backoff_factor=float(cfg.get("backoff_factor", 0.5)),
-                             growth_interval=cfg.get("growth_interval", 2000),
-                             min_scale=float(cfg.get("min_scale", 1.0)))
+    c = from_mapping(LossScaleConfig, cfg or {}, "precision.loss_scale")  # the schema's keys and ranges
+    return DynamicLossScaler(init_scale=float(c.init), growth_factor=float(c.growth_factor),
+                             backoff_factor=float(c.backoff_factor), growth_interval=c.growth_interval,
+                             min_scale=float(c.min_scale))
 
 
-def dtype_from_cfg(cfg: Mapping, key: str, allowed=("bfloat16", "float16")) -> torch.dtype | None:
-    v = cfg.get(key)
-    if v is None:
-        return None
-    if v not in allowed:
-        raise ValueError(f"precision.{key}={v!r}: expected null or one of {', '.join(allowed)}")
-    return DTYPES[v]
+def dtype_from_cfg(cfg: Mapping, key: str) -> torch.dtype | None:
+    v = cfg.get(key)  # checked by the schema (precision/config.py)
+    return None if v is None else DTYPES[v]
 
 
 class Recipe:
     """Base: FP32 everywhere. Subclasses override what they change."""
 
     name = "fp32"
-    KEYS: frozenset[str] = frozenset({"name"})
-
     def __init__(self, cfg: Mapping, device: torch.device | str = "cpu"):
-        for key in cfg:
-            if key not in self.KEYS:
-                raise ValueError(f"precision.{key}: unknown key for precision={self.name} "
-                                 f"(expected some of {', '.join(sorted(self.KEYS))})")
+        """cfg: PrecisionConfig.options() (build_recipe makes it): the options this recipe reads."""
         self.cfg = dict(cfg)
         self.device = torch.device(device)
         self.modules: list[ModuleDecision] = []

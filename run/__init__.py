@@ -1,1 +1,1 @@
-"""Assembling a run: everything train.py's loop needs, built from the composed config (run/build.py)."""
+"""The run: its configuration schema (run/config.py) and the run object built from it (run/build.py)."""

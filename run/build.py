@@ -27,6 +27,7 @@ from model import ModelConfig, Transformer
 from optim import build_optimizer, build_scheduler, format_table
 from parallel import Dist, barrier, wrap_model
 from precision import build_recipe
+from run.config import validate
 from stability.anticipatory import AnticipatoryRouting
 from stability.callbacks import Callbacks
 from stability.events import EventLog
@@ -64,7 +65,7 @@ class Run:
 
 
 def build_run(cfg: DictConfig, dist: Dist) -> Run:
-    check_train_cfg(cfg, dist.world)
+    validate(cfg).train.check_world(dist.world)  # every group's keys, types and rules: run/config.py
     if cfg.threads:
         torch.set_num_threads(int(cfg.threads))
     run_dir = Path(HydraConfig.get().runtime.output_dir)
@@ -136,21 +137,3 @@ def write_header(cfg, dist: Dist, run_dir: Path, dataset, model, model_cfg, grou
     print(table.to_markdown())
     table.save(run_dir)
 
-
-def check_train_cfg(cfg, world: int) -> None:
-    tc = cfg.train
-    for key in ("steps", "batch_size", "micro_batches", "eval_every", "eval_samples", "eval_batch_size"):
-        if int(tc[key]) <= 0:
-            raise ValueError(f"train.{key}={tc[key]}: must be a positive integer")
-    if tc.batch_size % (world * tc.micro_batches):
-        raise ValueError(f"train.batch_size={tc.batch_size} is not divisible by world size {world} × "
-                         f"train.micro_batches={tc.micro_batches}")
-    if tc.max_grad_norm is not None and tc.max_grad_norm < 0:
-        raise ValueError(f"train.max_grad_norm={tc.max_grad_norm}: must be >= 0 or null")
-    if tc.z_loss < 0:
-        raise ValueError(f"train.z_loss={tc.z_loss}: must be >= 0")
-    if tc.compile and cfg.model.get("moe"):
-        raise ValueError("train.compile=true: MoE dispatch has data-dependent shapes (one recompile per "
-                         "expert-load pattern); compile dense models only")
-    if cfg.data.kind == "text" and OmegaConf.is_missing(cfg.data, "path"):
-        raise ValueError("data.path is required for data=text (e.g. data.path=input.txt)")

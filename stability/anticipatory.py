@@ -33,6 +33,8 @@ import torch
 from torch import Tensor
 
 from stability.callbacks import Callback, StepState
+from run.schema import from_mapping
+from stability.config import AnticipatoryConfig
 
 Routes = list[dict[int, Tensor]]  # one {MoE layer: ids (b, T, k)} per micro-batch
 
@@ -48,8 +50,7 @@ class AnticipatoryRouting(Callback):
         """model: the unwrapped Transformer (compute_routes lives there); loader: the training Loader;
         micro_batches: train.micro_batches (routes follow the same split); autocast: the recipe's
         callable returning a context manager, so routing sees the activations training will see."""
-        if isinstance(delay, bool) or not isinstance(delay, int) or delay < 0:
-            raise ValueError(f"guard.anticipatory.delay={delay!r}: must be an integer >= 0")
+        delay = from_mapping(AnticipatoryConfig, {"delay": delay}, "guard.anticipatory").delay  # the schema's check
         if not model.moe_layers():
             raise ValueError("guard.anticipatory: the model has no MoE layer to route (model.moe=null)")
         self.model, self.loader, self.micro_batches = model, loader, micro_batches

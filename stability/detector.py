@@ -26,7 +26,7 @@ import statistics
 from collections import deque
 from dataclasses import dataclass
 
-DIRECTIONS = ("up", "both")
+from stability.config import DIRECTIONS, DetectorConfig  # noqa: F401  (DIRECTIONS: re-exported)
 
 
 @dataclass
@@ -53,36 +53,13 @@ class Trigger:
                 f"{self.threshold:g}" + (" (in cooldown)" if self.suppressed else ""))
 
 
-def _check_metrics(metrics) -> dict[str, dict]:
-    out = {}
-    for name, spec in dict(metrics).items():
-        spec = dict(spec or {})
-        extra = set(spec) - {"direction", "log"}
-        if extra:
-            raise ValueError(f"guard.detector.metrics.{name}.{sorted(extra)[0]}: unknown key (direction, log)")
-        direction = spec.get("direction", "up")
-        if direction not in DIRECTIONS:
-            raise ValueError(f"guard.detector.metrics.{name}.direction={direction}: expected one of {DIRECTIONS}")
-        out[name] = {"direction": direction, "log": bool(spec.get("log", False))}
-    if not out:
-        raise ValueError("guard.detector.metrics: empty; watch at least one metric (e.g. loss)")
-    return out
-
-
 class SpikeDetector:
     def __init__(self, metrics: dict, window: int = 50, threshold: float = 6.0, min_history: int = 20,
                  cooldown: int = 10, warmup: int = 0, rel_floor: float = 1e-3):
-        if window < 3:
-            raise ValueError(f"guard.detector.window={window}: must be >= 3")
-        if not 3 <= min_history <= window:
-            raise ValueError(f"guard.detector.min_history={min_history}: must be in [3, window={window}]")
-        if threshold <= 0:
-            raise ValueError(f"guard.detector.threshold={threshold}: must be > 0")
-        if cooldown < 0:
-            raise ValueError(f"guard.detector.cooldown={cooldown}: must be >= 0")
-        if warmup < 0:
-            raise ValueError(f"guard.detector.warmup={warmup}: must be >= 0")
-        self.metrics = _check_metrics(metrics)
+        # the schema checks the settings (stability/config.py)
+        cfg = DetectorConfig.from_dict({"metrics": metrics, "window": window, "threshold": threshold,
+                                        "min_history": min_history, "cooldown": cooldown, "warmup": warmup})
+        self.metrics = {n: {"direction": m.direction, "log": m.log} for n, m in cfg.metrics.items()}
         self.window, self.threshold, self.min_history = window, threshold, min_history
         self.cooldown, self.warmup, self.rel_floor = cooldown, warmup, rel_floor
         self.history: dict[str, deque] = {m: deque(maxlen=window) for m in self.metrics}

@@ -43,64 +43,19 @@ import torch
 import torch.distributed as tdist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from data import IGNORE_INDEX, build_data
-from data.validate import check_keys, get_choice, get_float, get_int
+from data import IGNORE_INDEX, DataConfig, build_data
 from model.moe import MoEOutput
 from stability.callbacks import Callback, StepState
+from stability.config import FaultConfig
 
 DATA_KINDS = ("labels_shuffle", "repeat_token", "overlong_doc")
-KEYS = {  # per kind, beside kind and step
-    "none": set(), "nan_activation": {"layer", "sublayer", "value", "positions"},
-    "labels_shuffle": {"seed"}, "repeat_token": {"token"}, "overlong_doc": {"seed"},
-    "lr_spike": {"factor", "steps"}, "optim_state": {"mode", "scale", "param"},
-    "missing_reduce": {"rank"}, "mixture_switch": {"weights"},
-}
 VALUES = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 
 
 def parse_fault(cfg) -> dict:
-    """Validate the `fault` config node into a plain dict (one-line ValueErrors naming fault.<key>)."""
-    cfg = _plain(cfg) or {"kind": "none"}
-    kind = cfg.get("kind")
-    if kind not in KEYS:
-        raise ValueError(f"fault.kind={kind}: expected one of {', '.join(KEYS)}")
-    if kind == "none":
-        # NOTE: the other keys are ignored, so one override (fault.kind=none) turns any drill into its
-        # clean twin for comparison.
-        return {"kind": kind}
-    check_keys(cfg, {"kind", "step"} | KEYS[kind], "fault")
-    out = {"kind": kind, "step": get_int(cfg, "step", "fault", lo=1)}
-    if kind == "nan_activation":
-        out["layer"] = get_int(cfg, "layer", "fault", 0, lo=0)
-        out["sublayer"] = get_choice(cfg, "sublayer", "fault", ("attn", "mlp"), "mlp")
-        v = cfg.get("value", "nan")
-        key = str(v).lower() if isinstance(v, (str, float)) else None  # str(float("-inf")) == "-inf"
-        if key not in VALUES:
-            raise ValueError(f"fault.value={v!r}: expected one of nan, inf, -inf")
-        out["value"], out["positions"] = key, get_int(cfg, "positions", "fault", 4, lo=1)
-    elif kind in ("labels_shuffle", "overlong_doc"):
-        out["seed"] = get_int(cfg, "seed", "fault", 0, lo=0)
-    elif kind == "repeat_token":
-        out["token"] = None if cfg.get("token") is None else get_int(cfg, "token", "fault", lo=0)
-    elif kind == "lr_spike":
-        out["factor"] = get_float(cfg, "factor", "fault", 10.0, positive=True)
-        out["steps"] = get_int(cfg, "steps", "fault", 1, lo=1)
-    elif kind == "optim_state":
-        out["mode"] = get_choice(cfg, "mode", "fault", ("zero", "scale"), "zero")
-        out["scale"] = get_float(cfg, "scale", "fault", 1e-6, positive=True)
-        out["param"] = cfg.get("param")
-        if out["param"] is not None and (not isinstance(out["param"], str) or not out["param"]):
-            raise ValueError(f"fault.param={out['param']!r}: expected a parameter-name substring or null")
-    elif kind == "missing_reduce":
-        out["rank"] = get_int(cfg, "rank", "fault", 1, lo=0)
-    else:  # mixture_switch
-        w = cfg.get("weights")
-        if not isinstance(w, (list, tuple)) or not w:
-            raise ValueError(f"fault.weights={w!r}: expected a list of weights, one per data.sources entry")
-        out["weights"] = [get_float({"weights": x}, "weights", "fault", lo=0.0) for x in w]
-        if sum(out["weights"]) <= 0:
-            raise ValueError(f"fault.weights={w!r}: must not be all zero")
-    return out
+    """The `fault` node as a plain dict of the keys its kind reads; the schema (stability/config.py,
+    FaultConfig) checks keys, types and ranges. kind none: {"kind": "none"}, whatever else is set."""
+    return FaultConfig.from_dict(_plain(cfg)).resolved()
 
 
 class FaultInjector:
@@ -305,13 +260,14 @@ class FaultInjector:
         return fut.then(lambda f: f.value()[0] if local is None else local)
 
     def _build_switched(self, data_cfg: dict):
-        sources, w = data_cfg.get("sources"), self.cfg["weights"]
-        if data_cfg.get("kind") != "synthetic" or not isinstance(sources, list):
+        data, w = DataConfig.from_dict(data_cfg), self.cfg["weights"]  # the run's data, defaults filled in
+        if data.kind != "synthetic":
             raise ValueError(f"fault.kind=mixture_switch: needs data.kind=synthetic with data.sources; "
-                             f"got data.kind={data_cfg.get('kind')}")
-        if len(w) != len(sources):
-            raise ValueError(f"fault.weights={w}: expected {len(sources)} weights, one per data.sources entry")
-        return build_data({**data_cfg, "sources": [{**src, "weight": x} for src, x in zip(sources, w)]})
+                             f"got data.kind={data.kind}")
+        if len(w) != len(data.sources):
+            raise ValueError(f"fault.weights={w}: expected {len(data.sources)} weights, one per data.sources entry")
+        return build_data(dataclasses.replace(data, sources=[dataclasses.replace(src, weight=x)
+                                                             for src, x in zip(data.sources, w)]))
 
     def _switch(self) -> None:
         # WARN: the loader's fingerprint changes with the weights: restoring a pre-switch loader state

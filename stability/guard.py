@@ -32,43 +32,11 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
+from stability.config import ACTIONS, GuardConfig  # noqa: F401  (ACTIONS: re-exported)
 from stability.detector import SpikeDetector, Trigger
-
-ACTIONS = ("log", "skip", "rollback")
-KEYS = {"action", "detector", "replica_tol", "rollback", "anticipatory"}
-ROLLBACK_KEYS = {"source", "snapshot_every", "keep", "margin", "data", "max_rollbacks"}
-ANTICIPATORY_KEYS = {"enabled", "delay", "window", "quiet_steps"}
-
 
 class GuardAbort(RuntimeError):
     """The guard cannot act as configured (nothing to roll back to)."""
-
-
-def _check(cfg: dict) -> dict:
-    for node, keys, where in ((cfg, KEYS, "guard"), (cfg["rollback"], ROLLBACK_KEYS, "guard.rollback"),
-                              (cfg["anticipatory"], ANTICIPATORY_KEYS, "guard.anticipatory")):
-        extra = set(node) - keys
-        if extra:
-            raise ValueError(f"{where}.{sorted(extra)[0]}: unknown key, expected one of {sorted(keys)}")
-    if cfg["action"] not in ACTIONS:
-        raise ValueError(f"guard.action={cfg['action']}: expected one of {', '.join(ACTIONS)}")
-    rb = cfg["rollback"]
-    if rb["source"] not in ("memory", "disk"):
-        raise ValueError(f"guard.rollback.source={rb['source']}: expected memory or disk")
-    if rb["data"] not in ("replay", "skip"):
-        raise ValueError(f"guard.rollback.data={rb['data']}: expected replay or skip")
-    for key in ("snapshot_every", "keep", "max_rollbacks"):
-        if int(rb[key]) < 1:
-            raise ValueError(f"guard.rollback.{key}={rb[key]}: must be >= 1")
-    if int(rb["margin"]) < 0:
-        raise ValueError(f"guard.rollback.margin={rb['margin']}: must be >= 0")
-    an = cfg["anticipatory"]
-    for key in ("window", "quiet_steps"):
-        if int(an[key]) < 1:
-            raise ValueError(f"guard.anticipatory.{key}={an[key]}: must be >= 1")
-    if float(cfg["replica_tol"]) < 0:
-        raise ValueError(f"guard.replica_tol={cfg['replica_tol']}: must be >= 0")
-    return cfg
 
 
 @dataclass
@@ -86,15 +54,12 @@ class Verdict:
 
 class Guard:
     def __init__(self, cfg: dict, *, state, ckpt, events, routing=None, is_moe: bool = False):
-        cfg = _check(cfg)
-        d = cfg["detector"]
-        extra = set(d) - {"metrics", "window", "threshold", "min_history", "cooldown", "warmup"}
-        if extra:
-            raise ValueError(f"guard.detector.{sorted(extra)[0]}: unknown key")
-        self.detector = SpikeDetector(d["metrics"], int(d["window"]), float(d["threshold"]),
-                                      int(d["min_history"]), int(d["cooldown"]), int(d.get("warmup", 0)))
-        self.action, self.replica_tol = cfg["action"], float(cfg["replica_tol"])
-        self.rb, self.an = dict(cfg["rollback"]), dict(cfg["anticipatory"])
+        cfg = GuardConfig.from_dict(cfg)  # the schema checks keys, types and ranges (stability/config.py)
+        d = cfg.detector
+        self.detector = SpikeDetector({n: vars(m) for n, m in d.metrics.items()}, d.window, d.threshold,
+                                      d.min_history, d.cooldown, d.warmup)
+        self.action, self.replica_tol = cfg.action, float(cfg.replica_tol)
+        self.rb, self.an = vars(cfg.rollback).copy(), vars(cfg.anticipatory).copy()
         self.state, self.ckpt, self.events = state, ckpt, events
         # NOTE: anticipatory routing exists only on MoE models; on a dense model a rollback is a rollback.
         self.routing = routing if (is_moe and self.an["enabled"]) else None

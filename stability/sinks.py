@@ -9,9 +9,9 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from run.schema import from_mapping
+from stability.config import WANDB_MODES, LoggingConfig  # noqa: F401  (WANDB_MODES: re-exported)
 from stability.record import StepRecord
-
-WANDB_MODES = ("offline", "online", "disabled")
 
 
 class JsonlSink:
@@ -74,9 +74,8 @@ class WandbSink:
 
 
 def build_sinks(log_cfg, run_dir: Path, total_steps: int, floor: float | None, name: str, config: dict) -> list:
+    log_cfg = from_mapping(LoggingConfig, log_cfg, "logging")  # the schema checks the keys and values
     mode = log_cfg.wandb
-    if mode not in WANDB_MODES:
-        raise ValueError(f"logging.wandb={mode}: expected one of {', '.join(WANDB_MODES)}")
     sinks = [JsonlSink(run_dir / "metrics.jsonl"), ConsoleSink(total_steps, log_cfg.log_every, floor, log_cfg.progress)]
     if mode != "disabled":
         sinks.append(WandbSink(mode, log_cfg.wandb_project, run_dir, name, config))

@@ -50,6 +50,8 @@ def test_run_dir_is_never_reused_silently(tmp_path):
     ("train.batch_size=7", "train.batch_size"),
     ("data.sources.0.weight=-1", "data.sources"),
     ("guard.action=panic", "guard.action"),  # the stability pieces validate before anything is written too
+    ("train.stpes=100", "train.stpes: unknown key (did you mean train.steps?)"),  # Hydra's own message, in one line
+    ("train.steps=abc", "train.steps=abc: expected an integer (got str)"),
 ])
 def test_bad_config_exits_nonzero_naming_the_key(tmp_path, override, key):
     r = run_train(tmp_path / "run", *TINY, override)

@@ -1,0 +1,132 @@
+"""The `optim` group's schema: AdamW settings, parameter-group rules, the lr schedule.
+
+Rules that need the model (a rule that matches no parameter) or the run length (warmup beyond
+train.steps: ScheduleConfig.check_steps, also run by the root config) stay with what knows them.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from omegaconf import DictConfig, OmegaConf
+
+from run.schema import ConfigError, check, choice, fail, from_mapping
+
+KINDS = ("bias", "norm", "embedding", "router", "expert_bias")  # parameter kinds a rule can name
+DEFAULT_GROUP = "default"
+SCHEDULES = ("cosine", "linear", "wsd", "constant")
+
+
+def _nonneg(key: str, value: float) -> None:
+    check(value >= 0, key, value, "must be >= 0")  # NOTE: also rejects NaN
+
+
+@dataclass
+class GroupRule:
+    """One parameter-group rule: the first matching rule wins (optim/groups.py)."""
+    name: str | None = None            # null: group<i>
+    kinds: list[str] = field(default_factory=list)   # parameter kinds: bias | norm | embedding | router | expert_bias
+    names: list[str] = field(default_factory=list)   # fnmatch patterns on parameter names
+    weight_decay: float | None = None  # null: optim.weight_decay
+    lr_scale: float = 1.0              # this group's lr = optim.lr × lr_scale
+
+    def check(self, i: int) -> None:
+        key = f"optim.groups[{i}]"
+        bad = [k for k in self.kinds if k not in KINDS]
+        if bad:
+            fail(f"{key}.kinds", list(self.kinds), f"unknown kind {bad[0]!r}, expected one of {', '.join(KINDS)}")
+        if not self.kinds and not self.names:
+            raise ConfigError(f"{key} ({self.name}) gives neither kinds nor names: it could match nothing")
+        check(self.name != DEFAULT_GROUP, f"{key}.name", self.name, "reserved for parameters that no rule matches")
+        if self.weight_decay is not None:
+            _nonneg(f"{key}.weight_decay", self.weight_decay)
+        _nonneg(f"{key}.lr_scale", self.lr_scale)
+
+
+@dataclass
+class ScheduleConfig:
+    name: str = "cosine"              # cosine | linear | wsd | constant
+    warmup_steps: int = 0             # linear warmup from lr/W to lr
+    min_lr_ratio: float = 0.0         # the decay ends at min_lr_ratio × lr
+    decay_steps: int | None = None    # null: the rest of the run (wsd: decay_fraction of it)
+    decay_fraction: float = 0.2       # wsd only: the last 20 % of steps decay
+
+    def __post_init__(self) -> None:
+        choice("optim.schedule.name", self.name, SCHEDULES)
+        check(self.warmup_steps >= 0, "optim.schedule.warmup_steps", self.warmup_steps, "must be >= 0")
+        check(0.0 <= self.min_lr_ratio <= 1.0, "optim.schedule.min_lr_ratio", self.min_lr_ratio, "must be in [0, 1]")
+        check(self.decay_steps is None or self.decay_steps > 0, "optim.schedule.decay_steps", self.decay_steps,
+              "must be a positive integer or null")
+        check(0.0 < self.decay_fraction <= 1.0, "optim.schedule.decay_fraction", self.decay_fraction,
+              "must be in (0, 1]")
+
+    def decay_over(self, total_steps: int) -> int:
+        """Steps of the decay phase of a `total_steps` run, after checking the schedule fits in it."""
+        check(isinstance(total_steps, int) and total_steps > 0, "train.steps", total_steps,
+              "must be a positive integer")
+        check(self.warmup_steps <= total_steps, "optim.schedule.warmup_steps", self.warmup_steps,
+              f"must be an integer in [0, train.steps={total_steps}]")
+        if self.name != "wsd":
+            return self.decay_steps or max(total_steps - self.warmup_steps, 1)
+        decay = self.decay_steps if self.decay_steps is not None else max(round(self.decay_fraction * total_steps), 1)
+        if self.warmup_steps + decay > total_steps:
+            raise ConfigError(f"optim.schedule: warmup_steps={self.warmup_steps} + decay steps={decay} "
+                              f"exceed train.steps={total_steps}")
+        return decay
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "ScheduleConfig":
+        return from_mapping(cls, d, "optim.schedule")
+
+
+@dataclass
+class OptimConfig:
+    """AdamW (optim/adamw.py) over parameter groups (optim/groups.py), with an lr schedule."""
+    lr: float = 3e-3
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    groups: list[GroupRule] = field(default_factory=list)  # first matching rule wins; one matching nothing is an error
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+
+    def __post_init__(self) -> None:
+        check(math.isfinite(self.lr) and self.lr > 0, "optim.lr", self.lr, "must be > 0")
+        check(len(self.betas) == 2 and all(0.0 <= b < 1.0 for b in self.betas), "optim.betas", list(self.betas),
+              "expected two values in [0, 1)")
+        check(self.eps > 0, "optim.eps", self.eps, "must be > 0")
+        _nonneg("optim.weight_decay", self.weight_decay)
+        seen = set()
+        for i, rule in enumerate(self.groups):
+            rule.check(i)
+            name = rule.name or f"group{i}"
+            check(name not in seen, f"optim.groups[{i}].name", name, "duplicate group name")
+            seen.add(name)
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "OptimConfig":
+        if isinstance(d, cls):
+            return d
+        d = dict(OmegaConf.to_container(d, resolve=True) if isinstance(d, DictConfig) else d)
+        if isinstance(d.get("groups"), (list, tuple)):  # one by one, so an error names its index
+            d["groups"] = [from_mapping(GroupRule, r, f"optim.groups[{i}]") for i, r in enumerate(d["groups"])]
+        return from_mapping(cls, d, "optim")
+
+
+@dataclass
+class LossScaleConfig:
+    """Dynamic loss scaling (optim/scaler.py; precision=fp16). Keep init, growth and backoff powers of
+    two: unscaling by S is then exact."""
+    init: float = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000  # finite steps in a row before the scale grows
+    min_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        p = "precision.loss_scale"
+        check(self.init > 0, f"{p}.init", self.init, "must be > 0")
+        check(self.growth_factor > 1, f"{p}.growth_factor", self.growth_factor, "must be > 1")
+        check(0 < self.backoff_factor < 1, f"{p}.backoff_factor", self.backoff_factor, "must be in (0, 1)")
+        check(self.growth_interval >= 1, f"{p}.growth_interval", self.growth_interval, "must be an integer >= 1")
+        check(0 < self.min_scale <= self.init, f"{p}.min_scale", self.min_scale, f"must be in (0, init={self.init}]")

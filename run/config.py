@@ -1,0 +1,154 @@
+"""The root config: every group's schema, composed once, registered with Hydra's ConfigStore.
+
+    conf/config.yaml          defaults: [ballast_schema, model: mixed_tiny, ..., _self_]
+    ballast_schema (here)     Config: the types and defaults of every key (components' dataclasses)
+    conf/<group>/<option>     only the values that option changes
+
+Where a key is defined: run_name, seed, device, threads, resume, train.* here; telemetry.*, logging.*,
+guard.*, fault.* in stability/config.py; model.* in model/config.py; optim.* (and the fp16 loss scale)
+in optim/config.py; data.* in data/config.py; parallel.* in parallel/config.py; precision.* in
+precision/config.py; checkpoint.* and resume.* in checkpoint/config.py.
+
+To add a key: add a typed field with its default (and a `why` comment) to its group's dataclass, its
+range or cross-key rule to that dataclass's `__post_init__` (a rule across groups: `Config.__post_init__`
+below), and read it in the component. A YAML option sets it only where its value differs from the
+default. OmegaConf then refuses an unknown or mistyped key; `python train.py --cfg job` shows it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from checkpoint.config import CheckpointConfig, ResumeConfig
+from data.config import DataConfig
+from model.config import ModelConfig
+from optim.config import OptimConfig
+from parallel.config import ParallelConfig
+from precision.config import PrecisionConfig
+from run.schema import ConfigError, check, choice, fail, from_mapping, known_keys_only, one_line
+from stability.config import FaultConfig, GuardConfig, LoggingConfig, TelemetryConfig
+
+SCHEMA = "ballast_schema"  # the name conf/config.yaml's defaults list starts with
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 400
+    batch_size: int = 16         # GLOBAL samples per optimizer step (split over ranks)
+    micro_batches: int = 2       # gradient-accumulation micro-batches per rank
+    z_loss: float = 1e-4         # coefficient on Σ logsumexp² / N_valid
+    max_grad_norm: float | None = 1.0  # global-norm clip threshold; null = measure only
+    eval_every: int = 100
+    eval_samples: int = 512
+    eval_batch_size: int = 64
+    compile: bool = False        # torch.compile the model (dense only): ~25 s cold start, faster steps
+
+    def __post_init__(self) -> None:
+        for key in ("steps", "batch_size", "micro_batches", "eval_every", "eval_samples", "eval_batch_size"):
+            check(getattr(self, key) > 0, f"train.{key}", getattr(self, key), "must be a positive integer")
+        if self.batch_size % self.micro_batches:
+            fail("train.batch_size", self.batch_size,
+                 f"is not divisible by train.micro_batches={self.micro_batches}", sep=" ")
+        check(self.max_grad_norm is None or self.max_grad_norm >= 0, "train.max_grad_norm", self.max_grad_norm,
+              "must be >= 0 or null")
+        check(self.z_loss >= 0, "train.z_loss", self.z_loss, "must be >= 0")
+
+    def check_world(self, world: int) -> None:
+        """The rule that needs the launch: every rank gets whole micro-batches."""
+        if self.batch_size % (world * self.micro_batches):
+            fail("train.batch_size", self.batch_size, f"is not divisible by world size {world} × "
+                 f"train.micro_batches={self.micro_batches}", sep=" ")
+
+
+def _resume_default() -> dict:
+    return {"path": None, "allow_data_change": False, "allow_config_change": []}
+
+
+@dataclass
+class Config:
+    run_name: str = "quickstart"
+    seed: int = 0                # model init and torch RNG; the data has its own seed (data.seed)
+    device: str = "auto"         # auto | cpu | cuda
+    threads: int | None = None   # torch intra-op threads per process; null = torch's default
+    # Continue a run from a checkpoint: `resume=latest` (this run dir's checkpoints/latest) or a checkpoint
+    # path; the full form, for declared changes: resume.path=latest resume.allow_data_change=true.
+    # NOTE: Any, because the shorthand replaces the node with a string; the mapping is checked below.
+    resume: Any = field(default_factory=_resume_default)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
+
+    def __post_init__(self) -> None:
+        """Rules across groups (each group checked its own keys when it was built)."""
+        choice("device", self.device, DEVICES)
+        check(self.threads is None or self.threads >= 1, "threads", self.threads, "must be >= 1 or null")
+        if isinstance(self.resume, (dict, DictConfig)):
+            from_mapping(ResumeConfig, self.resume, "resume")
+        elif self.resume is not None and not isinstance(self.resume, str):
+            fail("resume", self.resume, "expected latest, a checkpoint path, or resume.path=...")
+        for key in ("vocab_size", "seq_len"):
+            value = getattr(self.model, key)
+            check(value is None, f"model.{key}", value, f"set by the data (data.kind={self.data.kind}); drop it")
+        if self.train.compile and self.model.moe is not None:
+            raise ConfigError("train.compile=true: MoE dispatch has data-dependent shapes (one recompile per "
+                              "expert-load pattern); compile dense models only")
+        self.optim.schedule.decay_over(self.train.steps)  # warmup (and the wsd decay) fit in train.steps
+        self.checkpoint.check_steps(self.train.steps)
+        # NOTE: fault rules that need the model or the data (fault.layer, fault.param, the mixture_switch
+        # weights) are checked by FaultInjector, built before anything is written.
+
+
+def register() -> None:
+    """The schema under SCHEMA, for conf/config.yaml's defaults list (Hydra's typed-config pattern)."""
+    ConfigStore.instance().store(name=SCHEMA, node=Config)
+
+
+def validate(cfg: DictConfig) -> Config:
+    """The composed config as a checked Config (every group's __post_init__ and the root's), or one
+    ConfigError line."""
+    try:
+        known_keys_only(cfg)
+        return OmegaConf.to_object(cfg)
+    except OmegaConfBaseException as e:
+        raise ConfigError(one_line(e)) from None
+
+
+def compose_check(overrides: list[str], config_dir: str | None = None, config_name: str = "config") -> Config:
+    """Compose conf/ with these command-line overrides, as @hydra.main will, and validate: the pre-flight
+    that turns Hydra's and OmegaConf's multi-line messages into one ConfigError line. config_dir=None:
+    inside a caller's `hydra.initialize_config_dir` (tests compose many configs under one)."""
+    from contextlib import nullcontext
+
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+
+    register()
+    init = nullcontext() if config_dir is None else initialize_config_dir(config_dir=config_dir, version_base=None)
+    try:
+        with init:
+            cfg = compose(config_name=config_name, overrides=overrides)
+    except (HydraException, OmegaConfBaseException) as e:
+        raise ConfigError(one_line(e)) from None
+    return validate(cfg)
+
+
+def preflight(argv: list[str], config_dir: str) -> None:
+    """Compose and validate the command line before @hydra.main runs: a bad key or value stops the run
+    in one line (train.py prints it, exit 2) before anything is written. Skipped when an argument is a
+    flag (--cfg, -m/--multirun, --help, --info, -c, ...): those are Hydra's own business."""
+    if any(a.startswith("-") for a in argv):
+        return
+    compose_check(list(argv), config_dir)
