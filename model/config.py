@@ -83,6 +83,7 @@ class ModelConfig:
     tie_embeddings: bool = True
     init_std: float = 0.02
     swiglu_clamp: float | None = None   # L; None = off
+    qk_norm: bool = False           # RMSNorm on each q and k head before RoPE (model/layers.py)
     moe: MoEConfig | None = None
 
     @classmethod
@@ -128,6 +129,8 @@ class ModelConfig:
             _check_positive(f"model.{key}", getattr(self, key))
         if self.swiglu_clamp is not None:
             _check_positive("model.swiglu_clamp", self.swiglu_clamp)
+        if not isinstance(self.qk_norm, bool):
+            raise ValueError(f"model.qk_norm={self.qk_norm!r} must be true or false")
         if self.d_model % self.n_heads:
             raise ValueError(f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}")
         if self.n_heads % self.kv_heads:
