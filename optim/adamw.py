@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 
 from optim.groups import build_param_groups
+from optim.muon import Muon, check_muon_cfg, fused_row_splits, split_groups
 
 
 def _fused_supported(params: list[torch.Tensor]) -> bool:
@@ -24,11 +25,18 @@ def _fused_supported(params: list[torch.Tensor]) -> bool:
     return all(p.device.type in devices and torch.is_floating_point(p) for p in params)
 
 
-def build_optimizer(model: nn.Module, cfg: Mapping) -> tuple[torch.optim.AdamW, list[dict]]:
-    """AdamW (fused where supported, else foreach) over build_param_groups(model, cfg), and its table.
+OPTIMIZERS = ("adamw", "muon")
 
-    cfg is the `optim` node: lr, betas, eps, weight_decay, groups.
+
+def build_optimizer(model: nn.Module, cfg: Mapping) -> tuple[torch.optim.Optimizer, list[dict]]:
+    """AdamW (fused where supported, else foreach) over build_param_groups(model, cfg), and its table;
+    or, with optim.name=muon, Muon on the hidden matrices and AdamW on the rest (optim/muon.py).
+
+    cfg is the `optim` node: name, lr, betas, eps, weight_decay, groups, muon, qk_clip.
     """
+    kind = cfg.get("name", "adamw")
+    if kind not in OPTIMIZERS:
+        raise ValueError(f"optim.name={kind!r}: expected one of {', '.join(OPTIMIZERS)}")
     betas = tuple(float(b) for b in cfg.get("betas", (0.9, 0.95)))
     if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
         raise ValueError(f"optim.betas={list(betas)}: expected two values in [0, 1)")
@@ -44,6 +52,13 @@ def build_optimizer(model: nn.Module, cfg: Mapping) -> tuple[torch.optim.AdamW, 
             raise ValueError(f"optim: parameter {name} is {p.dtype}; "
                              "optimizer state needs FP32 master weights")
 
+    if kind == "muon":
+        mc = check_muon_cfg(cfg)
+        groups, table = split_groups(model, groups, table, mc.pop("adamw"))
+        opt = Muon(groups, lr=float(cfg["lr"]), betas=betas, eps=eps, weight_decay=float(cfg.get("weight_decay", 0.0)),
+                   row_splits=fused_row_splits(model), **mc)
+        return opt, table
+    table = [{**row, "optimizer": "adamw"} for row in table]
     fused = _fused_supported(params)
     opt = torch.optim.AdamW(groups, lr=float(cfg["lr"]), betas=betas, eps=eps,
                             weight_decay=float(cfg.get("weight_decay", 0.0)),
