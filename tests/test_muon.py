@@ -13,6 +13,7 @@ import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from model import ModelConfig, MoEConfig, Transformer
@@ -213,14 +214,26 @@ def _ddp_worker(rank, world, init_file, out):
             out_ = ddp(mine, mine)
             (out_.loss_sum / 16).backward()  # DDP averages: ÷ world · (global tokens / world) = mean over 32
             opt.step()
+        # FSDP2: every block and the root sharded on dim 0; Muon gathers each matrix for NS5
+        sharded = tiny_moe()
+        for block in sharded.blocks:
+            fully_shard(block)
+        fully_shard(sharded)
+        opt_s, _ = build_optimizer(sharded, muon_cfg())
+        for x in _batches(3):
+            mine = x[rank * 2: rank * 2 + 2]
+            opt_s.zero_grad(set_to_none=True)
+            (sharded(mine, mine).loss_sum / 16).backward()  # FSDP averages over ranks, like DDP
+            opt_s.step()
+        full = {n: p.full_tensor().detach() for n, p in sharded.named_parameters()}
         if rank == 0:
-            torch.save({n: p.detach() for n, p in model.named_parameters()}, out)
+            torch.save({"ddp": {n: p.detach() for n, p in model.named_parameters()}, "fsdp": full}, out)
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.distributed
-def test_ddp_two_processes_equal_one(tmp_path):
+def test_ddp_and_fsdp2_two_processes_equal_one(tmp_path):
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_ddp_worker, args=(2, os.path.join(tmp, "init"), tmp_path / "ddp.pt"), nprocs=2, join=True)
     got = torch.load(tmp_path / "ddp.pt")
@@ -231,4 +244,5 @@ def test_ddp_two_processes_equal_one(tmp_path):
         (model(x, x).loss_sum / 32).backward()
         opt.step()
     for n, p in model.named_parameters():
-        torch.testing.assert_close(got[n], p.detach(), rtol=1e-5, atol=1e-6, msg=n)
+        torch.testing.assert_close(got["ddp"][n], p.detach(), rtol=1e-5, atol=1e-6, msg=n)
+        torch.testing.assert_close(got["fsdp"][n], p.detach(), rtol=1e-5, atol=1e-6, msg=n)
