@@ -90,3 +90,30 @@ def test_qk_norm_gains_are_norm_params_and_do_not_decay():
 def test_qk_norm_config_must_be_bool():
     with pytest.raises(ValueError, match="model.qk_norm"):
         ModelConfig.from_dict({"vocab_size": 5, "seq_len": 4, "qk_norm": "yes"})
+
+
+def test_telemetry_records_attn_logit_max_per_layer():
+    from data.loader import Loader
+    from labs.claims.tiny import BATCH, build, make_optimizer, train_step
+    from stability.telemetry import Telemetry
+
+    dataset, model = build(7)
+    opt, sched = make_optimizer(model, 1e-2)
+    loader = Loader(dataset, BATCH)
+    tel = Telemetry(model, 2)
+    # the probe reads the first sequence of each micro-batch (train_step: 2 micro-batches of 4)
+    expect, hooks = {}, []
+    for i, block in enumerate(model.blocks):
+        def hook(mod, args, out, i=i):
+            if torch.is_grad_enabled():
+                q, k, _ = mod.qk(*args)
+                expect[i] = max(expect.get(i, -math.inf), head_logit_max(q[:1], k[:1]).max().item())
+        hooks.append(block.attn.register_forward_hook(hook))
+    rec1 = train_step(model, opt, sched, loader, 1.0, telemetry=tel, step=1)  # not a telemetry step
+    assert rec1["telemetry"] == {} and all(not b.attn.probe_logits for b in model.blocks)
+    expect.clear()
+    rec = train_step(model, opt, sched, loader, 1.0, telemetry=tel, step=2)
+    layers = rec["telemetry"]["layers"]
+    for i in range(len(model.blocks)):
+        assert layers[f"block{i}.attn"]["attn_logit_max"] == pytest.approx(expect[i], rel=1e-6)
+    assert all(not b.attn.probe_logits for b in model.blocks)  # off again after the step
