@@ -29,6 +29,7 @@ from data.loader import Loader, eval_batches
 from model import ModelConfig, Transformer
 from optim import build_optimizer, build_scheduler, format_table
 from optim.accumulate import count_valid_tokens, forward_backward, reduce_step_sums
+from optim.levers import build_levers
 from parallel import all_reduce_sum, barrier, destroy, init_distributed, wrap_model
 from precision import build_recipe, optimizer_step
 from stability.anticipatory import AnticipatoryRouting
@@ -84,6 +85,7 @@ def build(cfg: DictConfig, dist) -> dict:
     optimizer, group_table = build_optimizer(model, OmegaConf.to_container(cfg.optim, resolve=True))
     scheduler = build_scheduler(optimizer, OmegaConf.to_container(cfg.optim.schedule, resolve=True), cfg.train.steps)
     scaler = recipe.make_scaler()  # None unless fp16
+    levers = build_levers(config, model)  # train.clip=zscore policy, optim.qk_clip (validated here)
     loader = Loader(dataset, cfg.train.batch_size, dist.rank, dist.world)
     evals = eval_batches(dataset, cfg.train.eval_samples, cfg.train.eval_batch_size, dist.rank, dist.world)
     floor = dataset.expected_floor() if hasattr(dataset, "expected_floor") else None
@@ -98,7 +100,7 @@ def build(cfg: DictConfig, dist) -> dict:
     routing = AnticipatoryRouting(model, loader, cfg.train.micro_batches, an["delay"], dist.device,
                                   recipe.autocast) if is_moe and an["enabled"] else None
     state = TrainState(model, optimizer, scheduler, loader, config, dist.rank, dist.world,
-                       extras={"loss_scaler": scaler, "faults": faults} if scaler else {"faults": faults})
+                       extras={**({"loss_scaler": scaler} if scaler else {}), "faults": faults, **levers.extras()})
     state.guard = guard = Guard(config["guard"], state=state, ckpt=None, events=events, routing=routing,
                                 is_moe=is_moe)
 
@@ -123,11 +125,11 @@ def build(cfg: DictConfig, dist) -> dict:
     barrier()
     return dict(model=model, wrapped=wrapped, optimizer=optimizer, scheduler=scheduler, loader=loader,
                 evals=evals, dataset=dataset, sinks=sinks, run_dir=run_dir, ckpt=ckpt, recipe=recipe, scaler=scaler,
-                events=events, faults=faults, telemetry=telemetry, routing=routing, guard=guard)
+                events=events, faults=faults, telemetry=telemetry, routing=routing, guard=guard, levers=levers)
 
 
 def train(cfg, dist, model, wrapped, optimizer, scheduler, loader, evals, dataset, sinks, run_dir, ckpt,
-          recipe, scaler, events, faults, telemetry, routing, guard) -> None:
+          recipe, scaler, events, faults, telemetry, routing, guard, levers) -> None:
     # NOTE: a plain namespace: an OmegaConf attribute read costs ~17 µs (a dict read ~0.05 µs)
     tc, names = SimpleNamespace(**OmegaConf.to_container(cfg.train, resolve=True)), dataset.source_names
     step, tokens_seen = ckpt.state.step, ckpt.state.tokens  # 0 unless resumed
@@ -170,7 +172,8 @@ def train(cfg, dist, model, wrapped, optimizer, scheduler, loader, evals, datase
                                        fingerprint=loader.dataset.fingerprint, loss_by_source=loss_by_source)
 
         # unscale → global norm → finite check agreed by all ranks → clip → guard veto → step, or a counted skip
-        res = optimizer_step(model.parameters(), optimizer, scaler, tc.max_grad_norm, veto=veto)
+        res = optimizer_step(model.parameters(), optimizer, scaler, tc.max_grad_norm, veto=veto, clip=levers.clip)
+        qk_clip = levers.after_update(micro)  # QK-clip: {} when off
         norm, coef = res.norm, res.coef
         for g, lr_g in zip(optimizer.param_groups, planned):
             g["lr"] = lr_g
@@ -209,7 +212,8 @@ def train(cfg, dist, model, wrapped, optimizer, scheduler, loader, evals, datase
             loss=stats["loss"], z_loss=stats["z_loss"], aux_loss=stats["aux_loss"], logit_max=stats["logit_max"],
             loss_by_source=loss_by_source,
             expert_load={str(l): (load / load.sum()).tolist() for l, load in stats["moe_load"].items()},
-            lr=lr, grad_norm=norm.item(), clip_coef=coef.item(), skipped=res.skipped, loss_scale=res.loss_scale,
+            lr=lr, grad_norm=norm.item(), clip_coef=coef.item(), clip=levers.clip_record(), qk_clip=qk_clip,
+            skipped=res.skipped, loss_scale=res.loss_scale,
             layers=post.get("layers", {}), moe=moe_stats, update_ratio_max=post.get("update_ratio_max"),
             nonfinite={**flags, **post.get("nonfinite", {})},
             replica=post.get("replica", {}), guard=guard.record(),

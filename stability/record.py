@@ -32,7 +32,7 @@ class StepRecord:
     logit_max: float = math.nan
     expert_load: dict[str, list[float]] = field(default_factory=dict)  # layer -> share of assignments
     # per-layer telemetry (stability/telemetry.py), on telemetry steps only: layer name ->
-    # {act_rms, grad_rms, update_ratio ρ_ℓ, clamp_hit_rate (SwiGLU layers)}
+    # {act_rms, grad_rms, update_ratio ρ_ℓ, clamp_hit_rate (SwiGLU layers), attn_logit_max (block{i}.attn)}
     layers: dict[str, dict[str, float]] = field(default_factory=dict)
     moe: dict[str, dict[str, Any]] = field(default_factory=dict)  # MoE layer -> {load, max_violation, dead}
     nonfinite: dict[str, bool] = field(default_factory=dict)  # loss, logits, grads, optim_state
@@ -41,6 +41,8 @@ class StepRecord:
     lr: float = math.nan
     grad_norm: float = math.nan  # global, before clipping
     clip_coef: float = 1.0
+    clip: dict[str, Any] = field(default_factory=dict)  # train.clip=zscore: z, threshold, mean, std, fixed_coef
+    qk_clip: dict[str, Any] = field(default_factory=dict)  # heads_clipped, factors {block.h: γ}, logit_max
     skipped: bool = False
     loss_scale: float | None = None  # FP16 dynamic loss scale this step's backward used (None: no scaling)
     # system layer

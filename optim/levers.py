@@ -1,0 +1,39 @@
+"""The stability levers a run switches on from its config, as one object the training loop calls.
+
+    levers = build_levers(config, model)       # validates train.clip / train.zscore / optim.qk_clip
+    res = optimizer_step(..., clip=levers.clip)   # None: the fixed clip; a ZScoreClip: adaptive
+    qk = levers.after_update(micro_batches)    # QK-clip after the update ({} when off)
+    StepRecord(..., clip=levers.clip_record(), qk_clip=qk)
+    TrainState(extras={..., **levers.extras()})   # the z-score EMA state rides in checkpoints
+
+(model.qk_norm is part of the model and Muon part of the optimizer: neither needs the loop.)
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from optim.qk_clip import QKClip, check_tau
+from optim.zclip import ZScoreClip, build_clip_policy
+
+
+class Levers:
+    def __init__(self, clip: ZScoreClip | None, qk_clip: QKClip | None):
+        self.clip, self.qk_clip = clip, qk_clip
+
+    def after_update(self, micro_batches) -> dict:
+        if self.qk_clip is None:
+            return {}
+        return self.qk_clip.after_update([mb.tokens for mb in micro_batches])
+
+    def clip_record(self) -> dict:
+        return dict(self.clip.last) if self.clip is not None else {}
+
+    def extras(self) -> dict:
+        return {"zscore_clip": self.clip} if self.clip is not None else {}
+
+
+def build_levers(config: Mapping, model) -> Levers:
+    """config: the resolved run config (train, optim); model: the bare Transformer."""
+    clip = build_clip_policy(config["train"])
+    tau = check_tau((config["optim"].get("qk_clip") or {}).get("tau"))
+    return Levers(clip, QKClip(model, tau) if tau is not None else None)
