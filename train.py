@@ -173,7 +173,7 @@ def train(cfg, dist, model, wrapped, optimizer, scheduler, loader, evals, datase
 
         # unscale → global norm → finite check agreed by all ranks → clip → guard veto → step, or a counted skip
         res = optimizer_step(model.parameters(), optimizer, scaler, tc.max_grad_norm, veto=veto, clip=levers.clip)
-        qk_clip = levers.after_update(micro)  # QK-clip: {} when off
+        qk_clip = levers.after_update(micro, res.skipped)  # QK-clip: {} when off or skipped
         norm, coef = res.norm, res.coef
         for g, lr_g in zip(optimizer.param_groups, planned):
             g["lr"] = lr_g

@@ -2,7 +2,7 @@
 
     levers = build_levers(config, model)       # validates train.clip / train.zscore / optim.qk_clip
     res = optimizer_step(..., clip=levers.clip)   # None: the fixed clip; a ZScoreClip: adaptive
-    qk = levers.after_update(micro_batches)    # QK-clip after the update ({} when off)
+    qk = levers.after_update(micro_batches, res.skipped)   # QK-clip after the update ({} when off)
     StepRecord(..., clip=levers.clip_record(), qk_clip=qk)
     TrainState(extras={..., **levers.extras()})   # the z-score EMA state rides in checkpoints
 
@@ -20,8 +20,10 @@ class Levers:
     def __init__(self, clip: ZScoreClip | None, qk_clip: QKClip | None):
         self.clip, self.qk_clip = clip, qk_clip
 
-    def after_update(self, micro_batches) -> dict:
-        if self.qk_clip is None:
+    def after_update(self, micro_batches, skipped: bool = False) -> dict:
+        # NOTE: not on a skipped step: a guard skip promises parameters untouched (the weights are the
+        # previous step's, already clipped on its batch).
+        if self.qk_clip is None or skipped:
             return {}
         return self.qk_clip.after_update([mb.tokens for mb in micro_batches])
 
