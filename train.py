@@ -67,7 +67,7 @@ def train(run: Run) -> None:
         s.first_id = loader.samples_consumed  # the global batch is sample ids [first_id, first_id + batch_size)
         s.batch = loader.next()
         cb.on_batch(s)  # a data drill may replace the batch; anticipatory routing sets s.routes
-        micro = [mb.to(dev) for mb in s.batch.micro_batches(tc.micro_batches)]
+        s.micro = micro = [mb.to(dev) for mb in s.batch.micro_batches(tc.micro_batches)]
         n_valid = count_valid_tokens(micro, dev)  # global, before any forward
         s.n_valid = int(n_valid.item())
         s.inputs = input_stats(micro, dev, run.dataset.vocab_size, getattr(run.dataset, "bos_ids", None))
@@ -90,8 +90,9 @@ def train(run: Run) -> None:
                                        fingerprint=loader.dataset.fingerprint, loss_by_source=s.loss_by_source)
 
         # unscale → global norm → finite check agreed by all ranks → clip → guard veto → step, or a counted skip
-        s.result = res = optimizer_step(model.parameters(), optimizer, run.scaler, tc.max_grad_norm, veto=veto)
-        cb.after_update(s)  # telemetry reads the gradients and Δθ into s.post
+        s.result = res = optimizer_step(model.parameters(), optimizer, run.scaler, tc.max_grad_norm, veto=veto,
+                                        clip=run.clip)  # clip: None (fixed threshold) or the adaptive z-score policy
+        cb.after_update(s)  # QK-clip; telemetry reads the gradients and Δθ into s.post
         if res.skipped and not res.vetoed:  # NOTE: a non-finite gradient would poison the weights and moments
             s.events.append(f"non-finite grad norm ({res.norm.item()}) at loss scale {res.loss_scale}: optimizer "
                             f"step skipped ({res.skipped_total if res.skipped_total is not None else 1} so far)")

@@ -62,6 +62,20 @@ def attention(T: int):
         "x": x, "qkv.weight": attn.qkv.weight, "proj_out.weight": attn.proj_out.weight}
 
 
+def attention_qk_norm(T: int):
+    cfg = ModelConfig(vocab_size=2, seq_len=T, d_model=32, n_heads=4, n_kv_heads=2, qk_norm=True)
+    attn = layers.Attention(cfg).to(F64)
+    attn.init_weights(0.3, 0.3)
+    with torch.no_grad():  # gains away from 1: a gain missing from the backward would show
+        for norm in (attn.q_norm, attn.k_norm):
+            norm.weight.add_(0.3 * torch.randn(cfg.head_dim, dtype=F64))
+    cos, sin = (t.to(F64) for t in layers.rope_tables(T, cfg.head_dim, cfg.rope_theta))
+    x, w = _leaf(torch.randn(2, T, 32)), torch.randn(2, T, 32, dtype=F64)
+    return (lambda: ((attn(x, cos, sin) * w).sum(), None)), {
+        "x": x, "qkv.weight": attn.qkv.weight, "q_norm.weight": attn.q_norm.weight,
+        "k_norm.weight": attn.k_norm.weight, "proj_out.weight": attn.proj_out.weight}
+
+
 def rope(T: int):
     cos, sin = (t.to(F64) for t in layers.rope_tables(T, 8, 10000.0))
     x, w = _leaf(torch.randn(2, T, 4, 8)), torch.randn(2, T, 4, 8, dtype=F64)
@@ -163,7 +177,7 @@ class PadTargets:
         return dataclasses.replace(b, labels=pad_targets(b.labels))
 
 
-BUILDERS = {"attention (GQA + RoPE)": attention, "RoPE": rope, "RMSNorm": rmsnorm,
+BUILDERS = {"attention (GQA + RoPE)": attention, "attention + QK-norm": attention_qk_norm, "RoPE": rope, "RMSNorm": rmsnorm,
             "SwiGLU inside clamp": swiglu_inside, "SwiGLU outside clamp": swiglu_outside,
             "MoE router gates + experts": moe, "cross-entropy + z-loss": ce_zloss}
 

@@ -42,25 +42,78 @@ def apply_rope(x_BTHd: Tensor, cos_TF: Tensor, sin_TF: Tensor) -> Tensor:
     return rearrange(out, "b t h f two -> b t h (f two)").to(x_BTHd.dtype)
 
 
+def head_logit_max(q_BHTd: Tensor, k_BKTd: Tensor) -> Tensor:
+    """(H,) float32: max over batch and causal pairs (s ≤ t) of the pre-softmax logit q_t·k_s/√d, per
+    query head. GQA: query head h reads kv head h // (H/K), as SDPA's enable_gqa does."""
+    K, d = k_BKTd.shape[1], q_BHTd.shape[-1]
+    q_BKGTd = rearrange(q_BHTd.float(), "b (k g) t d -> b k g t d", k=K)
+    s_BKGTS = torch.einsum("bkgtd,bksd->bkgts", q_BKGTd, k_BKTd.float()) * d ** -0.5
+    T = s_BKGTS.shape[-1]
+    future_TS = torch.ones(T, T, dtype=torch.bool, device=s_BKGTS.device).triu(1)
+    s_BKGTS = s_BKGTS.masked_fill(future_TS, -torch.inf)
+    return rearrange(s_BKGTS.amax(dim=(0, 3, 4)), "k g -> (k g)")
+
+
 class Attention(nn.Module):
+    """Causal GQA self-attention with RoPE and optional QK-norm.
+
+    QK-norm (model.qk_norm): RMSNorm over head_dim of each q head and each k head, before RoPE, with one
+    gain vector for q and one for k shared by all heads (Qwen3 / Gemma 3 placement).
+    NOTE: per head rather than OLMo 2's norm over the whole q (and k) projection: a whole-projection
+    norm couples the heads (one head's large q shrinks every other head's), and per head the logit of
+    head h is bounded by |g_q|·|g_k|·√d_head on its own — the same per-head quantity QK-clip controls.
+    Before RoPE because RoPE is a rotation: it keeps the normalised norms, and the norm then sees the
+    projection's raw output as its gain was meant to scale.
+
+    Logit probe: with `probe_logits = True`, every grad-enabled forward folds the per-head max logit of
+    its FIRST sequence into `logit_max_H` (telemetry: one B-th of the QKᵀ matmul, from the q and k the
+    forward computed anyway; bench/attn_logit_probe.py measures it).
+    """
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_dim
         self.qkv = nn.Linear(cfg.d_model, (self.n_heads + 2 * self.n_kv_heads) * self.head_dim, bias=False)
         self.proj_out = nn.Linear(self.n_heads * self.head_dim, cfg.d_model, bias=False)
+        self.q_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
+        self.probe_logits = False
+        self.logit_max_H: Tensor | None = None
 
     def init_weights(self, std: float, resid_std: float) -> None:
         nn.init.normal_(self.qkv.weight, std=std)
         nn.init.normal_(self.proj_out.weight, std=resid_std)  # writes into the residual stream
+        for norm in (self.q_norm, self.k_norm):
+            if norm is not None:
+                norm.reset_parameters()
 
-    def forward(self, x_BTD: Tensor, cos_TF: Tensor, sin_TF: Tensor) -> Tensor:
+    def qkv_row_splits(self) -> list[int]:
+        """Rows of qkv.weight that are q, k and v (Muon orthogonalises each separately)."""
+        H, K, d = self.n_heads, self.n_kv_heads, self.head_dim
+        return [H * d, K * d, K * d]
+
+    def qk(self, x_BTD: Tensor, cos_TF: Tensor, sin_TF: Tensor, qkv_BTX: Tensor | None = None):
+        """(q (B, H, T, d), k (B, K, T, d), v (B, K, T, d)): normed (QK-norm) and rotated q, k."""
         H, K = self.n_heads, self.n_kv_heads
-        qkv_BTX = rearrange(self.qkv(x_BTD), "b t (h d) -> b t h d", d=self.head_dim)
+        if qkv_BTX is None:
+            qkv_BTX = rearrange(self.qkv(x_BTD), "b t (h d) -> b t h d", d=self.head_dim)
+        qk_BTHd = qkv_BTX[:, :, : H + K]
+        if self.q_norm is not None:
+            qk_BTHd = torch.cat([self.q_norm(qk_BTHd[:, :, :H]), self.k_norm(qk_BTHd[:, :, H:])], dim=2)
         # NOTE: q and k share one RoPE call (their heads are adjacent in the fused projection).
-        qk_BTHd = apply_rope(qkv_BTX[:, :, : H + K], cos_TF, sin_TF)
+        qk_BTHd = apply_rope(qk_BTHd, cos_TF, sin_TF)
         q_BHTd = rearrange(qk_BTHd[:, :, :H], "b t h d -> b h t d")
         k_BKTd = rearrange(qk_BTHd[:, :, H:], "b t h d -> b h t d")
         v_BKTd = rearrange(qkv_BTX[:, :, H + K:], "b t h d -> b h t d")
+        return q_BHTd, k_BKTd, v_BKTd
+
+    def forward(self, x_BTD: Tensor, cos_TF: Tensor, sin_TF: Tensor) -> Tensor:
+        H, K = self.n_heads, self.n_kv_heads
+        q_BHTd, k_BKTd, v_BKTd = self.qk(x_BTD, cos_TF, sin_TF)
+        if self.probe_logits and torch.is_grad_enabled():
+            with torch.no_grad():
+                m_H = head_logit_max(q_BHTd[:1], k_BKTd[:1])
+            self.logit_max_H = m_H if self.logit_max_H is None else torch.maximum(self.logit_max_H, m_H)
         # NOTE: enable_gqa lets SDPA share each kv head across n_heads/n_kv_heads query heads
         # without materialising the repeated k, v.
         y_BHTd = F.scaled_dot_product_attention(q_BHTd, k_BKTd, v_BKTd, is_causal=True, enable_gqa=K != H)

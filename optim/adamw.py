@@ -13,6 +13,7 @@ import torch.nn as nn
 
 from optim.config import OptimConfig
 from optim.groups import build_param_groups
+from optim.muon import Muon, fused_row_splits, split_groups
 
 
 def _fused_supported(params: list[torch.Tensor]) -> bool:
@@ -25,13 +26,15 @@ def _fused_supported(params: list[torch.Tensor]) -> bool:
     return all(p.device.type in devices and torch.is_floating_point(p) for p in params)
 
 
-def build_optimizer(model: nn.Module, cfg: Mapping) -> tuple[torch.optim.AdamW, list[dict]]:
-    """AdamW (fused where supported, else foreach) over build_param_groups(model, cfg), and its table.
+def build_optimizer(model: nn.Module, cfg: Mapping) -> tuple[torch.optim.Optimizer, list[dict]]:
+    """AdamW (fused where supported, else foreach) over build_param_groups(model, cfg), and its table;
+    or, with optim.name=muon, Muon on the hidden matrices and AdamW on the rest (optim/muon.py).
 
-    cfg is the `optim` node: lr, betas, eps, weight_decay, groups.
+    cfg is the `optim` node: name, lr, betas, eps, weight_decay, groups, muon, qk_clip.
     """
     cfg = OptimConfig.from_dict(cfg)  # the schema checks betas, eps, lr and the rules (optim/config.py)
     betas, eps = tuple(float(b) for b in cfg.betas), float(cfg.eps)
+    kind = cfg.name
 
     groups, table = build_param_groups(model, cfg)
     params = [p for g in groups for p in g["params"]]
@@ -41,6 +44,14 @@ def build_optimizer(model: nn.Module, cfg: Mapping) -> tuple[torch.optim.AdamW, 
             raise ValueError(f"optim: parameter {name} is {p.dtype}; "
                              "optimizer state needs FP32 master weights")
 
+    if kind == "muon":
+        mc = cfg.muon
+        groups, table = split_groups(model, groups, table, list(mc.adamw))
+        opt = Muon(groups, lr=float(cfg.lr), betas=betas, eps=eps, weight_decay=float(cfg.weight_decay),
+                   row_splits=fused_row_splits(model), momentum=float(mc.momentum), nesterov=bool(mc.nesterov),
+                   ns_steps=int(mc.ns_steps), rms_scale=float(mc.rms_scale))
+        return opt, table
+    table = [{**row, "optimizer": "adamw"} for row in table]
     fused = _fused_supported(params)
     opt = torch.optim.AdamW(groups, lr=float(cfg.lr), betas=betas, eps=eps,
                             weight_decay=float(cfg.weight_decay),

@@ -84,3 +84,15 @@ def clip_grad_norm(
     for dev, gs in by_device.items():
         torch._foreach_mul_(gs, coef.to(dev))
     return norm, coef
+
+
+@torch.no_grad()
+def scale_grads_(params: Iterable[torch.Tensor], coef: float | torch.Tensor) -> None:
+    """g ← g · coef on every gradient (a DTensor's local shard in place): the scale half of a clip."""
+    grads = [p.grad for p in params if p.grad is not None]
+    grads = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for g in grads:
+        by_device.setdefault(g.device, []).append(g)
+    for dev, gs in by_device.items():
+        torch._foreach_mul_(gs, coef.to(dev) if isinstance(coef, torch.Tensor) else float(coef))

@@ -81,16 +81,64 @@ class ScheduleConfig:
 
 
 @dataclass
+class MuonConfig:
+    """optim.name=muon (optim/muon.py): Muon on hidden matrices, AdamW on the rest."""
+    momentum: float = 0.95     # mu of M <- mu*M + G
+    nesterov: bool = True      # U = G + mu*M (false: U = M)
+    ns_steps: int = 5          # Newton-Schulz quintic iterations
+    rms_scale: float = 0.2     # update = rms_scale * sqrt(max(m, n)) * NS5(U): RMS ~ rms_scale, like AdamW's
+    adamw: list[str] = field(default_factory=list)  # fnmatch patterns of extra parameters left to AdamW
+
+    def __post_init__(self) -> None:
+        check(0 <= self.momentum < 1, "optim.muon.momentum", self.momentum, "must be in [0, 1)")
+        check(self.ns_steps >= 1, "optim.muon.ns_steps", self.ns_steps, "must be an integer >= 1")
+        check(self.rms_scale > 0, "optim.muon.rms_scale", self.rms_scale, "must be > 0")
+
+
+@dataclass
+class QKClipConfig:
+    """Kimi K2's QK-clip, any optimizer (optim/qk_clip.py): after each step, a head whose largest attention
+    logit on the step's batch exceeds tau gets W_q (and W_k) scaled back to tau."""
+    tau: float | None = None   # null = off
+
+    def __post_init__(self) -> None:
+        check(self.tau is None or (math.isfinite(self.tau) and self.tau > 0), "optim.qk_clip.tau", self.tau,
+              "must be a positive number or null (off)")
+
+
+@dataclass
+class ZScoreConfig:
+    """train.clip=zscore (optim/zclip.py): clip g to mu + z_thresh*sigma when its norm's z-score against an
+    EMA mean and variance exceeds z_thresh (ZClip)."""
+    alpha: float = 0.97        # EMA factor of the grad-norm mean and variance
+    z_thresh: float = 2.5
+    warmup: int = 25           # steps of plain statistics (max_grad_norm applies) before z-scores
+
+    def __post_init__(self) -> None:
+        check(0 < self.alpha < 1, "train.zscore.alpha", self.alpha, "must be in (0, 1)")
+        check(self.z_thresh > 0, "train.zscore.z_thresh", self.z_thresh, "must be > 0")
+        check(self.warmup >= 2, "train.zscore.warmup", self.warmup, "must be an integer >= 2 (a variance needs two norms)")
+
+
+OPTIMIZERS = ("adamw", "muon")
+
+
+@dataclass
 class OptimConfig:
-    """AdamW (optim/adamw.py) over parameter groups (optim/groups.py), with an lr schedule."""
+    """AdamW (optim/adamw.py) over parameter groups (optim/groups.py), with an lr schedule; or Muon on the
+    hidden matrices (optim.name=muon); QK-clip with either."""
+    name: str = "adamw"        # adamw | muon
     lr: float = 3e-3
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
     weight_decay: float = 0.0
     groups: list[GroupRule] = field(default_factory=list)  # first matching rule wins; one matching nothing is an error
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    muon: MuonConfig = field(default_factory=MuonConfig)
+    qk_clip: QKClipConfig = field(default_factory=QKClipConfig)
 
     def __post_init__(self) -> None:
+        choice("optim.name", self.name, OPTIMIZERS)
         check(math.isfinite(self.lr) and self.lr > 0, "optim.lr", self.lr, "must be > 0")
         check(len(self.betas) == 2 and all(0.0 <= b < 1.0 for b in self.betas), "optim.betas", list(self.betas),
               "expected two values in [0, 1)")

@@ -106,11 +106,11 @@ def build_param_groups(model: nn.Module, cfg: Mapping) -> tuple[list[dict], list
 
 def format_table(table: list[dict]) -> str:
     """Fixed-width text of the group table, with a total line, for printing at start."""
-    head = f"{'group':<16} {'tensors':>8} {'parameters':>12} {'weight_decay':>13} {'lr_scale':>9}"
+    head = f"{'group':<16} {'optimizer':<10} {'tensors':>8} {'parameters':>12} {'weight_decay':>13} {'lr_scale':>9}"
     lines = [head, "-" * len(head)]
     for row in table:
-        lines.append(f"{row['group']:<16} {row['tensors']:>8d} {row['parameters']:>12,d} "
-                     f"{row['weight_decay']:>13g} {row['lr_scale']:>9g}")
-    lines.append(f"{'total':<16} {sum(r['tensors'] for r in table):>8d} "
+        lines.append(f"{row['group']:<16} {row.get('optimizer', 'adamw'):<10} {row['tensors']:>8d} "
+                     f"{row['parameters']:>12,d} {row['weight_decay']:>13g} {row['lr_scale']:>9g}")
+    lines.append(f"{'total':<16} {'':<10} {sum(r['tensors'] for r in table):>8d} "
                  f"{sum(r['parameters'] for r in table):>12,d}")
     return "\n".join(lines)

@@ -61,8 +61,12 @@ def norm_is_nonfinite(norm: torch.Tensor) -> bool:
 
 def optimizer_step(params: Iterable[torch.Tensor], optimizer: torch.optim.Optimizer,
                    scaler: DynamicLossScaler | None, max_grad_norm: float | None,
-                   veto: Callable[[torch.Tensor, bool], bool] | None = None) -> StepResult:
+                   veto: Callable[[torch.Tensor, bool], bool] | None = None, clip=None) -> StepResult:
     """Unscale → global norm → agreed finite check → clip → [veto] → step or skip → scaler update.
+
+    `clip`: the clip policy. None: the fixed global-norm clip at max_grad_norm. A ZScoreClip
+    (optim/zclip.py, train.clip=zscore): the norm is measured first, then the policy picks the threshold
+    from its EMA statistics (max_grad_norm during its warm-up) and scales the gradients.
 
     Without a scaler a non-finite gradient is skipped the same way (train.py's StepRecord marks it).
     `veto(norm, overflow)`, when given, sees the pre-clip norm before the update and may refuse it
@@ -74,7 +78,11 @@ def optimizer_step(params: Iterable[torch.Tensor], optimizer: torch.optim.Optimi
         scaler.unscale_(params)
     # NOTE: clip runs on every rank either way: with sharded gradients it is a collective. On a non-finite
     # norm it returns that norm with coef = 1 and leaves the gradients alone, so the finite check may follow.
-    norm, coef = clip_grad_norm(params, max_grad_norm)
+    if clip is None:
+        norm, coef = clip_grad_norm(params, max_grad_norm)
+    else:
+        norm, _ = clip_grad_norm(params, None)  # measure only: the policy needs the norm to decide
+        coef = clip.apply(params, norm, max_grad_norm)
     overflow = norm_is_nonfinite(norm) and found_nonfinite(params)
     vetoed = veto is not None and veto(norm, overflow) and not overflow
     if not (overflow or vetoed):

@@ -25,6 +25,7 @@ from data import build_data
 from data.loader import Loader, eval_batches
 from model import ModelConfig, Transformer
 from optim import build_optimizer, build_scheduler, format_table
+from optim.levers import build_levers
 from parallel import Dist, barrier, wrap_model
 from precision import build_recipe
 from run.config import validate
@@ -56,7 +57,8 @@ class Run:
     events: EventLog
     guard: Guard
     ckpt: Checkpointer
-    callbacks: Callbacks    # drills, anticipatory routing, telemetry: attached at the step's named points
+    callbacks: Callbacks    # drills, anticipatory routing, telemetry, levers: attached at the step's named points
+    clip: object            # None (train.clip=fixed) or the adaptive z-score clip policy
     sinks: list
 
     def close(self) -> None:
@@ -86,6 +88,7 @@ def build_run(cfg: DictConfig, dist: Dist) -> Run:
     optimizer, group_table = build_optimizer(model, OmegaConf.to_container(cfg.optim, resolve=True))
     scheduler = build_scheduler(optimizer, OmegaConf.to_container(cfg.optim.schedule, resolve=True), cfg.train.steps)
     scaler = recipe.make_scaler()  # None unless fp16
+    levers = build_levers(config, model)  # train.clip=zscore policy, optim.qk_clip
     loader = Loader(dataset, cfg.train.batch_size, dist.rank, dist.world)
     evals = eval_batches(dataset, cfg.train.eval_samples, cfg.train.eval_batch_size, dist.rank, dist.world)
     floor = dataset.expected_floor() if hasattr(dataset, "expected_floor") else None
@@ -100,13 +103,13 @@ def build_run(cfg: DictConfig, dist: Dist) -> Run:
     routing = AnticipatoryRouting(model, loader, cfg.train.micro_batches, an["delay"], dist.device,
                                   recipe.autocast) if is_moe and an["enabled"] else None
     state = TrainState(model, optimizer, scheduler, loader, config, dist.rank, dist.world,
-                       extras={"loss_scaler": scaler, "faults": faults} if scaler else {"faults": faults})
+                       extras={**({"loss_scaler": scaler} if scaler else {}), "faults": faults, **levers.extras()})
     state.guard = guard = Guard(config["guard"], state=state, ckpt=None, events=events, routing=routing,
                                 is_moe=is_moe)
-    # NOTE: the drill first, telemetry last: after_update runs in reverse, so telemetry measures the
-    # update before an optimizer-state drill corrupts the moments.
+    # NOTE: after_update runs in reverse: QK-clip (levers, last) rescales W_q, W_k first, telemetry then
+    # measures the whole update, and an optimizer-state drill (first) corrupts the moments after both.
     callbacks = Callbacks([FaultDrill(faults, optimizer, events) if faults.kind != "none" else None, routing,
-                           StepTelemetry(telemetry, optimizer) if telemetry.every else None])
+                           StepTelemetry(telemetry, optimizer) if telemetry.every else None, levers])
 
     if dist.is_main:
         write_header(cfg, dist, run_dir, dataset, model, model_cfg, group_table, recipe)
@@ -119,7 +122,7 @@ def build_run(cfg: DictConfig, dist: Dist) -> Run:
     return Run(cfg=cfg, train=SimpleNamespace(**OmegaConf.to_container(cfg.train, resolve=True)), dist=dist,
                run_dir=run_dir, dataset=dataset, model=model, wrapped=wrapped, optimizer=optimizer,
                scheduler=scheduler, scaler=scaler, recipe=recipe, loader=loader, evals=evals, events=events,
-               guard=guard, ckpt=ckpt, callbacks=callbacks, sinks=sinks)
+               guard=guard, ckpt=ckpt, callbacks=callbacks, clip=levers.clip, sinks=sinks)
 
 
 def write_header(cfg, dist: Dist, run_dir: Path, dataset, model, model_cfg, group_table, recipe) -> None:

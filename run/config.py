@@ -26,7 +26,7 @@ from omegaconf.errors import OmegaConfBaseException
 from checkpoint.config import CheckpointConfig, ResumeConfig
 from data.config import DataConfig
 from model.config import ModelConfig
-from optim.config import OptimConfig
+from optim.config import OptimConfig, ZScoreConfig
 from parallel.config import ParallelConfig
 from precision.config import PrecisionConfig
 from run.schema import ConfigError, check, choice, fail, from_mapping, known_keys_only, one_line
@@ -47,6 +47,8 @@ class TrainConfig:
     eval_samples: int = 512
     eval_batch_size: int = 64
     compile: bool = False        # torch.compile the model (dense only): ~25 s cold start, faster steps
+    clip: str = "fixed"          # fixed (max_grad_norm) | zscore (adaptive, optim/zclip.py)
+    zscore: ZScoreConfig = field(default_factory=ZScoreConfig)  # train.clip=zscore only
 
     def __post_init__(self) -> None:
         for key in ("steps", "batch_size", "micro_batches", "eval_every", "eval_samples", "eval_batch_size"):
@@ -57,6 +59,7 @@ class TrainConfig:
         check(self.max_grad_norm is None or self.max_grad_norm >= 0, "train.max_grad_norm", self.max_grad_norm,
               "must be >= 0 or null")
         check(self.z_loss >= 0, "train.z_loss", self.z_loss, "must be >= 0")
+        choice("train.clip", self.clip, ("fixed", "zscore"))
 
     def check_world(self, world: int) -> None:
         """The rule that needs the launch: every rank gets whole micro-batches."""

@@ -10,8 +10,9 @@ or anticipatory routing is one object attached at start, and the loop does not g
     before_forward(s)   right before the first micro-batch      telemetry hooks on; NaN / reduce drills arm
     before_update(s)    gradients final (after the backward),   telemetry snapshots θ; an LR drill scales
                         before clip, guard and optimizer.step   the LRs (s.lr is read after this point)
-    after_update(s)     s.result holds the update's outcome,    telemetry reads grads and Δθ into s.post;
-                        before zero_grad                        an LR drill restores the planned LRs; an
+    after_update(s)     s.result holds the update's outcome,    QK-clip rescales W_q, W_k (the levers);
+                        before zero_grad                        telemetry reads grads and Δθ into s.post;
+                                                                an LR drill restores the planned LRs; an
                                                                 optimizer-state drill corrupts the moments
 
 `before_*` points call the callbacks in the order they were attached, `after_update` in reverse (the
@@ -32,6 +33,7 @@ class StepState:
     step: int
     first_id: int = 0                 # global id of the batch's first sample (the batch ID)
     batch: Any = None                 # this rank's Batch
+    micro: list = field(default_factory=list)     # its micro-batches, on the device
     routes: list | None = None        # anticipatory routes per micro-batch (None: normal top-k routing)
     routing: dict = field(default_factory=dict)   # StepRecord.routing
     n_valid: int = 0                  # global valid label tokens
@@ -42,6 +44,8 @@ class StepState:
     flags: dict = field(default_factory=dict)     # non-finite loss / logits / grads
     result: Any = None                # precision.step.StepResult
     post: dict = field(default_factory=dict)      # telemetry after the update (layers, ρ, replicas)
+    clip: dict = field(default_factory=dict)      # the adaptive clip's numbers (train.clip=zscore)
+    qk_clip: dict = field(default_factory=dict)   # heads QK-clip scaled after the update
     moe: dict = field(default_factory=dict)       # expert-load summary per MoE layer
     events: list[str] = field(default_factory=list)  # one-line notes of this step (StepRecord.events)
     eval: dict | None = None

@@ -35,7 +35,7 @@ class StepRecord:
     logit_max: float = math.nan
     expert_load: dict[str, list[float]] = field(default_factory=dict)  # layer -> share of assignments
     # per-layer telemetry (stability/telemetry.py), on telemetry steps only: layer name ->
-    # {act_rms, grad_rms, update_ratio ρ_ℓ, clamp_hit_rate (SwiGLU layers)}
+    # {act_rms, grad_rms, update_ratio ρ_ℓ, clamp_hit_rate (SwiGLU layers), attn_logit_max (block{i}.attn)}
     layers: dict[str, dict[str, float]] = field(default_factory=dict)
     moe: dict[str, dict[str, Any]] = field(default_factory=dict)  # MoE layer -> {load, max_violation, dead}
     nonfinite: dict[str, bool] = field(default_factory=dict)  # loss, logits, grads, optim_state
@@ -44,6 +44,8 @@ class StepRecord:
     lr: float = math.nan
     grad_norm: float = math.nan  # global, before clipping
     clip_coef: float = 1.0
+    clip: dict[str, Any] = field(default_factory=dict)  # train.clip=zscore: z, threshold, mean, std, fixed_coef
+    qk_clip: dict[str, Any] = field(default_factory=dict)  # heads_clipped, factors {block.h: γ}, logit_max
     skipped: bool = False
     loss_scale: float | None = None  # FP16 dynamic loss scale this step's backward used (None: no scaling)
     # system layer
@@ -77,7 +79,7 @@ def step_record(s: StepState, *, tokens: int, world: int, batch_size: int, seq_l
         loss=st["loss"], z_loss=st["z_loss"], aux_loss=st["aux_loss"], logit_max=st["logit_max"],
         loss_by_source=s.loss_by_source,
         expert_load={str(l): (load / load.sum()).tolist() for l, load in st["moe_load"].items()},
-        lr=s.lr, grad_norm=res.norm.item(), clip_coef=res.coef.item(), skipped=res.skipped, loss_scale=res.loss_scale,
+        lr=s.lr, grad_norm=res.norm.item(), clip_coef=res.coef.item(), clip=s.clip, qk_clip=s.qk_clip, skipped=res.skipped, loss_scale=res.loss_scale,
         layers=post.get("layers", {}), moe=s.moe, update_ratio_max=post.get("update_ratio_max"),
         nonfinite={**s.flags, **post.get("nonfinite", {})}, replica=post.get("replica", {}), guard=guard,
         routing=s.routing, time_s=s.time_s, tokens_per_s=batch_size * seq_len / s.time_s["total"],

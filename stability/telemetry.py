@@ -86,6 +86,8 @@ class Telemetry:
         for key, mod in self.swiglus:
             mod.record_stats = True
             self._hooks.append(mod.register_forward_hook(self._clamp_hook(key)))
+        for block in m.blocks:  # the attention-logit probe: one sequence per forward (model/layers.py)
+            block.attn.probe_logits, block.attn.logit_max_H = True, None
         return True
 
     @torch.no_grad()
@@ -152,7 +154,11 @@ class Telemetry:
         # NOTE: a NaN ratio must surface, and Python's max() drops or keeps NaN depending on order.
         ratio_max = math.nan if any(math.isnan(r) for r in ratios) else max(ratios)
         grads_bad = not all(math.isfinite(s) for s in sums[0])
-        optim_bad, replica = self._collective_max(optimizer, grad_sq_P, coef)
+        attn_logits = [b.attn.logit_max_H for b in self.model.blocks]
+        optim_bad, replica, logit_L = self._collective_max(optimizer, grad_sq_P, coef, attn_logits)
+        for i, v in enumerate(logit_L):
+            if v is not None:  # NOTE: the probe's max over the first sequence of each micro-batch, all ranks
+                layers[f"block{i}.attn"]["attn_logit_max"] = v
         return {"layers": {k: v for k, v in layers.items() if v}, "update_ratio_max": ratio_max,
                 "nonfinite": {"grads": grads_bad, "optim_state": optim_bad}, "replica": replica}
 
@@ -184,14 +190,21 @@ class Telemetry:
         self._hooks = []
         for _, mod in self.swiglus:
             mod.record_stats = False
+        for block in self.model.blocks:
+            block.attn.probe_logits = False
         self.active = False
 
-    def _collective_max(self, optimizer, grad_sq_P: Tensor, coef: float) -> tuple[bool, dict]:
-        """One MAX all-reduce: any rank's non-finite optimizer state, and under DDP the spread
+    def _collective_max(self, optimizer, grad_sq_P: Tensor, coef: float,
+                        attn_logits: list[Tensor | None]) -> tuple[bool, dict, list[float | None]]:
+        """One MAX all-reduce: any rank's non-finite optimizer state, each layer's largest probed attention
+        logit (attn_logit_max; None where no forward was probed), and under DDP the spread
         (max − min over ranks, as max(x) + max(−x)) of a float64 parameter checksum Σθ and of the local
         pre-clip grad norm. Both are exactly 0 on healthy DDP: every rank holds the same bits."""
         dev = self.layout.device
         vals = [_optim_state_nonfinite(optimizer, dev)]
+        n_logit = len(attn_logits)
+        vals += [torch.tensor(-math.inf, dtype=torch.float64, device=dev) if m is None
+                 else m.max().to(dev, torch.float64) for m in attn_logits]
         world = tdist.get_world_size() if tdist.is_initialized() else 1
         # NOTE: under FSDP each rank holds a different shard, so a spread means nothing there.
         replicated = world > 1 and not self.layout.any_sharded
@@ -201,8 +214,10 @@ class Telemetry:
             gnorm = grad_sq_P.sum().sqrt() / coef
             vals += [psum, -psum, gnorm, -gnorm]
         out = all_reduce_max(torch.stack(vals)).tolist()
+        logit_L = [None if v == -math.inf else v for v in out[1:1 + n_logit]]
+        out = out[:1] + out[1 + n_logit:]
         replica = {"param_sum_spread": out[1] + out[2], "grad_norm_spread": out[3] + out[4]} if replicated else {}
-        return bool(out[0]), replica
+        return bool(out[0]), replica, logit_L
 
 
 class StepTelemetry(Callback):

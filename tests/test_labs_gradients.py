@@ -76,7 +76,7 @@ def test_a_wrong_rope_backward_fails_exactly_the_components_that_use_rope(tmp_pa
     assert code == 1 and not res["ok"]
     assert "EXPECTED EFFECT ABSENT" in capsys.readouterr().out
     failed = {n for n, c in res["components"].items() if c["rel_err"] > 1e-6}
-    assert failed == {"attention (GQA + RoPE)", "RoPE", "whole model (dense + MoE)"}
+    assert failed == {"attention (GQA + RoPE)", "attention + QK-norm", "RoPE", "whole model (dense + MoE)"}
     # 1 % of the RoPE path's gradient: the error shows at the percent level, far above 1e-6
     assert 1e-3 < res["components"]["RoPE"]["rel_err"] < 0.02
 

@@ -1,0 +1,73 @@
+"""What the attention-logit telemetry and QK-clip cost, against a plain training step.
+
+    python -m bench.attn_logit_probe [--steps 30] [--batch 16] [--seq 256] [--d 128] [--layers 4] [--heads 4]
+
+Interleaved, step by step on the same batches (this machine's speed drifts): a forward + backward of a
+dense model (1) plain, (2) with the telemetry probe on (per head max of QKᵀ/√d of the FIRST sequence of
+each forward, from the q and k the forward computed: model/layers.py), and (3) QK-clip's re-measure
+(optim/qk_clip.py: one no-grad trunk forward with the per-head max over the whole batch, chunked) timed
+on its own. Prints the medians and the overheads relative to the plain step.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from model import ModelConfig, Transformer  # noqa: E402
+from optim.qk_clip import QKClip  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--d", type=int, default=128)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--threads", type=int, default=1)
+    a = p.parse_args()
+    torch.set_num_threads(a.threads)
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=256, seq_len=a.seq, d_model=a.d, n_layers=a.layers, n_heads=a.heads))
+    clip = QKClip(model, 1e9)  # τ never reached: measures, never scales
+    x = torch.randint(256, (a.batch, a.seq))
+    times = {"plain": [], "probe": [], "qk_clip": []}
+
+    def fwd_bwd(probe: bool) -> float:
+        for b in model.blocks:
+            b.attn.probe_logits, b.attn.logit_max_H = probe, None
+        t0 = time.perf_counter()
+        model(x, x).loss_sum.backward()
+        dt = time.perf_counter() - t0
+        model.zero_grad(set_to_none=True)
+        return dt
+
+    for i in range(a.steps + 3):
+        tp, tq = fwd_bwd(False), fwd_bwd(True)
+        t0 = time.perf_counter()
+        clip.after_update([x])
+        tc = time.perf_counter() - t0
+        if i >= 3:  # warm-up
+            times["plain"].append(tp)
+            times["probe"].append(tq)
+            times["qk_clip"].append(tc)
+    med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    print(f"dense {a.layers} layers × {a.heads} heads, d {a.d}, batch {a.batch} × seq {a.seq}, "
+          f"{a.threads} thread(s), {a.steps} interleaved steps (median ms)")
+    print(f"  fwd+bwd plain             {med['plain']:8.1f} ms")
+    print(f"  fwd+bwd + logit probe     {med['probe']:8.1f} ms   overhead {med['probe'] / med['plain'] - 1:+.1%} "
+          f"(telemetry steps only)")
+    print(f"  QK-clip re-measure alone  {med['qk_clip']:8.1f} ms   = {med['qk_clip'] / med['plain']:.1%} of a step "
+          f"(every step when optim.qk_clip.tau is set)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,197 @@
+"""Muon for the hidden matrices, AdamW for everything else, in one torch.optim.Optimizer.
+
+Muon (Jordan et al. 2024; Moonlight, Liu et al. 2025) on a hidden weight W (m × n) with gradient G:
+
+    M ← μ·M + G                          momentum (state "momentum_buffer")
+    U = G + μ·M  (Nesterov)  or  M
+    O = NS5(U)                           ≈ the orthogonal factor U·(UᵀU)^(-1/2): every singular value → ~1
+    W ← (1 − η·λ)·W − η · s·√max(m, n) · O
+
+NS5 is 5 Newton–Schulz steps of the quintic X ← a·X + (b·A + c·A²)·X, A = X·Xᵀ, (a, b, c) =
+(3.4445, −4.7750, 2.0315) (Jordan's coefficients), from X₀ = U/‖U‖_F. It does not converge to exactly 1:
+it pushes every singular value into a band around 1 fast (tests/test_muon.py states the band).
+
+Update RMS matched to AdamW (Moonlight's rule): an orthogonal m × n matrix has RMS 1/√max(m, n), so
+s·√max(m, n)·O has RMS ≈ s; with s = 0.2 (`optim.muon.rms_scale`) Muon's update is as large, element for
+element, as AdamW's typical 0.2–0.4, and both share one learning rate and weight decay.
+
+Which matrices: Muon owns a parameter iff build_optimizer's contract says it is a hidden matrix (no kind
+among bias / norm / embedding / router / expert_bias, not the output head, 2-D or 3-D); AdamW owns the
+rest. Fused matrices are orthogonalised per part (qkv: q, k, v rows; SwiGLU w_gate_up: gate, up rows):
+orthogonalising the concatenation would couple matrices that play different roles. Stacked expert
+weights (E, m, n) are E matrices: NS5 runs batched over the leading expert dimension.
+
+Distributed: under DDP every rank holds the full, already averaged gradient, and NS5 is deterministic,
+so the replicas stay bit-identical. Under FSDP2 a parameter is a DTensor sharded on dim 0; NS5 needs the
+whole matrix (orthogonalising row shards separately is a different map, with an error that grows with
+the number of shards), so the momentum-corrected U is gathered (DTensor.full_tensor), every rank
+orthogonalises the full matrix, and takes back its own rows of O. Cost: one all-gather per hidden matrix
+and the NS5 work repeated on every rank.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+NS_COEFFS = (3.4445, -4.7750, 2.0315)
+
+
+def newton_schulz5(G: Tensor, steps: int = 5, eps: float = 1e-7) -> Tensor:
+    """Approximate orthogonal factor of each trailing matrix of G (..., m, n), in float32."""
+    a, b, c = NS_COEFFS
+    X = G.float()
+    transposed = X.shape[-2] > X.shape[-1]
+    if transposed:  # NOTE: iterate on the wide side: A = X·Xᵀ is then the smaller Gram matrix
+        X = X.mT
+    X = X / (torch.linalg.matrix_norm(X, keepdim=True) + eps)  # σ_max ≤ ‖X‖_F = 1: inside NS's basin
+    for _ in range(steps):
+        A = X @ X.mT
+        X = a * X + (b * A + c * A @ A) @ X
+    return X.mT if transposed else X
+
+
+def orthogonalise(U: Tensor, row_splits: list[int] | None, steps: int, rms_scale: float) -> Tensor:
+    """s·√max(m, n)·NS5(U_part) for each row block of U (..., rows, n), concatenated back."""
+    parts = U.split(row_splits, dim=-2) if row_splits else (U,)
+    outs = [newton_schulz5(P, steps) * (rms_scale * math.sqrt(max(P.shape[-2], P.shape[-1]))) for P in parts]
+    return torch.cat(outs, dim=-2).to(U.dtype)
+
+
+def _local(t: Tensor) -> Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class Muon(torch.optim.Optimizer):
+    """Param groups carry `optimizer` = "muon" or "adamw" (build_optimizer makes them), plus lr and
+    weight_decay; `row_splits` maps a Muon parameter to the row sizes of its fused parts.
+
+    State per parameter, both kept in checkpoints through state_dict(): Muon: momentum_buffer. AdamW:
+    step (a float32 scalar tensor, as torch's AdamW), exp_avg, exp_avg_sq.
+    """
+
+    def __init__(self, groups: list[dict], lr: float, momentum: float = 0.95, nesterov: bool = True,
+                 ns_steps: int = 5, rms_scale: float = 0.2, betas=(0.9, 0.95), eps: float = 1e-8,
+                 weight_decay: float = 0.0, row_splits: dict[int, list[int]] | None = None):
+        defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps, rms_scale=rms_scale,
+                        betas=betas, eps=eps, weight_decay=weight_decay, optimizer="adamw")
+        super().__init__(groups, defaults)
+        # NOTE: keyed by the parameter's identity, not saved: derived from the model, like the groups.
+        self.row_splits = row_splits or {}
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            if group["optimizer"] == "muon":
+                self._muon(group)
+            else:
+                self._adamw(group)
+        return loss
+
+    def _muon(self, group: dict) -> None:
+        lr, wd, mu = group["lr"], group["weight_decay"], group["momentum"]
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            g = p.grad
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(g)
+            buf = state["momentum_buffer"]
+            buf.mul_(mu).add_(g)
+            U = g.add(buf, alpha=mu) if group["nesterov"] else buf
+            splits = self.row_splits.get(id(p))
+            if isinstance(U, DTensor):
+                # FSDP2: the full matrix for NS5, then this rank's rows of the result (every rank holds the
+                # same full O, so no communication is needed to take the shard back: src_data_rank=None).
+                O = orthogonalise(U.full_tensor(), splits, group["ns_steps"], group["rms_scale"])
+                O = distribute_tensor(O, U.device_mesh, U.placements, src_data_rank=None)
+            else:
+                O = orthogonalise(U, splits, group["ns_steps"], group["rms_scale"])
+            pl = _local(p)
+            pl.mul_(1.0 - lr * wd)
+            pl.add_(_local(O), alpha=-lr)
+
+    def _adamw(self, group: dict) -> None:
+        lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
+        b1, b2 = group["betas"]
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            g = _local(p.grad)
+            state = self.state[p]
+            if not state:
+                state["step"] = torch.zeros((), dtype=torch.float32)
+                state["exp_avg"] = torch.zeros_like(p.grad)
+                state["exp_avg_sq"] = torch.zeros_like(p.grad)
+            state["step"] += 1
+            t = state["step"].item()
+            m, v, pl = _local(state["exp_avg"]), _local(state["exp_avg_sq"]), _local(p)
+            m.lerp_(g, 1 - b1)
+            v.mul_(b2).addcmul_(g, g, value=1 - b2)
+            # torch's AdamW, term for term: θ ← θ(1 − ηλ) − (η/bc1) · m / (√v/√bc2 + ε)
+            pl.mul_(1.0 - lr * wd)
+            denom = (v.sqrt() / math.sqrt(1 - b2 ** t)).add_(eps)
+            pl.addcdiv_(m, denom, value=-lr / (1 - b1 ** t))
+
+
+def fused_row_splits(model) -> dict[int, list[int]]:
+    """id(parameter) → row sizes of its fused parts: attention qkv (q, k, v) and every SwiGLU w_gate_up
+    (gate, up; a stacked expert weight (E, 2H, D) splits on its rows the same way)."""
+    out = {}
+    for module in model.modules():
+        if hasattr(module, "qkv_row_splits"):
+            out[id(module.qkv.weight)] = module.qkv_row_splits()
+        w = getattr(module, "w_gate_up", None)
+        w = getattr(w, "weight", w)
+        if isinstance(w, torch.Tensor):
+            out[id(w)] = [w.shape[-2] // 2] * 2
+    return out
+
+
+def split_groups(model, groups: list[dict], table: list[dict], adamw_patterns: list[str]):
+    """Each decay group → its Muon part (hidden matrices) and its AdamW part; table rows likewise.
+
+    A parameter with no AdamW kind that is not a 2-D / 3-D matrix has no owner: an error naming it, not a
+    silent choice (a new 1-D scale or a 4-D tensor must be placed on purpose, via optim.muon.adamw).
+    """
+    from fnmatch import fnmatchcase
+
+    from optim.groups import param_kinds
+
+    kinds, names = param_kinds(model), {id(p): n for n, p in model.named_parameters()}
+    head = getattr(model, "head", None)
+    head_ids = {id(head.weight)} if head is not None else set()
+    used = [False] * len(adamw_patterns)
+    out_groups, out_table = [], []
+    for g, row in zip(groups, table):
+        parts = {"muon": [], "adamw": []}
+        for p in g["params"]:
+            n = names[id(p)]
+            hits = [i for i, pat in enumerate(adamw_patterns) if fnmatchcase(n, pat)]
+            for i in hits:
+                used[i] = True
+            if hits or kinds[n] or id(p) in head_ids:
+                parts["adamw"].append(p)
+            elif p.ndim in (2, 3):
+                parts["muon"].append(p)
+            else:
+                raise ValueError(f"optim.muon.adamw: parameter {n} of shape {tuple(p.shape)} is no hidden "
+                                 "matrix Muon can own (2-D, or 3-D stacked experts) and has no AdamW kind "
+                                 "(bias, norm, embedding, router, expert_bias); list it in optim.muon.adamw")
+        for opt, ps in parts.items():
+            if not ps:
+                continue
+            out_groups.append({**g, "params": ps, "name": f"{g['name']}/{opt}", "optimizer": opt})
+            out_table.append({**row, "group": f"{g['name']}/{opt}", "tensors": len(ps),
+                              "parameters": sum(p.numel() for p in ps), "optimizer": opt})
+    for i, ok in enumerate(used):
+        if not ok:
+            raise ValueError(f"optim.muon.adamw[{i}]={adamw_patterns[i]!r} matches no parameter")
+    return out_groups, out_table
