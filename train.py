@@ -27,6 +27,7 @@ from checkpoint.state import versions
 from data import build_data
 from data.loader import Loader, eval_batches
 from model import ModelConfig, Transformer
+from model.checkpointing import set_activation_checkpointing
 from optim import build_optimizer, build_scheduler, format_table
 from optim.accumulate import count_valid_tokens, forward_backward, reduce_step_sums
 from parallel import all_reduce_sum, barrier, destroy, init_distributed, wrap_model
@@ -77,6 +78,7 @@ def build(cfg: DictConfig, dist) -> dict:
     model_cfg = ModelConfig.from_dict({**OmegaConf.to_container(cfg.model, resolve=True),
                                        "vocab_size": dataset.vocab_size, "seq_len": dataset.seq_len})
     model = Transformer(model_cfg).to(dist.device)
+    set_activation_checkpointing(model, cfg.train.activation_checkpointing)  # before wrap and compile
     recipe.convert(model)  # swaps eligible Linears (FP8): before sharding and before the optimizer
     wrapped = wrap_model(model, dist=dist, **{**config["parallel"], **recipe.fsdp_dtypes()})  # before the optimizer: FSDP2 swaps the params
     if cfg.train.compile:  # fuses the elementwise ops between matmuls (norms, RoPE, SwiGLU, loss)

@@ -107,20 +107,23 @@ def build_shards(files: list[Path], fmt: str, text_field: str, tokenizer: str, v
         raise ValueError(f"data.text_field={text_field}: not a column of the corpus (columns: {ds.column_names})")
     ds = ds.select_columns([text_field])
     n_docs = len(ds)
+    # NOTE: a .txt file is one document (one string in memory), so text batches hold few documents:
+    # memory ~ batch × file size. A single file larger than memory must be split into several files.
+    docs = 8 if fmt == "text" else 256
     proc = dict(num_proc=num_proc) if num_proc > 1 and n_docs >= num_proc else {}
     if tokenizer == "char":
-        chars = ds.map(_char_set, batched=True, batch_size=256, fn_kwargs={"field": text_field},
+        chars = ds.map(_char_set, batched=True, batch_size=docs, fn_kwargs={"field": text_field},
                        remove_columns=[text_field], **proc)
         seen = set("".join(chars["chars"])) | ({DOC_SEPARATOR} if n_docs > 1 else set())
         tok = CharTokenizer("".join(sorted(seen)))
     elif tokenizer == "bpe":
         # NOTE: the BPE trainer streams the documents; it never sees the corpus as one string
-        tok = BPETokenizer(None, vocab_size, iterator=([t for t in b[text_field] if t] for b in ds.iter(batch_size=256)))
+        tok = BPETokenizer(None, vocab_size, iterator=([t for t in b[text_field] if t] for b in ds.iter(batch_size=docs)))
     else:
         tok = build_tokenizer(tokenizer, "")
     dtype = np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32
     sep_ids = tok.encode(DOC_SEPARATOR)
-    ids = ds.map(_tokenize, batched=True, batch_size=256, with_indices=True, remove_columns=[text_field],
+    ids = ds.map(_tokenize, batched=True, batch_size=docs, with_indices=True, remove_columns=[text_field],
                  fn_kwargs=dict(tok=tok, field=text_field, n_docs=n_docs, sep_ids=sep_ids, dtype=dtype), **proc)
     shards, buf, filled = [], np.empty(shard_tokens, dtype=dtype), 0
 
@@ -129,7 +132,7 @@ def build_shards(files: list[Path], fmt: str, text_field: str, tokenizer: str, v
         buf[:n].tofile(out / name)
         shards.append({"name": name, "tokens": n, "sha256": hashlib.sha256(buf[:n].tobytes()).hexdigest()})
 
-    for tbl in ids.with_format("arrow").iter(batch_size=4096):
+    for tbl in ids.with_format("arrow").iter(batch_size=docs):
         flat = tbl.column("ids").combine_chunks().flatten().to_numpy(zero_copy_only=False).astype(dtype, copy=False)
         while flat.size:
             take = min(shard_tokens - filled, flat.size)
