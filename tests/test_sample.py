@@ -90,3 +90,18 @@ def test_sample_cli_on_a_char_run(tmp_path, capsys):
     assert sample.main([str(run), "--prompt", "ROMEO: ¿qué?"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "'¿'" in err
+
+
+def test_synthetic_prompts_are_ids_or_a_source_name():
+    from data import build_data
+    from tests.test_data import SYN
+
+    ds = build_data(SYN)
+    bos = [r.start for r in ds.token_ranges()]
+    assert sample.encode_prompt(ds, "copy") == [bos[1]]
+    assert sample.encode_prompt(ds, f"{bos[0]} {bos[0] + 3}") == [bos[0], bos[0] + 3]
+    assert sample.decode(ds, [bos[0], bos[0] + 3]) == f"{bos[0]} {bos[0] + 3}"
+    for bad in ("ROMEO:", f"{ds.vocab_size}"):
+        with pytest.raises(ValueError, match="--prompt="):
+            sample.encode_prompt(ds, bad)
+    assert "markov: BOS" in sample.vocabulary_note(ds)

@@ -100,3 +100,20 @@ def test_bad_paths_name_the_key(corpus, tmp_path):
     (corpus / "x.parquet").write_bytes(b"")
     with pytest.raises(ValueError, match="mixed formats"):
         build_data(cfg(str(corpus), tmp_path / "cache"))
+
+
+def test_parquet_shards_with_a_text_field(tmp_path, monkeypatch):
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf_cache")
+    d = tmp_path / "pq"
+    d.mkdir()
+    for i, docs in enumerate([DOCS[:2], DOCS[2:]]):
+        pq.write_table(pa.table({"body": docs, "id": list(range(len(docs)))}), d / f"part_{i}.parquet")
+    ds = build_data(cfg(str(d), tmp_path / "cache", text_field="body", tokenizer="char"))
+    total = ds.n_tokens("train") + ds.n_tokens("val")
+    assert ds.tokenizer.decode(ds.tokens(0, total)) == "\n".join(DOCS)
+    with pytest.raises(ValueError, match="data.text_field=text: not a column"):
+        build_data(cfg(str(d), tmp_path / "cache2"))
