@@ -1,4 +1,5 @@
-"""Export a dense run to a Hugging Face Llama checkpoint that `transformers` loads with no custom code.
+"""Export a run to a Hugging Face checkpoint that `transformers` loads with no custom code: dense → Llama,
+MoE → Qwen2-MoE where that class computes exactly what ballast does.
 
     python -m checkpoint.export_hf runs/<run> out/hf [--checkpoint PATH]
     # then: transformers.AutoModelForCausalLM.from_pretrained("out/hf"); AutoTokenizer.from_pretrained("out/hf")
@@ -19,9 +20,12 @@ The mapping, ballast → Llama:
       turns one into the other, and q·k is unchanged because q and k get the same permutation.
   SwiGLU w_gate_up (rows [gate | up]) → gate_proj, up_proj;  w_down → down_proj
   RMSNorm weights and eps, rope_theta, tied embeddings (the head is not written when tied).
-Refused, with one line: MoE layers (Llama has no experts; an export to a transformers MoE class would
-have to reproduce ballast's scores, selection bias and shared expert exactly: not implemented), and model.swiglu_clamp (Llama's MLP has no
-clamp; whether the clamp ever binds depends on the inputs, so it cannot be ruled out from the weights).
+MoE (→ Qwen2MoeForCausalLM): router → mlp.gate, experts → mlp.experts.<e>.{gate,up,down}_proj, dense layers
+  listed in mlp_only_layers; the shared expert's sigmoid gate is written as zeros (sigmoid(0) = 0.5 exactly)
+  with its down_proj doubled, or as an all-zero expert when ballast has none; q/k/v biases as zeros.
+Refused, with one line: model.swiglu_clamp (neither class clamps; whether the clamp binds depends on the
+inputs, so it cannot be ruled out from the weights), sigmoid router scores, and a nonzero balancing bias
+(Qwen2-MoE selects by the scores alone: the bias would route tokens to other experts).
 """
 from __future__ import annotations
 
@@ -36,12 +40,17 @@ from einops import rearrange
 
 def refuse_reason(model) -> str | None:
     cfg = model.cfg
-    if cfg.moe is not None:
-        return ("model.moe is set: Llama has no expert layers (export to a transformers MoE class is not "
-                "implemented: its routing would have to match ballast's scores, bias and shared expert exactly)")
     if cfg.swiglu_clamp is not None:
-        return (f"model.swiglu_clamp={cfg.swiglu_clamp}: Llama's MLP cannot clamp; whether the clamp binds "
-                "depends on the inputs, so an export could silently change the model")
+        return (f"model.swiglu_clamp={cfg.swiglu_clamp}: Llama's and Qwen2-MoE's MLPs cannot clamp; whether the "
+                "clamp binds depends on the inputs, so an export could silently change the model")
+    if cfg.moe is not None:
+        if cfg.moe.score != "softmax":
+            return (f"model.moe.score={cfg.moe.score}: Qwen2-MoE (the transformers class with ballast's layout) "
+                    "routes with softmax scores only")
+        biased = [i for i, m in model.moe_layers() if bool(m.bias_E.ne(0).any())]
+        if biased:
+            return (f"the MoE balancing bias of layer {biased[0]} is nonzero (model.moe.bias_update_speed > 0): "
+                    "Qwen2-MoE has no selection bias, so it would route tokens to other experts")
     return None
 
 
@@ -65,7 +74,47 @@ def llama_config(cfg) -> dict:
     }
 
 
-def llama_state_dict(model) -> dict[str, torch.Tensor]:
+def qwen2_moe_config(model) -> dict:
+    """Qwen2-MoE: Llama's attention (+ qkv biases, written as zeros) and norms; MoE layers with a softmax
+    router, top-k, optional renormalisation, a sigmoid-gated shared expert; dense layers via mlp_only_layers."""
+    cfg, moe = model.cfg, model.cfg.moe
+    out = {**llama_config(cfg), "architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe",
+           "num_experts": moe.n_experts, "num_experts_per_tok": moe.top_k, "norm_topk_prob": moe.norm_topk,
+           "moe_intermediate_size": moe.expert_hidden, "shared_expert_intermediate_size": moe.expert_hidden,
+           "decoder_sparse_step": 1, "mlp_only_layers": [i for i in range(cfg.n_layers) if not cfg.is_moe_layer(i)],
+           "qkv_bias": True, "use_sliding_window": False, "sliding_window": None, "max_window_layers": cfg.n_layers,
+           "output_router_logits": False, "router_aux_loss_coef": 0.0}
+    for k in ("mlp_bias", "attention_bias", "head_dim"):
+        out.pop(k)
+    return out
+
+
+def _mlp(sd: dict, p: str, mlp) -> None:
+    gate_HD, up_HD = mlp.w_gate_up.weight.chunk(2, dim=0)
+    sd[p + "gate_proj.weight"], sd[p + "up_proj.weight"] = gate_HD, up_HD
+    sd[p + "down_proj.weight"] = mlp.w_down.weight
+
+
+def _moe(sd: dict, p: str, moe, d_model: int) -> None:
+    sd[p + "gate.weight"] = moe.router.weight
+    gate_up_EXD, down_EDH = moe.experts.w_gate_up, moe.experts.w_down
+    for e in range(moe.n_experts):
+        gate_HD, up_HD = gate_up_EXD[e].chunk(2, dim=0)
+        sd[p + f"experts.{e}.gate_proj.weight"], sd[p + f"experts.{e}.up_proj.weight"] = gate_HD, up_HD
+        sd[p + f"experts.{e}.down_proj.weight"] = down_EDH[e]
+    # Qwen2-MoE adds sigmoid(gate·x)·shared(x): a zero gate gives exactly 0.5, so down ×2 (exact in binary
+    # floating point) makes it ballast's ungated shared expert; without one, a zero down makes it 0.
+    sd[p + "shared_expert_gate.weight"] = torch.zeros(1, d_model)
+    H = moe.cfg.expert_hidden
+    if moe.shared is not None:
+        _mlp(sd, p + "shared_expert.", moe.shared)
+        sd[p + "shared_expert.down_proj.weight"] = 2 * moe.shared.w_down.weight
+    else:
+        for name, shape in (("gate_proj", (H, d_model)), ("up_proj", (H, d_model)), ("down_proj", (d_model, H))):
+            sd[p + f"shared_expert.{name}.weight"] = torch.zeros(shape)
+
+
+def hf_state_dict(model) -> dict[str, torch.Tensor]:
     cfg = model.cfg
     H, K, d = cfg.n_heads, cfg.kv_heads, cfg.head_dim
     perm = rope_rows(d)
@@ -74,6 +123,9 @@ def llama_state_dict(model) -> dict[str, torch.Tensor]:
         sd["lm_head.weight"] = model.head.weight
     for i, b in enumerate(model.blocks):
         p = f"model.layers.{i}."
+        if cfg.moe is not None:  # Qwen2-MoE's attention has q/k/v biases
+            for name, n in (("q", H), ("k", K), ("v", K)):
+                sd[p + f"self_attn.{name}_proj.bias"] = torch.zeros(n * d)
         w_XD = b.attn.qkv.weight
         q_HdD = rearrange(w_XD[: H * d], "(h d) c -> h d c", d=d)[:, perm]
         k_KdD = rearrange(w_XD[H * d:(H + K) * d], "(h d) c -> h d c", d=d)[:, perm]
@@ -81,12 +133,13 @@ def llama_state_dict(model) -> dict[str, torch.Tensor]:
         sd[p + "self_attn.k_proj.weight"] = rearrange(k_KdD, "h d c -> (h d) c")
         sd[p + "self_attn.v_proj.weight"] = w_XD[(H + K) * d:]
         sd[p + "self_attn.o_proj.weight"] = b.attn.proj_out.weight
-        gate_HD, up_HD = b.mlp.w_gate_up.weight.chunk(2, dim=0)
-        sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"] = gate_HD, up_HD
-        sd[p + "mlp.down_proj.weight"] = b.mlp.w_down.weight
+        if cfg.is_moe_layer(i):
+            _moe(sd, p + "mlp.", b.mlp, cfg.d_model)
+        else:
+            _mlp(sd, p + "mlp.", b.mlp)
         sd[p + "input_layernorm.weight"] = b.attn_norm.weight
         sd[p + "post_attention_layernorm.weight"] = b.mlp_norm.weight
-    return {k: v.detach().float().contiguous().cpu().clone() for k, v in sd.items()}
+    return {k: v.detach().float().contiguous().cpu().clone() for k, v in sd.items()}  # fp32, no shared storage
 
 
 def hf_tokenizer(tok):
@@ -136,11 +189,12 @@ def export(model, tokenizer, out_dir: Path) -> list[str]:
 
     reason = refuse_reason(model)
     if reason:
-        raise ValueError(f"cannot export to Llama: {reason}")
+        raise ValueError(f"cannot export to transformers: {reason}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "config.json").write_text(json.dumps(llama_config(model.cfg), indent=1) + "\n")
-    save_file(llama_state_dict(model), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    config = qwen2_moe_config(model) if model.cfg.moe is not None else llama_config(model.cfg)
+    (out_dir / "config.json").write_text(json.dumps(config, indent=1) + "\n")
+    save_file(hf_state_dict(model), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     written = ["config.json", "model.safetensors"]
     tok = hf_tokenizer(tokenizer)
     if tok is not None:

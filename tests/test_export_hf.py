@@ -1,4 +1,4 @@
-"""Export to transformers: the Llama checkpoint gives ballast's logits, the tokenizer ballast's ids."""
+"""Export to transformers: the Llama / Qwen2-MoE checkpoint gives ballast's logits, the tokenizer ballast's ids."""
 from __future__ import annotations
 
 import pytest
@@ -17,12 +17,15 @@ TEXT = "First Citizen:\nBefore we proceed any further, hear me speak. Ünïcød�
 
 def tiny(**kw) -> Transformer:
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=256, seq_len=32, d_model=64, n_layers=2, n_heads=4, init_std=0.1, **kw)
+    cfg = ModelConfig(**{"vocab_size": 256, "seq_len": 32, "d_model": 64, "n_layers": 2, "n_heads": 4, "init_std": 0.1,
+                         **kw})
     model = Transformer(cfg).eval()
     with torch.no_grad():  # non-trivial norm weights, so a swapped or missing norm shows
         for n, p in model.named_parameters():
             if "norm" in n:
                 p.uniform_(0.5, 1.5)
+            if "router" in n:  # confident routing: a wrong expert mapping changes the logits a lot
+                p.mul_(10)
     return model
 
 
@@ -55,11 +58,31 @@ def test_tokenizer_ids_match(tmp_path, name):
     assert hf_tok.decode(ids) == text
 
 
+MOE = dict(n_experts=4, top_k=2, expert_hidden=32, first_dense=1, every=2)
+
+
+@pytest.mark.parametrize("moe_kw", [dict(shared_expert=True, norm_topk=True), dict(shared_expert=False, norm_topk=False)],
+                         ids=["shared-norm", "plain"])
+def test_moe_logits_match_through_qwen2_moe(tmp_path, moe_kw):
+    model = tiny(n_kv_heads=2, n_layers=4, moe=MoEConfig(**MOE, **moe_kw))
+    assert [model.cfg.is_moe_layer(i) for i in range(4)] == [False, True, False, True]
+    export(model, None, tmp_path / "hf")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    assert type(hf).__name__ == "Qwen2MoeForCausalLM"
+    tokens_BT = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(tokens_BT).logits, model(tokens_BT).logits, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("kw,why", [(dict(swiglu_clamp=10.0), "model.swiglu_clamp=10.0"),
-                                    (dict(moe=MoEConfig(n_experts=4, top_k=2, expert_hidden=32)), "model.moe")])
-def test_refuses_what_llama_cannot_express(tmp_path, kw, why):
+                                    (dict(moe=MoEConfig(**MOE, score="sigmoid")), "model.moe.score=sigmoid"),
+                                    (dict(moe=MoEConfig(**MOE)), "balancing bias of layer 1 is nonzero")])
+def test_refuses_what_transformers_cannot_express(tmp_path, kw, why):
+    model = tiny(**kw)
+    if "bias" in why:
+        model.blocks[1].mlp.bias_E[0] = 0.01  # what bias_update_speed > 0 leaves after training
     with pytest.raises(ValueError, match=why):
-        export(tiny(**kw), None, tmp_path / "hf")
+        export(model, None, tmp_path / "hf")
     assert not (tmp_path / "hf").exists()
 
 
