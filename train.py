@@ -78,8 +78,8 @@ def build(cfg: DictConfig, dist) -> dict:
     model_cfg = ModelConfig.from_dict({**OmegaConf.to_container(cfg.model, resolve=True),
                                        "vocab_size": dataset.vocab_size, "seq_len": dataset.seq_len})
     model = Transformer(model_cfg).to(dist.device)
-    set_activation_checkpointing(model, cfg.train.activation_checkpointing)  # before wrap and compile
     recipe.convert(model)  # swaps eligible Linears (FP8): before sharding and before the optimizer
+    set_activation_checkpointing(model, cfg.train.activation_checkpointing)  # after convert, before wrap and compile
     wrapped = wrap_model(model, dist=dist, **{**config["parallel"], **recipe.fsdp_dtypes()})  # before the optimizer: FSDP2 swaps the params
     if cfg.train.compile:  # fuses the elementwise ops between matmuls (norms, RoPE, SwiGLU, loss)
         wrapped = torch.compile(wrapped)
