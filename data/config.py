@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields
+from typing import Any
 from typing import Mapping
 
 from data.sources import MAX_TABLE
@@ -17,7 +18,7 @@ FORMATS = ("auto", "text", "json", "parquet")
 SOURCE_KINDS = ("markov", "copy")
 _USED = {  # keys each kind reads, beside kind / seq_len / seed
     "synthetic": {"min_doc_len", "sources"},
-    "text": {"path", "format", "text_field", "tokenizer", "bpe_vocab_size", "val_fraction"},
+    "text": {"path", "format", "text_field", "tokenizer", "bpe_vocab_size", "val_fraction", "cache", "shard_tokens", "num_proc"},
 }
 _SOURCE_USED = {"markov": {"alphabet", "order", "support", "concentration"}, "copy": {"alphabet", "segment"}}
 
@@ -72,12 +73,17 @@ class DataConfig:
     min_doc_len: int = 16
     sources: list[SourceConfig] = field(default_factory=_default_sources)
     # text: a local text/json/parquet file (or a hub name when online) through `datasets`
-    path: str | None = None     # required for kind=text: data.path=<file>
+    # required for kind=text: a file, a directory or a list of files (the last two, or any path with `cache`
+    # set, are tokenised once into memory-mapped shards: data/shards.py)
+    path: Any = None
     format: str = "auto"        # auto (by extension) | text | json | parquet
     text_field: str = "text"
     tokenizer: str = "byte"     # byte | char | bpe
     bpe_vocab_size: int = 1024  # bpe only
     val_fraction: float = 0.1   # the validation split is the tail of the stream
+    cache: str | None = None    # shard cache directory (null: ~/.cache/ballast/shards for a directory or list)
+    shard_tokens: int = 1 << 26  # tokens per shard file (2^26: 128 MiB of uint16)
+    num_proc: int | None = None  # tokenisation processes for the datasets map; null = min(8, CPUs)
 
     def __post_init__(self) -> None:
         choice("data.kind", self.kind, KINDS)
@@ -95,6 +101,12 @@ class DataConfig:
         else:
             if not self.path:
                 raise ConfigError("data.path: required for data=text (e.g. data.path=input.txt)")
+            listed = isinstance(self.path, (list, tuple)) and all(isinstance(p, str) and p for p in self.path)
+            check(listed or isinstance(self.path, str), "data.path", self.path,
+                  "expected a file, a directory, a list of files or a hub name")
+            check(self.cache is None or bool(self.cache), "data.cache", self.cache, "expected a directory path or null")
+            check(self.shard_tokens >= 1, "data.shard_tokens", self.shard_tokens, "must be >= 1")
+            check(self.num_proc is None or self.num_proc >= 1, "data.num_proc", self.num_proc, "must be >= 1 or null")
             choice("data.tokenizer", self.tokenizer, TOKENIZERS)
             choice("data.format", self.format, FORMATS)
             check(self.bpe_vocab_size >= 1, "data.bpe_vocab_size", self.bpe_vocab_size, "must be >= 1")

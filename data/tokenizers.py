@@ -79,7 +79,8 @@ class BPETokenizer:
 
     name = "bpe"
 
-    def __init__(self, train_text: str, vocab_size: int):
+    def __init__(self, train_text: str | None, vocab_size: int, iterator=None):
+        """iterator: batches of documents to train on instead of train_text (a corpus too big for one string)."""
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
         alphabet = pre_tokenizers.ByteLevel.alphabet()
@@ -91,11 +92,24 @@ class BPETokenizer:
         tok.decoder = decoders.ByteLevel()
         trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=alphabet,
                                       special_tokens=[], show_progress=False)
-        tok.train_from_iterator(_chunks(train_text), trainer)
-        self._tok = tok
+        tok.train_from_iterator(_chunks(train_text) if iterator is None else iterator, trainer)
+        self._set(tok)
         self.requested_vocab_size = vocab_size
+
+    def _set(self, tok) -> None:
+        self._tok = tok
         # NOTE: a small text runs out of merges before the requested size; the real size is what counts.
         self.vocab_size = tok.get_vocab_size()
+
+    @classmethod
+    def from_json(cls, blob: str) -> "BPETokenizer":
+        """A trained tokenizer back from Tokenizer.to_str() (the shard cache stores it)."""
+        from tokenizers import Tokenizer
+
+        self = cls.__new__(cls)
+        self._set(Tokenizer.from_str(blob))
+        self.requested_vocab_size = self.vocab_size
+        return self
 
     def encode(self, text: str) -> np.ndarray:
         encs = self._tok.encode_batch(_chunks(text))

@@ -7,6 +7,7 @@ import torch
 from einops import rearrange
 from torch import Tensor, nn
 
+from model import checkpointing
 from model.config import ModelConfig
 from model.layers import Attention, rope_tables
 from model.loss import ModelOutput, token_losses
@@ -24,9 +25,14 @@ class Block(nn.Module):
             self.mlp = MoE(cfg.moe, cfg.d_model, cfg.swiglu_clamp)
         else:
             self.mlp = SwiGLU(cfg.d_model, cfg.ffn_hidden, cfg.swiglu_clamp)
+        self.checkpointing = "none"  # model/checkpointing.py: none | full | selective
 
     def forward(self, x_BTD: Tensor, cos_TF: Tensor, sin_TF: Tensor,
                 route_ids_BTk: Tensor | None) -> tuple[Tensor, MoEOutput | None]:
+        return checkpointing.run(self._forward, self.checkpointing, x_BTD, cos_TF, sin_TF, route_ids_BTk)
+
+    def _forward(self, x_BTD: Tensor, cos_TF: Tensor, sin_TF: Tensor,
+                 route_ids_BTk: Tensor | None) -> tuple[Tensor, MoEOutput | None]:
         x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), cos_TF, sin_TF)
         h_BTD = self.mlp_norm(x_BTD)
         if isinstance(self.mlp, MoE):

@@ -24,6 +24,7 @@ from checkpoint.state import versions
 from data import build_data
 from data.loader import Loader, eval_batches
 from model import ModelConfig, Transformer
+from model.checkpointing import set_activation_checkpointing
 from optim import build_optimizer, build_scheduler, format_table
 from optim.levers import build_levers
 from parallel import Dist, barrier, wrap_model
@@ -82,6 +83,7 @@ def build_run(cfg: DictConfig, dist: Dist) -> Run:
                                        "vocab_size": dataset.vocab_size, "seq_len": dataset.seq_len})
     model = Transformer(model_cfg).to(dist.device)
     recipe.convert(model)  # swaps eligible Linears (FP8): before sharding and before the optimizer
+    set_activation_checkpointing(model, cfg.train.activation_checkpointing)  # after convert, before wrap and compile
     wrapped = wrap_model(model, dist=dist, **{**config["parallel"], **recipe.fsdp_dtypes()})  # before the optimizer: FSDP2 swaps the params
     if cfg.train.compile:  # fuses the elementwise ops between matmuls (norms, RoPE, SwiGLU, loss)
         wrapped = torch.compile(wrapped)

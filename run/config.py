@@ -47,6 +47,7 @@ class TrainConfig:
     eval_samples: int = 512
     eval_batch_size: int = 64
     compile: bool = False        # torch.compile the model (dense only): ~25 s cold start, faster steps
+    activation_checkpointing: str = "none"  # none | full | selective: recompute block activations in the backward
     clip: str = "fixed"          # fixed (max_grad_norm) | zscore (adaptive, optim/zclip.py)
     zscore: ZScoreConfig = field(default_factory=ZScoreConfig)  # train.clip=zscore only
 
@@ -60,6 +61,7 @@ class TrainConfig:
               "must be >= 0 or null")
         check(self.z_loss >= 0, "train.z_loss", self.z_loss, "must be >= 0")
         choice("train.clip", self.clip, ("fixed", "zscore"))
+        choice("train.activation_checkpointing", self.activation_checkpointing, ("none", "full", "selective"))
 
     def check_world(self, world: int) -> None:
         """The rule that needs the launch: every rank gets whole micro-batches."""

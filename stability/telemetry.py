@@ -31,6 +31,7 @@ import torch
 import torch.distributed as tdist
 from torch import Tensor, nn
 
+from model.checkpointing import recomputing
 from parallel.dist import all_reduce_max, all_reduce_sum
 from stability.callbacks import Callback, StepState
 from run.schema import from_mapping
@@ -167,8 +168,9 @@ class Telemetry:
     def _act_hook(self, key: str, pick: Callable):
         def hook(module, args, out):
             # NOTE: training forwards only: eval and the routing-only forward (compute_routes) run under
-            # no_grad and must not leak into the step's statistics.
-            if not torch.is_grad_enabled():
+            # no_grad and must not leak into the step's statistics; an activation-checkpointing recompute
+            # (model/checkpointing.py) repeats a forward already counted.
+            if not torch.is_grad_enabled() or recomputing():
                 return
             x = pick(out).detach()
             # NOTE: an FP32 norm: |x| ≳ 1e19 reads as inf. FP64 costs 4× on a CPU, and such a layer
@@ -180,7 +182,7 @@ class Telemetry:
     def _clamp_hook(self, key: str):
         def hook(module, args, out):
             # The module overwrites clamp_hits/clamp_total on every call: keep each micro-batch's pair.
-            if torch.is_grad_enabled():
+            if torch.is_grad_enabled() and not recomputing():
                 self._clamp[key].append(torch.stack([module.clamp_hits, module.clamp_total]))
         return hook
 

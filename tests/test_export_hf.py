@@ -1,0 +1,107 @@
+"""Export to transformers: the Llama / Qwen2-MoE checkpoint gives ballast's logits, the tokenizer ballast's ids."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from checkpoint.export_hf import export, main
+from data.tokenizers import build_tokenizer
+from model import ModelConfig, MoEConfig, Transformer
+from tests.helpers import run_train
+
+transformers = pytest.importorskip("transformers", reason="the [hf] extra (transformers, safetensors) is not installed")
+pytest.importorskip("safetensors", reason="the [hf] extra (transformers, safetensors) is not installed")
+
+TEXT = "First Citizen:\nBefore we proceed any further, hear me speak. Ünïcødé ok?\n" * 30
+
+
+def tiny(**kw) -> Transformer:
+    torch.manual_seed(0)
+    cfg = ModelConfig(**{"vocab_size": 256, "seq_len": 32, "d_model": 64, "n_layers": 2, "n_heads": 4, "init_std": 0.1,
+                         **kw})
+    model = Transformer(cfg).eval()
+    with torch.no_grad():  # non-trivial norm weights, so a swapped or missing norm shows
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.uniform_(0.5, 1.5)
+            if "router" in n:  # confident routing: a wrong expert mapping changes the logits a lot
+                p.mul_(10)
+    return model
+
+
+# fp32 on both sides; the two implementations order the same sums differently, so a few ulps of the
+# logits' scale (|logit| ~ 1-5 here): atol 1e-4, rtol 1e-4.
+@pytest.mark.parametrize("kw", [dict(n_kv_heads=2, tie_embeddings=True), dict(tie_embeddings=False, rope_theta=500.0)],
+                         ids=["gqa-tied", "mha-untied"])
+def test_logits_match_through_transformers(tmp_path, kw):
+    model = tiny(**kw)
+    export(model, build_tokenizer("byte", ""), tmp_path / "hf")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    assert type(hf).__name__ == "LlamaForCausalLM"
+    tokens_BT = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ours_BTV = model(tokens_BT).logits
+        theirs_BTV = hf(tokens_BT).logits
+    assert ours_BTV.abs().max() > 1.0  # logits large enough for a wrong RoPE layout to show
+    torch.testing.assert_close(theirs_BTV, ours_BTV, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["byte", "char", "bpe"])
+def test_tokenizer_ids_match(tmp_path, name):
+    tok = build_tokenizer(name, TEXT, 300)
+    model = tiny(tie_embeddings=True)
+    export(model, tok, tmp_path / "hf")
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    text = TEXT[:200]
+    ids = tok.encode(text).tolist()
+    assert hf_tok(text, add_special_tokens=False)["input_ids"] == ids
+    assert hf_tok.decode(ids) == text
+
+
+MOE = dict(n_experts=4, top_k=2, expert_hidden=32, first_dense=1, every=2)
+
+
+@pytest.mark.parametrize("moe_kw", [dict(shared_expert=True, norm_topk=True), dict(shared_expert=False, norm_topk=False)],
+                         ids=["shared-norm", "plain"])
+def test_moe_logits_match_through_qwen2_moe(tmp_path, moe_kw):
+    model = tiny(n_kv_heads=2, n_layers=4, moe=MoEConfig(**MOE, **moe_kw))
+    assert [model.cfg.is_moe_layer(i) for i in range(4)] == [False, True, False, True]
+    export(model, None, tmp_path / "hf")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    assert type(hf).__name__ == "Qwen2MoeForCausalLM"
+    tokens_BT = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(tokens_BT).logits, model(tokens_BT).logits, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kw,why", [(dict(swiglu_clamp=10.0), "model.swiglu_clamp=10.0"),
+                                    (dict(moe=MoEConfig(**MOE, score="sigmoid")), "model.moe.score=sigmoid"),
+                                    (dict(moe=MoEConfig(**MOE)), "balancing bias of layer 1 is nonzero")])
+def test_refuses_what_transformers_cannot_express(tmp_path, kw, why):
+    model = tiny(**kw)
+    if "bias" in why:
+        model.blocks[1].mlp.bias_E[0] = 0.01  # what bias_update_speed > 0 leaves after training
+    with pytest.raises(ValueError, match=why):
+        export(model, None, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+
+
+def test_export_cli_from_a_run(tmp_path, capsys):
+    text = tmp_path / "t.txt"
+    text.write_text(TEXT)
+    run = tmp_path / "run"
+    r = run_train(run, "+experiment=shakespeare_char", f"data.path={text}", "train.steps=2", "checkpoint.every=2",
+                  "checkpoint.mode=sync", "train.eval_every=2", "train.eval_samples=12", "train.eval_batch_size=12",
+                  "logging.wandb=disabled", "logging.progress=false", "logging.plot=false", "threads=1",
+                  "train.compile=false", "model.d_model=32", "model.n_layers=1", "model.n_heads=2",
+                  "data.seq_len=32", "optim.schedule.warmup_steps=1")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert main([str(run), str(tmp_path / "hf")]) == 0
+    from checkpoint.load import load_model
+    model, ds, _, _ = load_model(run)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    ids_BT = torch.tensor([hf_tok("First Citizen:\nBefore", add_special_tokens=False)["input_ids"]])
+    assert ids_BT[0].tolist() == ds.tokenizer.encode("First Citizen:\nBefore").tolist()
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids_BT).logits, model(ids_BT).logits, atol=1e-4, rtol=1e-4)
