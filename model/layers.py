@@ -78,7 +78,7 @@ class Attention(nn.Module):
         self.q_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
         self.probe_logits = False
-        self.logit_max_H: Tensor | None = None
+        self._logit_parts: list[Tensor] = []  # one (H,) max per probed forward
 
     def init_weights(self, std: float, resid_std: float) -> None:
         nn.init.normal_(self.qkv.weight, std=std)
@@ -107,13 +107,25 @@ class Attention(nn.Module):
         v_BKTd = rearrange(qkv_BTX[:, :, H + K:], "b t h d -> b h t d")
         return q_BHTd, k_BKTd, v_BKTd
 
+    @property
+    def logit_max_H(self) -> Tensor | None:
+        """(H,) largest pre-softmax logit per head over the forwards probed since the last reset."""
+        return torch.stack(self._logit_parts).amax(0) if self._logit_parts else None
+
+    @logit_max_H.setter
+    def logit_max_H(self, value: Tensor | None) -> None:  # None resets the probe
+        self._logit_parts = [] if value is None else [value]
+
     def forward(self, x_BTD: Tensor, cos_TF: Tensor, sin_TF: Tensor) -> Tensor:
         H, K = self.n_heads, self.n_kv_heads
         q_BHTd, k_BKTd, v_BKTd = self.qk(x_BTD, cos_TF, sin_TF)
         if self.probe_logits and torch.is_grad_enabled():
             with torch.no_grad():
                 m_H = head_logit_max(q_BHTd[:1], k_BKTd[:1])
-            self.logit_max_H = m_H if self.logit_max_H is None else torch.maximum(self.logit_max_H, m_H)
+            # NOTE: appended, folded only when read: the same ops run whatever came before, so an activation
+            # checkpoint's recompute replays this forward op for op (a recomputed forward appends its max
+            # again; the max of a repeated value is the value)
+            self._logit_parts.append(m_H)
         # NOTE: enable_gqa lets SDPA share each kv head across n_heads/n_kv_heads query heads
         # without materialising the repeated k, v.
         y_BHTd = F.scaled_dot_product_attention(q_BHTd, k_BKTd, v_BKTd, is_causal=True, enable_gqa=K != H)

@@ -88,8 +88,9 @@ def test_qk_norm_gains_are_norm_params_and_do_not_decay():
 
 
 def test_qk_norm_config_must_be_bool():
+    # NOTE: "yes" / "on" are booleans to OmegaConf, as on the command line; "maybe" is not
     with pytest.raises(ValueError, match="model.qk_norm"):
-        ModelConfig.from_dict({"vocab_size": 5, "seq_len": 4, "qk_norm": "yes"})
+        ModelConfig.from_dict({"vocab_size": 5, "seq_len": 4, "qk_norm": "maybe"})
 
 
 def test_telemetry_records_attn_logit_max_per_layer():
