@@ -154,6 +154,10 @@ class Checkpointer:
                         skip_extras=skip_extras)
         return path.name
 
+    def has_before(self, max_step: int) -> bool:
+        """Is there a checkpoint directory at step <= max_step (complete or not: load_before checks)?"""
+        return any(step <= max_step for step, _ in publish.list_steps(self.root))
+
     def due(self, step: int) -> bool:
         return step == self.stop_after or (self.every > 0 and (step % self.every == 0 or step == self.last_step))
 

@@ -24,6 +24,15 @@ batch triggers again on replay the fault is in the data, and the next rollback s
 moves the cursor past the offending window at once. Both are logged with sample-id ranges. An
 incident (first trigger → quiet for `quiet_steps`) gets at most `max_rollbacks` rollbacks: a spike that
 returns after each one is in the trajectory itself, and its further spikes are vetoed as skips.
+
+Guaranteed progress: an incident stays open until the run has passed the furthest step it triggered at
+(`until`) AND `quiet_steps` executed steps went by without an acted-on trigger. Both are counted by the
+guard itself, never restored by a rollback (the detector's own `last_trigger_step` is rolled back with
+its snapshot, so a replay of old steps would look quiet and close the incident before the spike
+returns, restarting the budget forever). Ring snapshots newer than a rollback target belong to the
+abandoned trajectory and are dropped. Hence per incident ≤ max_rollbacks rollbacks of ≤ keep ·
+snapshot_every + margin steps each (memory), and the furthest step reached grows from one incident
+to the next. A trigger with no older target left, in an incident that already rolled back, is a skip.
 """
 from __future__ import annotations
 
@@ -109,6 +118,7 @@ class Guard:
         self.fingerprint: str | None = None  # the data manifest of the last step
         self.replay_until: int | None = None  # trigger step of the last rollback: replaying until then
         self.last_target: int | None = None   # step the last rollback restored
+        self.quiet_run: int | None = None     # executed steps since the last acted-on trigger (None: never)
         self.verdict = Verdict()
 
     # --- the two checkpoints of a step ---------------------------------------------------------
@@ -178,6 +188,13 @@ class Guard:
             self.events.emit(step, "skip", "post-update trigger: the update is already applied, a skip cannot "
                              "undo it (guard=rollback can)", applied=True)
         spent = self.incident is not None and self.incident.get("rollbacks", 0) >= int(self.rb["max_rollbacks"])
+        why = (f"{self.incident['rollbacks']} rollback(s) in this incident did not clear it (guard.rollback."
+               f"max_rollbacks={self.rb['max_rollbacks']})") if spent else ""
+        if acted and self.action == "rollback" and not spent and self.incident is not None and \
+                self.incident.get("rollbacks", 0) and not self._has_target(self._limit(step)):
+            spent, why = True, f"no snapshot older than step {self._limit(step) + 1} is left to roll back to"
+        if acted and self.incident is not None:
+            self.incident["until"] = max(self.incident["until"], step)
         if acted and self.action == "rollback" and spent:
             # NOTE: restoring the same good state keeps leading back into the spike: it is in the
             # trajectory, not in one batch or one corrupted state. Looping would never end; from here the
@@ -185,8 +202,7 @@ class Guard:
             if v.vetoed:
                 self.skipped_steps += 1
                 self.skipped_tokens += valid_tokens
-            self.events.emit(step, "rollback_exhausted", f"{self.incident['rollbacks']} rollback(s) in this incident "
-                             f"did not clear it (guard.rollback.max_rollbacks={self.rb['max_rollbacks']}): "
+            self.events.emit(step, "rollback_exhausted", f"{why}: "
                              + ("update vetoed instead" if v.vetoed else "the update was already applied"),
                              rollbacks=self.incident["rollbacks"], vetoed=v.vetoed, skipped_steps=self.skipped_steps,
                              batch_first=first_id)
@@ -198,8 +214,10 @@ class Guard:
             if self.incident is None:
                 hist = self.detector.history.get("loss")
                 med = statistics.median(hist) if hist else None
-                self.incident = {"trigger_step": step, "metric": acted[0].metric, "loss_median": med,
-                                 "before": list(self.recent), "after": [], "recovered_step": None}
+                self.incident = {"trigger_step": step, "until": step, "metric": acted[0].metric,
+                                 "loss_median": med, "before": list(self.recent), "after": [],
+                                 "recovered_step": None}
+        self.quiet_run = 0 if acted else (None if self.quiet_run is None else self.quiet_run + 1)
         self.recent.append((step, loss, expert_violation))
         self._track_incident(step, loss, expert_violation)
         return v
@@ -234,16 +252,28 @@ class Guard:
         if self.action != "rollback" or self.rb["source"] != "memory" or self.verdict.acted_on:
             return
         if step % int(self.rb["snapshot_every"]) == 0 or not self.ring:
+            while self.ring and self.ring[-1][0] >= step:  # a replayed step replaces its old copy
+                self.ring.pop()
             self.ring.append((step, self.state.snapshot(skip_extras=("faults",)), self.detector.state_dict()))
 
-    def rollback(self, step: int) -> int:
-        """Restore the newest good state at least `margin` steps before `step`; return its step."""
+    def _limit(self, step: int) -> int:
+        """The newest step a rollback triggered at `step` may restore."""
         limit = step - 1 - int(self.rb["margin"])
         if self.replay_until is not None and step <= self.replay_until and not self.skip_next_window:
             # fired again while replaying the last rollback, on other data: that target may already
             # hold the damage (a lagging detector), so go further back. (The same batch again is the
             # data's fault, not the state's: that target is fine and the window gets skipped.)
             limit = min(limit, self.last_target - 1)
+        return limit
+
+    def _has_target(self, limit: int) -> bool:
+        if self.rb["source"] == "memory":
+            return any(s <= limit for s, _, _ in self.ring)
+        return self.ckpt is not None and self.ckpt.has_before(limit)
+
+    def rollback(self, step: int) -> int:
+        """Restore the newest good state at least `margin` steps before `step`; return its step."""
+        limit = self._limit(step)
         cursor_after = self.state.loader.samples_consumed  # just past the batch that triggered
         kept = self._persistent()
         if self.rb["source"] == "memory":
@@ -252,6 +282,8 @@ class Guard:
                 raise GuardAbort(f"guard: no snapshot at step <= {limit} to roll back to (ring holds "
                                  f"{[s for s, _, _ in self.ring]}); raise guard.rollback.keep or lower margin")
             to_step, snap, det = found
+            while self.ring and self.ring[-1][0] > to_step:  # the abandoned trajectory's snapshots
+                self.ring.pop()
             self.state.restore(snap)
             self.detector.load_state_dict(det)
             source = f"memory:step {to_step}"
@@ -300,8 +332,9 @@ class Guard:
         rollback). While an incident is open its rollbacks are counted against max_rollbacks.
         """
         inc, quiet_n = self.incident, int(self.an["quiet_steps"])
-        last = self.detector.last_trigger_step
-        quiet = last is None or step - last >= quiet_n
+        # NOTE: counted in executed steps by the guard, not from the detector's last_trigger_step (a
+        # rollback restores that, and replayed steps would look quiet)
+        quiet = self.quiet_run is None or self.quiet_run >= quiet_n
         r = self.routing
         if r is not None and r.active:
             on = self.incident_on
@@ -316,7 +349,7 @@ class Guard:
                                  loss_after=[x[1] for x in trail.get("after", [])],
                                  expert_violation_before=[x[2] for x in trail.get("before", [])],
                                  expert_violation_after=[x[2] for x in trail.get("after", [])])
-        if inc is not None and quiet and step - inc.get("rollback_to", step) >= quiet_n and not (r is not None and r.active):
+        if inc is not None and quiet and step > inc["until"] and not (r is not None and r.active):
             self.events.emit(step, "incident_closed", f"quiet for {quiet_n} steps: the incident that started at step "
                              f"{inc['trigger_step']} is closed ({inc.get('rollbacks', 0)} rollback(s))",
                              trigger_step=inc["trigger_step"], rollbacks=inc.get("rollbacks", 0),
@@ -340,12 +373,14 @@ class Guard:
 
     def _persistent(self) -> dict:
         return {"skipped_steps": self.skipped_steps, "skipped_tokens": self.skipped_tokens,
-                "rollbacks": self.rollbacks, "bad_batches": sorted(self.bad_batches), "fingerprint": self.fingerprint}
+                "rollbacks": self.rollbacks, "bad_batches": sorted(self.bad_batches), "fingerprint": self.fingerprint,
+                "quiet_run": self.quiet_run}
 
     def _restore_persistent(self, kept: dict) -> None:
         self.skipped_steps, self.skipped_tokens = kept["skipped_steps"], kept["skipped_tokens"]
         self.rollbacks, self.bad_batches = kept["rollbacks"], set(kept["bad_batches"])
         self.fingerprint = kept.get("fingerprint")
+        self.quiet_run = kept.get("quiet_run")
 
     def state_dict(self) -> dict:
         return {"detector": self.detector.state_dict(), **self._persistent(),
