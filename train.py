@@ -184,8 +184,8 @@ def train(cfg, dist, model, wrapped, optimizer, scheduler, loader, evals, datase
         optimizer.zero_grad(set_to_none=True)
         t3 = time.perf_counter()
 
-        for layer, moe in model.moe_layers():  # aux-loss-free balancing from the global loads
-            moe.update_bias(stats["moe_load"][layer].to(dist.device))
+        for layer, moe in model.moe_layers() if not res.skipped else ():  # a vetoed step moves no state
+            moe.update_bias(stats["moe_load"][layer].to(dist.device))  # aux-loss-free balancing, global loads
         moe_stats = moe_summary(stats["moe_load"])
         worst = max((m["max_violation"] for m in moe_stats.values()), default=None)
         for e in faults.pop_events():  # the injected fault, in the same story as the guard's actions

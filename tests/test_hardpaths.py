@@ -1,0 +1,31 @@
+"""Issue 13: the stability defences on their hard paths, end to end through train.py (tiny runs)."""
+from __future__ import annotations
+
+import torch
+
+from checkpoint import publish
+from checkpoint.state import read_tensors
+from helpers import TINY, run_train
+from stability.record import read_records
+
+MOE = ["model=moe_tiny", "model.moe.expert_hidden=16", "model.moe.n_experts=4",
+       "model.moe.bias_update_speed=0.01"]
+
+
+def test_a_vetoed_step_leaves_the_moe_bias_alone(tmp_path):
+    """Issue 13 #3: guard=skip and a NaN at step 4: the bias is exactly where step 3 left it plus step 5's
+    own update, computed from step 5's logged global loads (old code also moved it by step 4's loads)."""
+    run = tmp_path / "run"
+    r = run_train(run, *TINY, *MOE, "guard=skip", "fault=nan_activation", "fault.step=4", "checkpoint.every=1",
+                  "checkpoint.mode=sync", "checkpoint.keep_last=10")
+    assert r.returncode == 0, r.stderr[-2000:]
+    recs = {x["step"]: x for x in read_records(run / "metrics.jsonl")}
+    assert recs[4]["skipped"] and recs[4]["guard"]["vetoed"]
+    at3, at5 = (read_tensors(run / "checkpoints" / publish.step_name(s)) for s in (3, 5))
+    names = [k for k in at3 if k.endswith("bias_E")]
+    assert names
+    for name in names:
+        layer = name.split(".")[2]
+        load = torch.tensor(recs[5]["moe"][layer]["load"], dtype=torch.float32)
+        expect = at3[name] + 0.01 * torch.sign(load.mean() - load)
+        assert torch.equal(at5[name], expect), (name, at3[name], at5[name], expect)
