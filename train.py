@@ -96,7 +96,7 @@ def build(cfg: DictConfig, dist) -> dict:
     is_moe = bool(model.moe_layers())
     an = config["guard"]["anticipatory"]
     routing = AnticipatoryRouting(model, loader, cfg.train.micro_batches, an["delay"], dist.device,
-                                  recipe.autocast) if is_moe and an["enabled"] else None
+                                  recipe.autocast, forward=wrapped) if is_moe and an["enabled"] else None
     state = TrainState(model, optimizer, scheduler, loader, config, dist.rank, dist.world,
                        extras={"loss_scaler": scaler, "faults": faults} if scaler else {"faults": faults})
     state.guard = guard = Guard(config["guard"], state=state, ckpt=None, events=events, routing=routing,

@@ -90,10 +90,16 @@ class Transformer(nn.Module):
         return self.norm(x_BTD), moe_outs
 
     def forward(self, tokens_BT: Tensor, labels_BT: Tensor | None = None,
-                routes: dict[int, Tensor] | None = None, return_logits: bool = False) -> ModelOutput:
+                routes: dict[int, Tensor] | None = None, return_logits: bool = False,
+                routes_only: bool = False) -> ModelOutput | dict[int, Tensor]:
         """routes: {layer: expert ids (B, T, k)} replaces top-k selection at those layers.
 
-        With labels, only positions with a label (!= IGNORE_INDEX) count in the MoE loads and losses."""
+        With labels, only positions with a label (!= IGNORE_INDEX) count in the MoE loads and losses.
+        routes_only: the routing-only forward (compute_routes) through forward(), so that a wrapper's
+        hooks run: FSDP2 all-gathers the sharded parameters only around a call of the wrapped module.
+        """
+        if routes_only:
+            return self.compute_routes(tokens_BT)
         valid_BT = None if labels_BT is None else labels_BT != IGNORE_INDEX
         x_BTD, moe_outs = self._trunk(tokens_BT, routes, valid_BT)
         logits_BTV = self.head(x_BTD)
@@ -121,7 +127,10 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def compute_routes(self, tokens_BT: Tensor) -> dict[int, Tensor]:
-        """The routing-only forward: top-k expert ids (B, T, k) chosen at each MoE layer."""
+        """The routing-only forward: top-k expert ids (B, T, k) chosen at each MoE layer.
+
+        WARN: on an FSDP2-sharded model call model(tokens, routes_only=True) instead: called directly
+        this reads the sharded DTensors (aten.embedding got mixed torch.Tensor and DTensor)."""
         _, moe_outs = self._trunk(tokens_BT, None)
         B = tokens_BT.shape[0]
         return {i: rearrange(m.route_ids_Nk, "(b t) k -> b t k", b=B) for i, m in moe_outs.items()}

@@ -5,7 +5,7 @@ parameters. The guard turns it on after a rollback and off once training is stab
 Timing (policy version v = optimizer updates applied; step t's forward runs on version t−1):
 
     step t, after loader.next(), BEFORE the forward (parameters at version t−1):
-        1. routing-only forward (Transformer.compute_routes, no grad) of the batch that will be
+        1. routing-only forward (model(tokens, routes_only=True): through the wrapper, no grad) of the batch that will be
            trained at step t+Δt  →  cached under its batch ID with route version t−1;
         2. step t's own batch is trained with the ids cached for it.
     The batch computed at step t is trained at step t+Δt on feature version t+Δt−1, so
@@ -42,8 +42,9 @@ class _Entry:
 
 
 class AnticipatoryRouting:
-    def __init__(self, model, loader, micro_batches: int, delay: int, device, autocast=None):
-        """model: the unwrapped Transformer (compute_routes lives there); loader: the training Loader;
+    def __init__(self, model, loader, micro_batches: int, delay: int, device, autocast=None, forward=None):
+        """model: the unwrapped Transformer; forward: the module the step calls (DDP / FSDP2 wrapper,
+        default `model`): the routing forward goes through it so FSDP2 gathers the parameters; loader:
         micro_batches: train.micro_batches (routes follow the same split); autocast: the recipe's
         callable returning a context manager, so routing sees the activations training will see."""
         if isinstance(delay, bool) or not isinstance(delay, int) or delay < 0:
@@ -51,6 +52,7 @@ class AnticipatoryRouting:
         if not model.moe_layers():
             raise ValueError("guard.anticipatory: the model has no MoE layer to route (model.moe=null)")
         self.model, self.loader, self.micro_batches = model, loader, micro_batches
+        self.forward = forward if forward is not None else model
         self.delay, self.device = delay, torch.device(device)
         self.autocast = autocast if autocast is not None else contextlib.nullcontext
         self.active = False
@@ -103,7 +105,7 @@ class AnticipatoryRouting:
         routes = []
         for mb in batch.micro_batches(self.micro_batches):  # the split train.py uses
             with self.autocast():
-                routes.append(self.model.compute_routes(mb.tokens.to(self.device)))
+                routes.append(self.forward(mb.tokens.to(self.device), routes_only=True))
         # NOTE: version step−1 assumes every earlier step applied its update; a skipped (non-finite)
         # step leaves the parameters unchanged, so the true delay can then be smaller than reported.
         return _Entry(route_version=step - 1, routes=routes)

@@ -1,11 +1,13 @@
 """Issue 13: the stability defences on their hard paths, end to end through train.py (tiny runs)."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from checkpoint import publish
 from checkpoint.state import read_tensors
 from helpers import TINY, run_train
+from stability.events import read_events
 from stability.record import read_records
 
 MOE = ["model=moe_tiny", "model.moe.expert_hidden=16", "model.moe.n_experts=4",
@@ -29,3 +31,18 @@ def test_a_vetoed_step_leaves_the_moe_bias_alone(tmp_path):
         load = torch.tensor(recs[5]["moe"][layer]["load"], dtype=torch.float32)
         expect = at3[name] + 0.01 * torch.sign(load.mean() - load)
         assert torch.equal(at5[name], expect), (name, at3[name], at5[name], expect)
+
+
+@pytest.mark.distributed
+def test_fsdp2_anticipatory_routing_after_a_rollback(tmp_path):
+    """Issue 13 #2: under FSDP2 the routing-only forward called Transformer.compute_routes directly, so the
+    root parameters were never gathered: the first step after a rollback died with 'aten.embedding got
+    mixed torch.Tensor and DTensor'. It goes through the wrapped module now."""
+    run = tmp_path / "run"
+    r = run_train(run, *TINY, *MOE, "train.steps=8", "parallel=fsdp", "guard=rollback", "fault=nan_activation",
+                  "fault.step=5", "guard.rollback.snapshot_every=1", "guard.anticipatory.delay=1", nproc=2)
+    assert r.returncode == 0, r.stderr[-3000:]
+    kinds = [e["kind"] for e in read_events(run / "events.jsonl")]
+    assert "rollback" in kinds and "anticipatory_on" in kinds
+    recs = read_records(run / "metrics.jsonl")
+    assert recs[-1]["step"] == 8 and any(x["routing"].get("on") for x in recs)
