@@ -14,7 +14,7 @@ Timing (policy version v = optimizer updates applied; step t's forward runs on v
 Δt = 0: step 1 routes the current batch right before its forward, with the same parameters, bias and
 autocast → the same ids as normal top-k routing (bit-for-bit; tested).
 
-Activation (or resume, reset, or any cursor jump) finds no cache entry for the current batch; the
+Activation (or reset, a resume into another world size, or any cursor jump) finds no cache entry for the current batch; the
 batches t..t+Δt−1 are then routed at once with version t−1, so their delay ramps 0, 1, .., Δt−1 before
 the steady Δt. info(step) reports the delay actually served at each step.
 
@@ -122,10 +122,18 @@ class AnticipatoryRouting:
         return {"on": False, "delay": 0, "feature_version": step - 1, "route_version": step - 1}
 
     def state_dict(self) -> dict:
-        # NOTE: the cache is not saved: after a resume the first step routes t..t+Δt−1 afresh with the
-        # resumed parameters, so for Δt steps the delays ramp 0..Δt−1 again (an uninterrupted run would
-        # have used ids from the older parameters, which a checkpoint no longer holds).
+        """Rank-independent state; the cache (each rank's own shard) is cache_state()."""
         return {"active": self.active, "on_since": self.on_since, "delay": self.delay}
+
+    def cache_state(self) -> dict:
+        """The cached ids (chosen by parameters a checkpoint no longer holds): saved per rank, so a run
+        resumed inside the window trains on the same routes, with the same delays, as the straight one."""
+        return {fid: (e.route_version, [{l: ids.cpu() for l, ids in r.items()} for r in e.routes])
+                for fid, e in self._cache.items()}
+
+    def load_cache_state(self, sd: dict) -> None:
+        self._cache = {fid: _Entry(v, [{l: ids.to(self.device) for l, ids in r.items()} for r in routes])
+                       for fid, (v, routes) in sd.items()}
 
     def load_state_dict(self, sd: dict) -> None:
         self.active, self.on_since = bool(sd["active"]), sd["on_since"]

@@ -36,6 +36,7 @@ to the next. A trigger with no older target left, in an incident that already ro
 """
 from __future__ import annotations
 
+import copy
 import math
 import statistics
 from collections import deque
@@ -238,7 +239,12 @@ class Guard:
         WARN: not a fresh run's: torch creates Adam's state lazily, and reading the state dict of an
         optimizer that never stepped initialises it (step count 1), which changes every later update.
         A fresh run takes its first snapshot after step 1 instead (maybe_snapshot).
+        NOTE: a checkpoint is taken before its step's end_step (the snapshot point precedes it), so a
+        resumed run first finishes that step's incident bookkeeping, silently: the run that saved it
+        already announced it. Otherwise a window the straight run closed at that step stays open.
         """
+        if step > 0:
+            self.end_step(step, announce=False)
         if self.action == "rollback" and self.rb["source"] == "memory" and step > 0:
             self.ring.append((step, self.state.snapshot(skip_extras=("faults",)), self.detector.state_dict()))
 
@@ -325,13 +331,14 @@ class Guard:
                                  window=int(self.an["window"]), quiet_steps=int(self.an["quiet_steps"]))
         return to_step
 
-    def end_step(self, step: int) -> None:
+    def end_step(self, step: int, announce: bool = True) -> None:
         """Anticipatory routing off after its window or once quiet; the incident closes once quiet.
 
-        Quiet = no trigger acted on for `quiet_steps` steps (and at least that long since the last
-        rollback). While an incident is open its rollbacks are counted against max_rollbacks.
+        Quiet = no trigger acted on for `quiet_steps` executed steps; an incident closes only once quiet
+        and past the furthest step it triggered at. While an incident is open its rollbacks are counted against max_rollbacks.
         """
         inc, quiet_n = self.incident, int(self.an["quiet_steps"])
+        emit = self.events.emit if announce else (lambda *a, **k: None)
         # NOTE: counted in executed steps by the guard, not from the detector's last_trigger_step (a
         # rollback restores that, and replayed steps would look quiet)
         quiet = self.quiet_run is None or self.quiet_run >= quiet_n
@@ -343,17 +350,17 @@ class Guard:
                 r.deactivate(step)
                 reason = "window reached" if ran >= int(self.an["window"]) else f"quiet for {quiet_n} steps"
                 trail = inc or {}
-                self.events.emit(step, "anticipatory_off", f"anticipatory routing off after {ran} steps ({reason})",
-                                 duration=ran, on_step=on, reason=reason, recovered_step=trail.get("recovered_step"),
-                                 loss_before=[x[1] for x in trail.get("before", [])],
-                                 loss_after=[x[1] for x in trail.get("after", [])],
-                                 expert_violation_before=[x[2] for x in trail.get("before", [])],
-                                 expert_violation_after=[x[2] for x in trail.get("after", [])])
+                emit(step, "anticipatory_off", f"anticipatory routing off after {ran} steps ({reason})",
+                     duration=ran, on_step=on, reason=reason, recovered_step=trail.get("recovered_step"),
+                     loss_before=[x[1] for x in trail.get("before", [])],
+                     loss_after=[x[1] for x in trail.get("after", [])],
+                     expert_violation_before=[x[2] for x in trail.get("before", [])],
+                     expert_violation_after=[x[2] for x in trail.get("after", [])])
         if inc is not None and quiet and step > inc["until"] and not (r is not None and r.active):
-            self.events.emit(step, "incident_closed", f"quiet for {quiet_n} steps: the incident that started at step "
-                             f"{inc['trigger_step']} is closed ({inc.get('rollbacks', 0)} rollback(s))",
-                             trigger_step=inc["trigger_step"], rollbacks=inc.get("rollbacks", 0),
-                             recovered_step=inc.get("recovered_step"))
+            emit(step, "incident_closed", f"quiet for {quiet_n} steps: the incident that started at step "
+                 f"{inc['trigger_step']} is closed ({inc.get('rollbacks', 0)} rollback(s))",
+                 trigger_step=inc["trigger_step"], rollbacks=inc.get("rollbacks", 0),
+                 recovered_step=inc.get("recovered_step"))
             self.incident = None
 
     def _track_incident(self, step: int, loss: float, violation: float | None) -> None:
@@ -372,24 +379,41 @@ class Guard:
     # --- state ------------------------------------------------------------------------------------
 
     def _persistent(self) -> dict:
+        """What describes the run, not a point of its trajectory: kept across a rollback, saved in a
+        checkpoint. The open incident and the anticipatory window are in it: a run resumed inside an
+        incident must close it (and turn routing off) exactly where the uninterrupted run does."""
         return {"skipped_steps": self.skipped_steps, "skipped_tokens": self.skipped_tokens,
                 "rollbacks": self.rollbacks, "bad_batches": sorted(self.bad_batches), "fingerprint": self.fingerprint,
-                "quiet_run": self.quiet_run}
+                "quiet_run": self.quiet_run, "incident": copy.deepcopy(self.incident),
+                "replay_until": self.replay_until, "last_target": self.last_target,
+                "skip_next_window": self.skip_next_window, "recent": list(self.recent),
+                "incident_on": self.incident_on,
+                "routing": self.routing.state_dict() if self.routing is not None else None}
 
     def _restore_persistent(self, kept: dict) -> None:
         self.skipped_steps, self.skipped_tokens = kept["skipped_steps"], kept["skipped_tokens"]
         self.rollbacks, self.bad_batches = kept["rollbacks"], set(kept["bad_batches"])
         self.fingerprint = kept.get("fingerprint")
         self.quiet_run = kept.get("quiet_run")
+        self.incident = copy.deepcopy(kept.get("incident"))
+        self.replay_until, self.last_target = kept.get("replay_until"), kept.get("last_target")
+        self.skip_next_window = bool(kept.get("skip_next_window", False))
+        self.recent = deque(kept.get("recent", []), maxlen=self.recent.maxlen)
+        self.incident_on = kept.get("incident_on")
+        if self.routing is not None and kept.get("routing"):
+            self.routing.load_state_dict(kept["routing"])
 
     def state_dict(self) -> dict:
-        return {"detector": self.detector.state_dict(), **self._persistent(),
-                "routing": self.routing.state_dict() if self.routing is not None else None,
-                "incident_on": self.incident_on}
+        return {"detector": self.detector.state_dict(), **self._persistent()}
 
     def load_state_dict(self, sd: dict) -> None:
         self.detector.load_state_dict(sd["detector"])
         self._restore_persistent(sd)
-        if self.routing is not None and sd.get("routing"):
-            self.routing.load_state_dict(sd["routing"])
-        self.incident_on = sd.get("incident_on")
+
+    def local_state_dict(self) -> dict:
+        """This rank's own part (each rank routes its shard of the batch): the anticipatory route cache."""
+        return {"routes": self.routing.cache_state() if self.routing is not None else None}
+
+    def load_local_state_dict(self, sd: dict) -> None:
+        if self.routing is not None and sd.get("routes") is not None:
+            self.routing.load_cache_state(sd["routes"])

@@ -1,12 +1,15 @@
 """Issue 13: the stability defences on their hard paths, end to end through train.py (tiny runs)."""
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
 from checkpoint import publish
 from checkpoint.state import read_tensors
-from helpers import TINY, run_train
+from helpers import ROOT, TINY, env, run_train
 from stability.events import read_events
 from stability.record import read_records
 
@@ -46,3 +49,22 @@ def test_fsdp2_anticipatory_routing_after_a_rollback(tmp_path):
     assert "rollback" in kinds and "anticipatory_on" in kinds
     recs = read_records(run / "metrics.jsonl")
     assert recs[-1]["step"] == 8 and any(x["routing"].get("on") for x in recs)
+
+
+def test_resume_inside_an_anticipatory_window_is_bit_identical(tmp_path):
+    """Issue 13 #4: NaN at step 5 -> rollback to 3, anticipatory routing on from step 4 (Δt = 2, window
+    20); the save at step 7 is inside the window. The route cache and the open incident are in the
+    checkpoint: the resumed run serves the same delays and ends bit-identical (checkpoint.verify)."""
+    out = tmp_path / "v"
+    cmd = [sys.executable, "-m", "checkpoint.verify", "--out", str(out), "--steps", "7", "3", *TINY, *MOE,
+           "guard=rollback", "fault=nan_activation", "fault.step=5", "guard.rollback.snapshot_every=1",
+           "guard.anticipatory.window=20", "guard.anticipatory.quiet_steps=6"]
+    r = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    straight, resumed = ({x["step"]: x for x in read_records(out / d / "metrics.jsonl")} for d in ("straight", "resumed"))
+    assert straight[7]["routing"]["on"] and straight[8]["routing"]["on"] and not straight[10]["routing"]["on"]
+    for s in (8, 9, 10):
+        assert straight[s]["routing"] == resumed[s]["routing"], s
+    ev_s, ev_r = (read_events(out / d / "events.jsonl") for d in ("straight", "resumed"))
+    tail = lambda ev: [(e["step"], e["kind"]) for e in ev if e["step"] > 7 and e["kind"] != "checkpoint"]
+    assert tail(ev_s) == tail(ev_r)
