@@ -22,7 +22,7 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from checkpoint import Checkpointer, TrainState, resume_options
+from checkpoint import Checkpointer, FinalCheckpointWithheld, TrainState, resume_options
 from checkpoint.state import versions
 from data import build_data
 from data.loader import Loader, eval_batches
@@ -55,6 +55,9 @@ def main(cfg: DictConfig) -> None:
         train(cfg, dist, **run)
     except GuardAbort as e:  # the guard gave up: say why in one line; the last good checkpoint stands
         print(f"ballast: guard: {e}", file=sys.stderr)
+        sys.exit(3)
+    except FinalCheckpointWithheld as e:  # the last step was vetoed: the run ends without its final save
+        print(f"ballast: {e}", file=sys.stderr)
         sys.exit(3)
     finally:
         run["ckpt"].close()  # the run is not over until its last async save is published

@@ -28,6 +28,10 @@ CKPT_KEYS = {"every", "dir", "mode", "keep_last", "keep_every", "verify_hashes",
 RESUME_KEYS = {"path", "allow_data_change", "allow_config_change"}
 
 
+class FinalCheckpointWithheld(RuntimeError):
+    """The last step of train.steps was vetoed by the guard: there is no healthy step left to save."""
+
+
 def _int(value, key: str, lo: int, allow_none: bool = False) -> int | None:
     if value is None and allow_none:
         return None
@@ -63,6 +67,7 @@ class Checkpointer:
         if self.stop_after is not None and self.stop_after > steps:
             raise ValueError(f"checkpoint.stop_after={self.stop_after}: beyond train.steps={steps}")
         self.last_step = self.stop_after or steps  # the schedule still spans train.steps
+        self.steps, self.deferred = steps, None  # deferred: the step a withheld last save moved to
         self.verify_hashes = bool(ck["verify_hashes"])
         self.spec, self.allow_data_change, self.allow_config = resume_options(cfg.get("resume"))
         self.root = Path(ck["dir"]) if ck["dir"] else run_dir / "checkpoints"
@@ -159,7 +164,8 @@ class Checkpointer:
         return any(step <= max_step for step, _ in publish.list_steps(self.root))
 
     def due(self, step: int) -> bool:
-        return step == self.stop_after or (self.every > 0 and (step % self.every == 0 or step == self.last_step))
+        return step in (self.stop_after, self.deferred) or (
+            self.every > 0 and (step % self.every == 0 or step == self.last_step))
 
     def maybe_save(self, step: int, tokens: int, healthy: bool = True) -> float:
         """The snapshot point. Returns the training stall in seconds (0 when no save is due).
@@ -173,6 +179,18 @@ class Checkpointer:
         if not healthy:
             self._note(f"checkpoint at step {step} withheld: the guard fired on this step; "
                        f"last complete: {self.ckpt_id}")
+            if step == self.last_step:
+                # NOTE: the run's last save must not vanish (resume=latest would find nothing, or an older
+                # step): train one more step and save that, or say the run ends without one.
+                if step >= self.steps:
+                    self.saver.wait()  # name the newest complete one, async writes included
+                    self._collect()
+                    raise FinalCheckpointWithheld(
+                        f"checkpoint: the last step {step} (train.steps) was vetoed by the guard, so no final "
+                        f"checkpoint was written; last complete: {self.ckpt_id or 'none'}")
+                self.last_step = self.deferred = step + 1
+                self._note(f"checkpoint: the last save moves to step {step + 1}, the next step (train.steps="
+                           f"{self.steps} still bounds the run)")
             return 0.0
         name = publish.step_name(step)
         info = {"name": name, "step": step, "tokens": tokens, "world": self.dist.world,

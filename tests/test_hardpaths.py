@@ -68,3 +68,22 @@ def test_resume_inside_an_anticipatory_window_is_bit_identical(tmp_path):
     ev_s, ev_r = (read_events(out / d / "events.jsonl") for d in ("straight", "resumed"))
     tail = lambda ev: [(e["step"], e["kind"]) for e in ev if e["step"] > 7 and e["kind"] != "checkpoint"]
     assert tail(ev_s) == tail(ev_r)
+
+
+def test_a_vetoed_last_step_defers_the_save_or_fails_loudly(tmp_path):
+    """Issue 13 #5: checkpoint.stop_after=5 with step 5 vetoed wrote no checkpoint and exited 0, so
+    resume=latest then failed. The save moves to step 6; at the very last step of train.steps there is
+    no next step: exit non-zero saying so."""
+    run = tmp_path / "stop"
+    r = run_train(run, *TINY, "train.steps=8", "checkpoint.stop_after=5", "guard=skip", "fault=nan_activation",
+                  "fault.step=5")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert [p.name for p in (run / "checkpoints").iterdir() if p.name.startswith("step_")] == [publish.step_name(6)]
+    r = run_train(run, *TINY, "train.steps=8", "guard=skip", "fault=nan_activation", "fault.step=5", "resume=latest")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert read_records(run / "metrics.jsonl")[-1]["step"] == 8
+    end = tmp_path / "end"
+    r = run_train(end, *TINY, "checkpoint.every=3", "guard=skip", "fault=nan_activation", "fault.step=6")
+    assert r.returncode == 3
+    lines = r.stderr.strip().splitlines()
+    assert "vetoed" in lines[-1] and "step_000003" in lines[-1] and not any("Traceback" in x for x in lines)
