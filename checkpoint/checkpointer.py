@@ -26,6 +26,7 @@ from parallel.dist import broadcast_object
 
 CKPT_KEYS = {"every", "dir", "mode", "keep_last", "keep_every", "verify_hashes", "stop_after"}
 RESUME_KEYS = {"path", "allow_data_change", "allow_config_change"}
+AUTO = "auto"  # resume=auto: resume when a complete checkpoint exists, else start fresh
 
 
 class FinalCheckpointWithheld(RuntimeError):
@@ -92,6 +93,8 @@ class Checkpointer:
 
     def resume(self) -> None:
         """Load the checkpoint `resume` names into the state, after checking it is the same run."""
+        if self.spec == AUTO:
+            self.spec = self._auto()
         if not self.spec:
             return
         found = None
@@ -136,6 +139,27 @@ class Checkpointer:
         self._note(f"resumed from {path} (step {self.state.step}, {self.state.tokens} tokens)")
         for line in notes:
             self._note(line)
+
+    def _auto(self) -> str | None:
+        """resume=auto (a scheduler restarts a preempted job with the same command): the newest complete
+        checkpoint under checkpoint.dir if there is one, else a fresh start. Says which, either way."""
+        found = None
+        if self.dist.is_main:
+            try:
+                found = str(publish.resolve(publish.LATEST, self.root, self.verify_hashes)[0])
+            except ValueError:
+                found = None
+        found = broadcast_object(found)
+        if found is not None:
+            self._note(f"resume=auto: resuming from {found}")
+            return publish.LATEST
+        moved = supersede_records(self.run_dir / "metrics.jsonl", 0) if self.dist.is_main else 0
+        self._note(f"resume=auto: no complete checkpoint under {self.root}; starting fresh"
+                   + (f" (moved {moved} record(s) of an earlier attempt to metrics.superseded.jsonl)" if moved else ""))
+        if self.dist.is_main and (self.run_dir / "events.jsonl").exists():
+            ev = self.run_dir / "events.jsonl"
+            ev.replace(ev.with_name("events.superseded.jsonl"))
+        return None
 
     def load_before(self, max_step: int, skip_extras: tuple[str, ...] = ()) -> str | None:
         """Guard rollback from disk: load the newest complete checkpoint saved at step <= max_step.

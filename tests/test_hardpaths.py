@@ -1,6 +1,8 @@
 """Issue 13: the stability defences on their hard paths, end to end through train.py (tiny runs)."""
 from __future__ import annotations
 
+import random
+import signal
 import subprocess
 import sys
 
@@ -87,3 +89,68 @@ def test_a_vetoed_last_step_defers_the_save_or_fails_loudly(tmp_path):
     assert r.returncode == 3
     lines = r.stderr.strip().splitlines()
     assert "vetoed" in lines[-1] and "step_000003" in lines[-1] and not any("Traceback" in x for x in lines)
+
+
+@pytest.mark.parametrize("content", [b"\xff\xfe\x00step", None])
+def test_a_damaged_latest_pointer_falls_back_to_a_scan(tmp_path, content):
+    """Issue 13 #6: a `latest` with non-UTF-8 bytes, or a directory named latest, was reported as a config
+    error although complete checkpoints existed. It is damage: scan, resume the newest complete one."""
+    run = tmp_path / "run"
+    assert run_train(run, *TINY, "train.steps=8", "checkpoint.stop_after=6", "checkpoint.every=3",
+                     "checkpoint.mode=sync").returncode == 0
+    latest = run / "checkpoints" / "latest"
+    latest.unlink()
+    if content is None:
+        latest.mkdir()
+    else:
+        latest.write_bytes(content)
+    r = run_train(run, *TINY, "train.steps=8", "checkpoint.every=3", "checkpoint.mode=sync", "resume=latest")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "scanning" in r.stdout and "resumed from" in r.stdout and "step_000006" in r.stdout
+    assert publish.read_latest(run / "checkpoints") == publish.step_name(8)  # the pointer is whole again
+
+
+def killed_and_restarted(run, overrides, kills, seed):
+    """Run the same command `kills` + 1 times, SIGKILLing all but the last at a random point of its own
+    output (the child reports its progress: no sleeps, no timing); the last must finish."""
+    rng = random.Random(seed)
+    cmd = [sys.executable, "train.py", f"hydra.run.dir={run}", *overrides]
+    outputs = []
+    for attempt in range(kills + 1):
+        child = subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        # NOTE: the kill lands 0-4 lines after this attempt's first published checkpoint: every attempt
+        # makes progress, and a kill may hit the middle of the next (async) save or of a metrics line
+        extra, published = (rng.randint(0, 4) if attempt < kills else None), None
+        lines = []
+        for line in child.stdout:
+            lines.append(line)
+            if published is None and " published to " in line:
+                published = len(lines)
+            if extra is not None and published is not None and len(lines) >= published + extra:
+                child.send_signal(signal.SIGKILL)
+                break
+        child.stdout.close()
+        rc = child.wait()
+        outputs.append("".join(lines))
+        if extra is None:
+            assert rc == 0, outputs[-1][-3000:]
+    return outputs
+
+
+@pytest.mark.parametrize("kills", [pytest.param(2, id="2kills"), pytest.param(6, id="6kills", marks=pytest.mark.slow)])
+def test_resume_auto_survives_random_kills_with_the_same_command(tmp_path, kills):
+    """Issue 13 #12: `resume=auto` resumes from the newest complete checkpoint or starts fresh, saying which;
+    killed at random moments and restarted with the same command, the run ends with the parameters of an
+    uninterrupted one."""
+    overrides = [*TINY, "train.steps=12", "checkpoint.every=2", "logging.log_every=1", "resume=auto"]
+    outs = killed_and_restarted(tmp_path / "killed", overrides, kills, seed=kills)
+    assert "resume=auto: no complete checkpoint" in outs[0] and "starting fresh" in outs[0]
+    assert any("resume=auto: resuming from" in o for o in outs[1:])
+    straight = tmp_path / "straight"
+    r = run_train(straight, *overrides)
+    assert r.returncode == 0 and "starting fresh" in r.stdout
+    final = publish.step_name(12)
+    a, b = read_tensors(straight / "checkpoints" / final), read_tensors(tmp_path / "killed" / "checkpoints" / final)
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    steps = [x["step"] for x in read_records(tmp_path / "killed" / "metrics.jsonl")]
+    assert steps == list(range(1, 13))
