@@ -104,6 +104,8 @@ def build(cfg: DictConfig, dist) -> dict:
                        extras={"loss_scaler": scaler, "faults": faults} if scaler else {"faults": faults})
     state.guard = guard = Guard(config["guard"], state=state, ckpt=None, events=events, routing=routing,
                                 is_moe=is_moe)
+    ckpt = Checkpointer(config, dist, run_dir, state)
+    ckpt.check_resume()  # which checkpoint, and is it this run: fails before anything is written
 
     if dist.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -119,7 +121,6 @@ def build(cfg: DictConfig, dist) -> dict:
         print(table.to_markdown())
         table.save(run_dir)
     sinks = build_sinks(cfg.logging, run_dir, cfg.train.steps, floor, cfg.run_name, config) if dist.is_main else []
-    ckpt = Checkpointer(config, dist, run_dir, state)
     guard.ckpt = ckpt
     ckpt.resume()  # last: restores every RNG stream just before the first step
     guard.start(state.step)

@@ -75,6 +75,8 @@ class Checkpointer:
         self.dist, self.run_dir, self.state = dist, run_dir, state
         self.ckpt_id: str | None = None  # the checkpoint this run last published or resumed from
         self._events: list[str] = []
+        self._plan: tuple | None = None  # check_resume(): (path, skipped notes, notes, meta), () = nothing
+        self._fresh = False  # resume=auto found no checkpoint
         saving = self.every > 0 or self.stop_after is not None
         group = tdist.new_group(backend="gloo") if saving and dist.world > 1 else None
         self.saver = Saver(self.root, ck["mode"], _int(ck["keep_last"], "checkpoint.keep_last", 1),
@@ -91,11 +93,16 @@ class Checkpointer:
             print(line, flush=True)
         self._events.append(line)
 
-    def resume(self) -> None:
-        """Load the checkpoint `resume` names into the state, after checking it is the same run."""
+    def check_resume(self) -> None:
+        """Everything resume() checks, before anything is written: which checkpoint, and that it is this
+        run (config, model, data, progress). A start that fails here leaves the run directory as it was.
+        Idempotent; resume() calls it when the caller did not."""
+        if self._plan is not None:
+            return
         if self.spec == AUTO:
-            self.spec = self._auto()
+            self.spec, self._fresh = self._auto(), True
         if not self.spec:
+            self._plan = ()
             return
         found = None
         if self.dist.is_main:
@@ -110,9 +117,7 @@ class Checkpointer:
         found = broadcast_object(found)  # rank 0 decides, so every rank loads the same checkpoint
         if isinstance(found, str):
             raise ValueError(found)
-        path, notes = Path(found[0]), found[1]
-        for line in notes:
-            self._note(f"checkpoint: {line}")
+        path, skipped = Path(found[0]), found[1]
         name = path.name
         blobs = read_blobs(path, ("meta", "loader", "progress"))
         meta = blobs["meta"]
@@ -129,6 +134,19 @@ class Checkpointer:
             fresh = f"; ranks >= {meta['world']} have no saved RNG streams" if self.dist.world > meta["world"] else ""
             notes.append(f"resume: world size {meta['world']} -> {self.dist.world}; the data cursor continues at "
                          f"{blobs['loader']['samples_consumed']} samples consumed{fresh}")
+        self._plan = (path, skipped, notes, meta)
+
+    def resume(self) -> None:
+        """Load the checkpoint `resume` names into the state, after checking it is the same run."""
+        self.check_resume()
+        if not self._plan:
+            if self._fresh:
+                self._start_fresh()
+            return
+        path, skipped, notes, meta = self._plan
+        name = path.name
+        for line in skipped:
+            self._note(f"checkpoint: {line}")
         self.state.load(path, meta["world"], self.allow_data_change)
         if self.dist.is_main:
             moved = supersede_records(self.run_dir / "metrics.jsonl", self.state.step)
@@ -153,13 +171,16 @@ class Checkpointer:
         if found is not None:
             self._note(f"resume=auto: resuming from {found}")
             return publish.LATEST
+        return None
+
+    def _start_fresh(self) -> None:
+        """resume=auto found nothing: what an earlier, killed attempt logged is not this run's story."""
         moved = supersede_records(self.run_dir / "metrics.jsonl", 0) if self.dist.is_main else 0
         self._note(f"resume=auto: no complete checkpoint under {self.root}; starting fresh"
                    + (f" (moved {moved} record(s) of an earlier attempt to metrics.superseded.jsonl)" if moved else ""))
         if self.dist.is_main and (self.run_dir / "events.jsonl").exists():
             ev = self.run_dir / "events.jsonl"
             ev.replace(ev.with_name("events.superseded.jsonl"))
-        return None
 
     def load_before(self, max_step: int, skip_extras: tuple[str, ...] = ()) -> str | None:
         """Guard rollback from disk: load the newest complete checkpoint saved at step <= max_step.

@@ -154,3 +154,34 @@ def test_resume_auto_survives_random_kills_with_the_same_command(tmp_path, kills
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
     steps = [x["step"] for x in read_records(tmp_path / "killed" / "metrics.jsonl")]
     assert steps == list(range(1, 13))
+
+
+LATIN1 = "Olá, café à la carte\n".encode("latin-1") * 40  # 0xe1 at byte offset 2
+
+
+@pytest.mark.parametrize("tokenizer, content, expect", [
+    ("char", LATIN1, "byte offset 2"), ("byte", b"", "empty"),
+    pytest.param("byte", LATIN1, "byte offset 2", marks=pytest.mark.slow),
+    pytest.param("char", b"", "empty", marks=pytest.mark.slow),
+])
+def test_bad_text_files_fail_in_one_line_and_leave_nothing(tmp_path, tokenizer, content, expect):
+    """Issue 13 #13: a Latin-1 file was a 42-line DatasetGenerationError traceback; an empty file named
+    data.tokenizer; and a failed start left config.yaml, an empty metrics.jsonl and train.log behind, so
+    the corrected command was refused with 'already holds a run'."""
+    text = tmp_path / "input.txt"
+    text.write_bytes(content)
+    run = tmp_path / "run"
+    tiny = [o for o in TINY if not o.startswith("data.min_doc_len")]
+    r = run_train(run, *tiny, "data=text", f"data.path={text}", f"data.tokenizer={tokenizer}")
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "data.path=" in lines[0] and expect in lines[0], r.stderr[-2000:]
+    assert not run.exists() or not any(run.iterdir()), sorted(p.name for p in run.iterdir())
+
+
+def test_a_failed_resume_leaves_the_directory_usable(tmp_path):
+    run = tmp_path / "run"
+    r = run_train(run, *TINY, "resume=latest")
+    assert r.returncode == 2 and "resume=latest" in r.stderr.strip().splitlines()[-1]
+    assert not run.exists() or not any(run.iterdir()), sorted(p.name for p in run.iterdir())
+    assert run_train(run, *TINY).returncode == 0  # the corrected command is not refused
