@@ -67,6 +67,10 @@ class Checkpointer:
         self.stop_after = _int(ck["stop_after"], "checkpoint.stop_after", 1, allow_none=True)
         if self.stop_after is not None and self.stop_after > steps:
             raise ValueError(f"checkpoint.stop_after={self.stop_after}: beyond train.steps={steps}")
+        g = cfg.get("guard") or {}
+        if g.get("action") == "rollback" and (g.get("rollback") or {}).get("source") == "disk" and not self.every:
+            raise ValueError("guard.rollback.source=disk needs checkpoint.every > 0 (there would be nothing on "
+                             "disk to roll back to); set checkpoint.every or use guard.rollback.source=memory")
         self.last_step = self.stop_after or steps  # the schedule still spans train.steps
         self.steps, self.deferred = steps, None  # deferred: the step a withheld last save moved to
         self.verify_hashes = bool(ck["verify_hashes"])
