@@ -30,6 +30,7 @@ from model import ModelConfig, Transformer
 from optim import build_optimizer, build_scheduler, format_table
 from optim.accumulate import count_valid_tokens, forward_backward, reduce_step_sums
 from parallel import all_reduce_sum, barrier, destroy, init_distributed, wrap_model
+from parallel.wrap import is_sharded
 from precision import build_recipe, optimizer_step
 from stability.anticipatory import AnticipatoryRouting
 from stability.events import EventLog
@@ -117,7 +118,7 @@ def build(cfg: DictConfig, dist) -> dict:
         print(f"model: {model.num_params() / 1e6:.3f}M parameters, "
               f"{sum(model_cfg.is_moe_layer(i) for i in range(model_cfg.n_layers))} MoE layer(s) of {model_cfg.n_layers}")
         print(format_table(group_table))
-        table = recipe.table()
+        table = recipe.table(sharded=is_sharded(model))  # FSDP2's param_dtype reaches the fp32 modules too
         print(table.to_markdown())
         table.save(run_dir)
     sinks = build_sinks(cfg.logging, run_dir, cfg.train.steps, floor, cfg.run_name, config) if dist.is_main else []
