@@ -53,6 +53,7 @@ def test_fsdp2_anticipatory_routing_after_a_rollback(tmp_path):
     assert recs[-1]["step"] == 8 and any(x["routing"].get("on") for x in recs)
 
 
+@pytest.mark.slow  # NOTE: the default suite covers it with test_matrix's moe-1proc-fp32-rb_memory-resume cell
 def test_resume_inside_an_anticipatory_window_is_bit_identical(tmp_path):
     """Issue 13 #4: NaN at step 5 -> rollback to 3, anticipatory routing on from step 4 (Δt = 2, window
     20); the save at step 7 is inside the window. The route cache and the open incident are in the
@@ -91,7 +92,7 @@ def test_a_vetoed_last_step_defers_the_save_or_fails_loudly(tmp_path):
     assert "vetoed" in lines[-1] and "step_000003" in lines[-1] and not any("Traceback" in x for x in lines)
 
 
-@pytest.mark.parametrize("content", [b"\xff\xfe\x00step", None])
+@pytest.mark.parametrize("content", [b"\xff\xfe\x00step", pytest.param(None, marks=pytest.mark.slow)])
 def test_a_damaged_latest_pointer_falls_back_to_a_scan(tmp_path, content):
     """Issue 13 #6: a `latest` with non-UTF-8 bytes, or a directory named latest, was reported as a config
     error although complete checkpoints existed. It is damage: scan, resume the newest complete one."""

@@ -35,7 +35,7 @@ REWIND = max(KEEP * SNAP + MARGIN, EVERY + MARGIN) + 1
 BASE = [*TINY, f"train.steps={STEPS}", "telemetry.every=1", "fault=nan_activation", f"fault.step={F}",
         "checkpoint.mode=sync", "checkpoint.keep_last=20", f"guard.rollback.max_rollbacks={MAX_RB}",
         f"guard.rollback.keep={KEEP}", f"guard.rollback.snapshot_every={SNAP}", f"guard.rollback.margin={MARGIN}",
-        "guard.anticipatory.quiet_steps=3", "guard.anticipatory.window=6"]
+        "guard.anticipatory.quiet_steps=4", "guard.anticipatory.window=6"]
 MODELS = {"dense": ["model=dense_tiny"],
           "moe": ["model=moe_tiny", "model.moe.n_experts=4", "model.moe.expert_hidden=16",
                   "model.moe.bias_update_speed=0.01"]}
