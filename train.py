@@ -20,6 +20,8 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
+from checkpoint import FinalCheckpointWithheld
+
 from optim.accumulate import count_valid_tokens, forward_backward, reduce_step_sums
 from parallel import all_reduce_sum, destroy, init_distributed
 from precision import optimizer_step
@@ -49,6 +51,9 @@ def main(cfg: DictConfig) -> None:
         train(run)
     except GuardAbort as e:  # the guard gave up: say why in one line; the last good checkpoint stands
         print(f"ballast: guard: {e}", file=sys.stderr)
+        sys.exit(3)
+    except FinalCheckpointWithheld as e:  # the last step was vetoed: the run ends without its final save
+        print(f"ballast: {e}", file=sys.stderr)
         sys.exit(3)
     finally:
         run.close()
@@ -100,8 +105,8 @@ def train(run: Run) -> None:
         optimizer.zero_grad(set_to_none=True)
         t3 = time.perf_counter()
 
-        for layer, moe in model.moe_layers():  # aux-loss-free balancing from the global loads
-            moe.update_bias(s.stats["moe_load"][layer].to(dev))
+        for layer, moe in model.moe_layers() if not res.skipped else ():  # a vetoed step moves no state
+            moe.update_bias(s.stats["moe_load"][layer].to(dev))  # aux-loss-free balancing, global loads
         s.moe = moe_summary(s.stats["moe_load"])
         worst = max((m["max_violation"] for m in s.moe.values()), default=None)
         verdict = guard.after_update(step, s.first_id, s.n_valid, s.post, s.stats["loss"], worst)
@@ -114,8 +119,9 @@ def train(run: Run) -> None:
         guard.maybe_snapshot(step)
         t5 = time.perf_counter()
 
-        s.time_s = {"data": t1 - t0, "fwd_bwd": t2 - t1, "optim": t3 - t2, "log_eval": t4 - t3, "ckpt": t5 - t4,
-                    "total": t5 - t0}
+        route = s.time_s.get("route", 0.0)  # NOTE: the anticipatory routing forward, booked on its own
+        s.time_s = {"data": t1 - t0 - route, "route": route, "fwd_bwd": t2 - t1, "optim": t3 - t2,
+                    "log_eval": t4 - t3, "ckpt": t5 - t4, "total": t5 - t0}
         s.events += run.events.pop() + ckpt.pop_events()
         rec = step_record(s, tokens=tokens_seen, world=run.dist.world, batch_size=tc.batch_size,
                           seq_len=run.dataset.seq_len, names=names, guard=guard.record(), ckpt_id=ckpt.ckpt_id,

@@ -117,6 +117,25 @@ def main() -> None:
         pooled = statistics.median(times[a]) / statistics.median(times[b]) - 1
         print(f"{a} vs {b}: {100 * pooled:+.1f} % (pooled medians); per-round median "
               f"{100 * statistics.median(ratios):+.1f} %, range {100 * min(ratios):+.1f} .. {100 * max(ratios):+.1f} %")
+    # NOTE: the steady ON step routes one batch; switching on, every rollback (reset) and every resume into
+    # another world size route Δt more at once (the cache refill). One routing-only forward, timed alone:
+    on = ars["on"]
+    route = []
+    for _ in range(max(3, args.rounds)):
+        sync()
+        t0 = time.perf_counter()
+        on._route(args.delay, steps["on"])
+        sync()
+        route.append(time.perf_counter() - t0)
+    t_route, t_base = statistics.median(route), statistics.median(times["baseline"])
+    extra = {"switch-on": args.delay, "rollback (cache reset)": args.delay}
+    print(f"one routing-only forward: {1e3 * t_route:.1f} ms = {100 * t_route / t_base:.1f} % of a baseline step; "
+          f"refills: " + ", ".join(f"{k} +{n} forwards ({1e3 * n * t_route:.1f} ms)" for k, n in extra.items()))
+    for window in (20, 60):
+        n_extra = sum(extra.values())  # one switch-on and one rollback per incident
+        total = statistics.median(times["on"]) + n_extra * t_route / window
+        print(f"active overhead incl. refills, amortised over a {window}-step window: "
+              f"{100 * (total / t_base - 1):+.1f} % vs baseline")
 
 
 if __name__ == "__main__":

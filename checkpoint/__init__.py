@@ -9,7 +9,7 @@ import warnings
 # is a supported world size of the same code path, not a fallback.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
-from checkpoint.checkpointer import Checkpointer, resume_options
+from checkpoint.checkpointer import Checkpointer, FinalCheckpointWithheld, resume_options
 from checkpoint.publish import check, resolve, step_name
 from checkpoint.saver import Saver
 from checkpoint.state import TrainState, read_blobs, read_tensors

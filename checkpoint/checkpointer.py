@@ -26,6 +26,13 @@ from checkpoint.state import TrainState, read_blobs, versions
 from parallel.dist import broadcast_object
 from run.schema import from_mapping
 
+AUTO = "auto"  # resume=auto: resume when a complete checkpoint exists, else start fresh
+
+
+class FinalCheckpointWithheld(RuntimeError):
+    """The last step of train.steps was vetoed by the guard: there is no healthy step left to save."""
+
+
 def resume_options(resume) -> tuple[str | None, bool, list[str]]:
     """(what to resume from, allow_data_change, allow_config_change) from `resume=latest` or the full node."""
     if resume is None or isinstance(resume, str):  # `resume=latest` replaces the node with a string
@@ -42,11 +49,14 @@ class Checkpointer:
         self.every, self.stop_after = ck.every, ck.stop_after
         self.last_step = self.stop_after or steps  # the schedule still spans train.steps
         self.verify_hashes = bool(ck.verify_hashes)
+        self.steps, self.deferred = steps, None  # deferred: the step a withheld last save moved to
         self.spec, self.allow_data_change, self.allow_config = resume_options(cfg.get("resume"))
         self.root = Path(ck.dir) if ck.dir else run_dir / "checkpoints"
         self.dist, self.run_dir, self.state = dist, run_dir, state
         self.ckpt_id: str | None = None  # the checkpoint this run last published or resumed from
         self._events: list[str] = []
+        self._plan: tuple | None = None  # check_resume(): (path, skipped notes, notes, meta), () = nothing
+        self._fresh = False  # resume=auto found no checkpoint
         saving = self.every > 0 or self.stop_after is not None
         group = tdist.new_group(backend="gloo") if saving and dist.world > 1 else None
         self.saver = Saver(self.root, ck.mode, ck.keep_last, ck.keep_every, dist.rank, group)
@@ -62,9 +72,16 @@ class Checkpointer:
             print(line, flush=True)
         self._events.append(line)
 
-    def resume(self) -> None:
-        """Load the checkpoint `resume` names into the state, after checking it is the same run."""
+    def check_resume(self) -> None:
+        """Everything resume() checks, before anything is written: which checkpoint, and that it is this
+        run (config, model, data, progress). A start that fails here leaves the run directory as it was.
+        Idempotent; resume() calls it when the caller did not."""
+        if self._plan is not None:
+            return
+        if self.spec == AUTO:
+            self.spec, self._fresh = self._auto(), True
         if not self.spec:
+            self._plan = ()
             return
         found = None
         if self.dist.is_main:
@@ -79,9 +96,7 @@ class Checkpointer:
         found = broadcast_object(found)  # rank 0 decides, so every rank loads the same checkpoint
         if isinstance(found, str):
             raise ValueError(found)
-        path, notes = Path(found[0]), found[1]
-        for line in notes:
-            self._note(f"checkpoint: {line}")
+        path, skipped = Path(found[0]), found[1]
         name = path.name
         blobs = read_blobs(path, ("meta", "loader", "progress"))
         meta = blobs["meta"]
@@ -98,6 +113,19 @@ class Checkpointer:
             fresh = f"; ranks >= {meta['world']} have no saved RNG streams" if self.dist.world > meta["world"] else ""
             notes.append(f"resume: world size {meta['world']} -> {self.dist.world}; the data cursor continues at "
                          f"{blobs['loader']['samples_consumed']} samples consumed{fresh}")
+        self._plan = (path, skipped, notes, meta)
+
+    def resume(self) -> None:
+        """Load the checkpoint `resume` names into the state, after checking it is the same run."""
+        self.check_resume()
+        if not self._plan:
+            if self._fresh:
+                self._start_fresh()
+            return
+        path, skipped, notes, meta = self._plan
+        name = path.name
+        for line in skipped:
+            self._note(f"checkpoint: {line}")
         self.state.load(path, meta["world"], self.allow_data_change)
         if self.dist.is_main:
             moved = supersede_records(self.run_dir / "metrics.jsonl", self.state.step)
@@ -108,6 +136,30 @@ class Checkpointer:
         self._note(f"resumed from {path} (step {self.state.step}, {self.state.tokens} tokens)")
         for line in notes:
             self._note(line)
+
+    def _auto(self) -> str | None:
+        """resume=auto (a scheduler restarts a preempted job with the same command): the newest complete
+        checkpoint under checkpoint.dir if there is one, else a fresh start. Says which, either way."""
+        found = None
+        if self.dist.is_main:
+            try:
+                found = str(publish.resolve(publish.LATEST, self.root, self.verify_hashes)[0])
+            except ValueError:
+                found = None
+        found = broadcast_object(found)
+        if found is not None:
+            self._note(f"resume=auto: resuming from {found}")
+            return publish.LATEST
+        return None
+
+    def _start_fresh(self) -> None:
+        """resume=auto found nothing: what an earlier, killed attempt logged is not this run's story."""
+        moved = supersede_records(self.run_dir / "metrics.jsonl", 0) if self.dist.is_main else 0
+        self._note(f"resume=auto: no complete checkpoint under {self.root}; starting fresh"
+                   + (f" (moved {moved} record(s) of an earlier attempt to metrics.superseded.jsonl)" if moved else ""))
+        if self.dist.is_main and (self.run_dir / "events.jsonl").exists():
+            ev = self.run_dir / "events.jsonl"
+            ev.replace(ev.with_name("events.superseded.jsonl"))
 
     def load_before(self, max_step: int, skip_extras: tuple[str, ...] = ()) -> str | None:
         """Guard rollback from disk: load the newest complete checkpoint saved at step <= max_step.
@@ -131,8 +183,13 @@ class Checkpointer:
                         skip_extras=skip_extras)
         return path.name
 
+    def has_before(self, max_step: int) -> bool:
+        """Is there a checkpoint directory at step <= max_step (complete or not: load_before checks)?"""
+        return any(step <= max_step for step, _ in publish.list_steps(self.root))
+
     def due(self, step: int) -> bool:
-        return step == self.stop_after or (self.every > 0 and (step % self.every == 0 or step == self.last_step))
+        return step in (self.stop_after, self.deferred) or (
+            self.every > 0 and (step % self.every == 0 or step == self.last_step))
 
     def maybe_save(self, step: int, tokens: int, healthy: bool = True) -> float:
         """The snapshot point. Returns the training stall in seconds (0 when no save is due).
@@ -146,6 +203,18 @@ class Checkpointer:
         if not healthy:
             self._note(f"checkpoint at step {step} withheld: the guard fired on this step; "
                        f"last complete: {self.ckpt_id}")
+            if step == self.last_step:
+                # NOTE: the run's last save must not vanish (resume=latest would find nothing, or an older
+                # step): train one more step and save that, or say the run ends without one.
+                if step >= self.steps:
+                    self.saver.wait()  # name the newest complete one, async writes included
+                    self._collect()
+                    raise FinalCheckpointWithheld(
+                        f"checkpoint: the last step {step} (train.steps) was vetoed by the guard, so no final "
+                        f"checkpoint was written; last complete: {self.ckpt_id or 'none'}")
+                self.last_step = self.deferred = step + 1
+                self._note(f"checkpoint: the last save moves to step {step + 1}, the next step (train.steps="
+                           f"{self.steps} still bounds the run)")
             return 0.0
         name = publish.step_name(step)
         info = {"name": name, "step": step, "tokens": tokens, "world": self.dist.world,

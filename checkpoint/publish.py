@@ -96,6 +96,8 @@ def read_marker(ckpt: Path) -> dict:
 
 
 def set_latest(root: Path, name: str) -> None:
+    if (root / LATEST).is_dir():  # damage (a directory where the pointer file belongs): out of the way
+        _discard(root / LATEST)
     tmp = root / f".{LATEST}.tmp"
     with open(tmp, "w") as f:
         f.write(name + "\n")
@@ -108,8 +110,8 @@ def set_latest(root: Path, name: str) -> None:
 def read_latest(root: Path) -> str | None:
     try:
         name = (root / LATEST).read_text().strip()
-    except FileNotFoundError:
-        return None
+    except (OSError, UnicodeDecodeError):  # missing, a directory, unreadable bytes: damage like any other
+        return None  # NOTE: UnicodeDecodeError is a ValueError, which train.py would call a config error
     return name if _STEP_DIR.match(name) else None
 
 

@@ -113,6 +113,8 @@ class TrainState:
             "extras": _blob({k: v.state_dict() for k, v in self.extras.items()}),
             "meta": _blob({"config": self.config, "versions": versions(), "world": self.world}),
             "rng": {f"rank{self.rank}": _blob(rng.capture())},
+            # NOTE: per rank, like the RNG: each rank's anticipatory route cache is for its own shard
+            "local": {f"rank{self.rank}": _blob(self.guard.local_state_dict() if self.guard is not None else {})},
         }
 
     def load(self, path, saved_world: int, allow_data_change: bool = False, skip_extras: tuple[str, ...] = ()) -> None:
@@ -126,6 +128,11 @@ class TrainState:
         sd = {"model": model_sd, "optim": optim_sd, **{k: b"" for k in BLOBS}}
         if has_rng:
             sd["rng"] = {f"rank{self.rank}": b""}
+        # the same world only: another one splits the batch differently, so the cached routes do not fit
+        local = saved_world == self.world and f"local.rank{self.rank}" in \
+            dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        if local:
+            sd["local"] = {f"rank{self.rank}": b""}
         dcp.load(sd, checkpoint_id=str(path))
         set_state_dict(self.model, self.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
         blobs = {k: pickle.loads(sd[k]) for k in BLOBS}
@@ -134,6 +141,8 @@ class TrainState:
         self.step, self.tokens = blobs["progress"]["step"], blobs["progress"]["tokens"]
         if self.guard is not None and blobs["guard"]:
             self.guard.load_state_dict(blobs["guard"])
+            if local:
+                self.guard.load_local_state_dict(pickle.loads(sd["local"][f"rank{self.rank}"]))
         for name, obj in self.extras.items():
             if name in skip_extras:
                 continue

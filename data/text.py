@@ -40,6 +40,8 @@ def load_text(path: str, fmt: str | None = None, text_field: str = "text") -> st
         if fmt is None:
             raise ValueError(f"data.path={path}: unknown extension {p.suffix!r}; set data.format to one of "
                              f"{', '.join(FORMATS)}")
+        if fmt == "text":
+            _check_utf8(p, path)
         # A .txt file is one document (one stream), not one document per line.
         extra = {"sample_by": "document"} if fmt == "text" else {}
         ds = datasets.load_dataset(fmt, data_files=str(p), split="train", **extra)
@@ -55,7 +57,23 @@ def load_text(path: str, fmt: str | None = None, text_field: str = "text") -> st
         raise ValueError(f"data.path={path}: file not found")
     if text_field not in ds.column_names:
         raise ValueError(f"data.text_field={text_field}: not a column of {path} (columns: {ds.column_names})")
-    return DOC_SEPARATOR.join(str(t) for t in ds[text_field] if t is not None)
+    text = DOC_SEPARATOR.join(str(t) for t in ds[text_field] if t is not None)
+    if not text:
+        raise ValueError(f"data.path={path}: holds no text")
+    return text
+
+
+def _check_utf8(p: Path, path: str) -> None:
+    """A text file must be UTF-8 (every tokenizer here reads Unicode text; the byte tokenizer encodes it
+    back to UTF-8 bytes). Checked here so the user gets the byte offset, not a datasets traceback."""
+    raw = p.read_bytes()
+    if not raw:
+        raise ValueError(f"data.path={path}: the file is empty")
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"data.path={path}: not UTF-8 text: byte {raw[e.start]:#04x} at byte offset {e.start} "
+                         f"({e.reason}); convert it, e.g. iconv -f latin1 -t utf-8") from None
 
 
 class TextDataset:

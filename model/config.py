@@ -33,7 +33,7 @@ class MoEConfig:
     expert_hidden: int = 128        # hidden width of each routed SwiGLU expert
     shared_expert: bool = False     # one always-on SwiGLU expert of width expert_hidden
     score: str = "softmax"          # "softmax" | "sigmoid"
-    norm_topk: bool = True          # renormalise the k gate weights to sum to 1 (always for sigmoid)
+    norm_topk: bool = True          # renormalise the k gate weights to sum to 1 (always for sigmoid; never at k = 1)
     first_dense: int = 1            # the first `first_dense` layers are dense
     every: int = 1                  # after that, layer i is MoE iff (i - first_dense) % every == 0
     balance_coef: float = 0.01      # Switch load-balancing loss coefficient (0 = off)

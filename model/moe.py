@@ -20,7 +20,7 @@ class MoEOutput(NamedTuple):
     aux_loss: Tensor       # scalar: balance_coef·L_bal + router_z_coef·z_router, with grad
     balance_loss: Tensor   # scalar L_bal, with grad
     router_z: Tensor       # scalar z_router, with grad
-    load_E: Tensor         # (E,) fp32 detached: assignments per expert
+    load_E: Tensor         # (E,) fp32 detached: assignments of valid tokens per expert (sums to k·n_valid)
     route_ids_Nk: Tensor   # (N, k) int64: the experts each token went to
 
 
@@ -88,8 +88,14 @@ class MoE(nn.Module):
     def scores(self, logits_NE: Tensor) -> Tensor:
         return logits_NE.softmax(-1) if self.cfg.score == "softmax" else logits_NE.sigmoid()
 
-    def forward(self, x: Tensor, route_ids_Nk: Tensor | None = None) -> MoEOutput:
-        """x: (..., D). route_ids_Nk, when given, replaces top-k selection (anticipatory routing)."""
+    def forward(self, x: Tensor, route_ids_Nk: Tensor | None = None, valid_N: Tensor | None = None) -> MoEOutput:
+        """x: (..., D). route_ids_Nk, when given, replaces top-k selection (anticipatory routing).
+
+        valid_N: (N,) bool, the positions whose label counts (labels != IGNORE_INDEX); None = all.
+        Every position is routed and dispatched (its output is defined), but only valid ones enter the
+        expert loads, the Switch loss and the router z-loss: padding is no traffic to balance
+        (in the quickstart data 41 % of positions are padding, and they all pile on the same experts).
+        """
         N, E, k = x[..., 0].numel(), self.n_experts, self.top_k
         x_ND = x.reshape(N, x.shape[-1])
         logits_NE = self.router_logits(x_ND)
@@ -104,7 +110,9 @@ class MoE(nn.Module):
             route_ids_Nk = route_ids_Nk.long()
         # Gates come from the *current* scores at the chosen ids, so the router always gets gradient.
         gates_Nk = scores_NE.gather(-1, route_ids_Nk)
-        if self.cfg.norm_topk or self.cfg.score == "sigmoid":
+        # NOTE: never at k = 1: the renormalised gate would be p/p = 1, a constant, and the router would get
+        # no gradient from the LM loss (Switch multiplies the expert output by the raw p instead).
+        if k > 1 and (self.cfg.norm_topk or self.cfg.score == "sigmoid"):
             gates_Nk = gates_Nk / gates_Nk.sum(-1, keepdim=True)
 
         # Dropless dispatch: sort the N·k assignments by expert, run each expert on its rows.
@@ -122,13 +130,23 @@ class MoE(nn.Module):
         if self.shared is not None:
             y_ND = y_ND + self.shared(x_ND)
 
-        load_E = counts_E.detach().to(torch.float32)
+        if valid_N is None:
+            load_E, n = counts_E.detach().to(torch.float32), N
+            valid_N = torch.ones(N, dtype=torch.bool, device=x.device)
+        else:
+            valid_N = valid_N.reshape(N)
+            valid_M = valid_N.repeat_interleave(k)  # (n k) order, like ids_M
+            load_E = torch.bincount(ids_M[valid_M], minlength=E).to(torch.float32)
+            n = valid_N.sum()
+        n_f = torch.as_tensor(n, dtype=logits_NE.dtype, device=x.device).clamp(min=1)  # all-padding: losses 0
         # Switch balance loss: E·Σ_e f_e·P_e is 1 at uniform routing; f carries no gradient, P does.
         probs_NE = scores_NE if self.cfg.score == "softmax" else scores_NE / scores_NE.sum(-1, keepdim=True)
-        f_E = load_E.to(probs_NE.dtype) / (N * k)
-        balance = E * (f_E * probs_NE.mean(0)).sum()
+        f_E = load_E.to(probs_NE.dtype) / (n_f * k)
+        # NOTE: where, not multiply-by-mask: a non-finite score at a padding position must not become NaN
+        P_E = torch.where(valid_N[:, None], probs_NE, 0.0).sum(0) / n_f
+        balance = E * (f_E * P_E).sum()
         # Router z-loss (ST-MoE): keeps router logits small so the softmax stays out of saturation.
-        router_z = torch.logsumexp(logits_NE, dim=-1).square().mean()
+        router_z = torch.where(valid_N, torch.logsumexp(logits_NE, dim=-1).square(), 0.0).sum() / n_f
         aux = self.cfg.balance_coef * balance + self.cfg.router_z_coef * router_z
         return MoEOutput(y_ND.to(x.dtype).reshape(x.shape), aux, balance, router_z, load_E, route_ids_Nk)
 

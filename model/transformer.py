@@ -10,7 +10,7 @@ from torch import Tensor, nn
 from model import checkpointing
 from model.config import ModelConfig
 from model.layers import Attention, rope_tables
-from model.loss import ModelOutput, token_losses
+from model.loss import IGNORE_INDEX, ModelOutput, token_losses
 from model.moe import MoE, MoEOutput
 from model.swiglu import SwiGLU
 
@@ -27,17 +27,17 @@ class Block(nn.Module):
             self.mlp = SwiGLU(cfg.d_model, cfg.ffn_hidden, cfg.swiglu_clamp)
         self.checkpointing = "none"  # model/checkpointing.py: none | full | selective
 
-    def forward(self, x_BTD: Tensor, cos_TF: Tensor, sin_TF: Tensor,
-                route_ids_BTk: Tensor | None) -> tuple[Tensor, MoEOutput | None]:
-        return checkpointing.run(self._forward, self.checkpointing, x_BTD, cos_TF, sin_TF, route_ids_BTk)
+    def forward(self, x_BTD: Tensor, cos_TF: Tensor, sin_TF: Tensor, route_ids_BTk: Tensor | None,
+                valid_BT: Tensor | None = None) -> tuple[Tensor, MoEOutput | None]:
+        return checkpointing.run(self._forward, self.checkpointing, x_BTD, cos_TF, sin_TF, route_ids_BTk, valid_BT)
 
-    def _forward(self, x_BTD: Tensor, cos_TF: Tensor, sin_TF: Tensor,
-                 route_ids_BTk: Tensor | None) -> tuple[Tensor, MoEOutput | None]:
+    def _forward(self, x_BTD: Tensor, cos_TF: Tensor, sin_TF: Tensor, route_ids_BTk: Tensor | None,
+                 valid_BT: Tensor | None = None) -> tuple[Tensor, MoEOutput | None]:
         x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), cos_TF, sin_TF)
         h_BTD = self.mlp_norm(x_BTD)
         if isinstance(self.mlp, MoE):
             ids_Nk = None if route_ids_BTk is None else rearrange(route_ids_BTk, "b t k -> (b t) k")
-            moe = self.mlp(h_BTD, ids_Nk)
+            moe = self.mlp(h_BTD, ids_Nk, None if valid_BT is None else rearrange(valid_BT, "b t -> (b t)"))
             return x_BTD + moe.y, moe
         return x_BTD + self.mlp(h_BTD), None
 
@@ -78,7 +78,7 @@ class Transformer(nn.Module):
             block.mlp_norm.reset_parameters()
         self.norm.reset_parameters()
 
-    def _trunk(self, tokens_BT: Tensor, routes: dict[int, Tensor] | None):
+    def _trunk(self, tokens_BT: Tensor, routes: dict[int, Tensor] | None, valid_BT: Tensor | None = None):
         T = tokens_BT.shape[1]
         if T > self.cfg.seq_len:
             raise ValueError(f"input length {T} > model.seq_len={self.cfg.seq_len}")
@@ -90,15 +90,24 @@ class Transformer(nn.Module):
         moe_outs: dict[int, MoEOutput] = {}
         for i, block in enumerate(self.blocks):
             # NOTE: an MoE layer missing from `routes` routes itself.
-            x_BTD, moe = block(x_BTD, self.rope_cos, self.rope_sin, routes.get(i))
+            x_BTD, moe = block(x_BTD, self.rope_cos, self.rope_sin, routes.get(i), valid_BT)
             if moe is not None:
                 moe_outs[i] = moe
         return self.norm(x_BTD), moe_outs
 
     def forward(self, tokens_BT: Tensor, labels_BT: Tensor | None = None,
-                routes: dict[int, Tensor] | None = None, return_logits: bool = False) -> ModelOutput:
-        """routes: {layer: expert ids (B, T, k)} replaces top-k selection at those layers."""
-        x_BTD, moe_outs = self._trunk(tokens_BT, routes)
+                routes: dict[int, Tensor] | None = None, return_logits: bool = False,
+                routes_only: bool = False) -> ModelOutput | dict[int, Tensor]:
+        """routes: {layer: expert ids (B, T, k)} replaces top-k selection at those layers.
+
+        With labels, only positions with a label (!= IGNORE_INDEX) count in the MoE loads and losses.
+        routes_only: the routing-only forward (compute_routes) through forward(), so that a wrapper's
+        hooks run: FSDP2 all-gathers the sharded parameters only around a call of the wrapped module.
+        """
+        if routes_only:
+            return self.compute_routes(tokens_BT)
+        valid_BT = None if labels_BT is None else labels_BT != IGNORE_INDEX
+        x_BTD, moe_outs = self._trunk(tokens_BT, routes, valid_BT)
         logits_BTV = self.head(x_BTD)
         dev, B = tokens_BT.device, tokens_BT.shape[0]
         zero = torch.zeros((), dtype=torch.float32, device=dev)
@@ -124,7 +133,10 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def compute_routes(self, tokens_BT: Tensor) -> dict[int, Tensor]:
-        """The routing-only forward: top-k expert ids (B, T, k) chosen at each MoE layer."""
+        """The routing-only forward: top-k expert ids (B, T, k) chosen at each MoE layer.
+
+        WARN: on an FSDP2-sharded model call model(tokens, routes_only=True) instead: called directly
+        this reads the sharded DTensors (aten.embedding got mixed torch.Tensor and DTensor)."""
         _, moe_outs = self._trunk(tokens_BT, None)
         B = tokens_BT.shape[0]
         return {i: rearrange(m.route_ids_Nk, "(b t) k -> b t k", b=B) for i, m in moe_outs.items()}

@@ -71,6 +71,11 @@ def shard_model(model: nn.Module, dist: Dist, param_dtype: str = "float32", redu
     return model
 
 
+def is_sharded(model: nn.Module) -> bool:
+    """FSDP2 sharded the model (parallel=fsdp on several processes): its parameters are DTensors."""
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
 def no_sync(wrapped: nn.Module, last: bool):
     """Reduce gradients on the last micro-batch only: one all-reduce (DDP) or reduce-scatter (FSDP2)
     per optimizer step instead of one per micro-batch."""

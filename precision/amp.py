@@ -12,6 +12,7 @@ from torch import nn
 
 from optim.scaler import DynamicLossScaler
 from precision.recipe import SHORT, Recipe, mixed_precision_policy, module_roles, scaler_from_cfg
+from precision.step import UPDATE_ORDER
 from precision.table import ModuleDecision
 
 
@@ -74,4 +75,4 @@ class Fp16Recipe(AmpRecipe):
                 "gradients": "fp16 inside backward (scaled by S), fp32 .grad; unscaled (÷S) before any use",
                 "loss scaling": (f"dynamic: S0={s.scale:g}, ×{s.growth_factor:g} after {s.growth_interval} "
                                  f"finite steps, ×{s.backoff_factor:g} and skip on overflow (agreed by all ranks); "
-                                 "order: unscale → finite check → clip → step")}
+                                 f"order: {UPDATE_ORDER}")}

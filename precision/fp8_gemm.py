@@ -53,7 +53,9 @@ def gemm_nt(a: QTensor, b: QTensor) -> torch.Tensor:
 
 
 def emulated_gemm_nt(a: QTensor, b: QTensor) -> torch.Tensor:
-    # NOTE: products of two E4M3 values are exact in FP32; only q·s and the sums round.
+    # NOTE: not bit-exact to an FP8 GEMM. There the E4M3 products are exact in FP32 (4-bit significands)
+    # and the scales are applied after the sum; here the dequantised values q·s are multiplied, and the
+    # scales (amax/448) are not powers of two, so q·s, the products and the sums all round in FP32.
     return a.dequantize() @ b.dequantize().t()
 
 

@@ -112,11 +112,26 @@ class Recipe:
         return {"param_dtype": names.get(pol.param_dtype, "float32"),
                 "reduce_dtype": names.get(pol.reduce_dtype, "float32")}
 
-    def table(self) -> PrecisionTable:
+    def table(self, sharded: bool = False) -> PrecisionTable:
+        """sharded: the model is FSDP2-sharded (parallel.is_sharded). Its param_dtype then applies to EVERY
+        parameter gathered for the forward, the fp32 ones of the table included: the table says so."""
         notes = [] if self.converted else ["convert(model) not called yet: module list omitted"]
         if self.converted and not self.modules:
             notes.append("every module computes in fp32")
-        return PrecisionTable(self.name, self.rows(), list(self.modules), notes + self.notes())
+        rows, modules = self.rows(), list(self.modules)
+        gathered = self.fsdp_policy().param_dtype
+        if sharded and gathered not in (None, torch.float32):
+            lp = SHORT.get(gathered, str(gathered))
+            # WARN: what runs, not what was meant: FSDP2 casts every all-gathered parameter to param_dtype,
+            # so the embedding output, the norm weights and the router weights are low precision too.
+            why = f"FSDP2 all-gathers every parameter in param_dtype={lp}"
+            modules = [ModuleDecision(m.name, m.kind, f"{lp} params", why)
+                       if m.precision == "fp32" and m.kind in ("Embedding", "RMSNorm") else
+                       ModuleDecision(m.name, m.kind, f"fp32 compute on {lp} params", why)
+                       if m.precision == "fp32" else m for m in modules]
+            rows["activations"] = f"{lp}: the embedding output is {lp} (FSDP2 param_dtype), so the residual stream is {lp}"
+            notes.append(f"FSDP2 param_dtype={lp}: embedding, norm and router weights are {lp} in the forward")
+        return PrecisionTable(self.name, rows, modules, notes + self.notes())
 
     # --- what subclasses describe ----------------------------------------------------------------
     def decide(self, model: nn.Module) -> list[ModuleDecision]:

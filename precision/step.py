@@ -1,7 +1,8 @@
-"""The update half of a step, in the only safe order under loss scaling:
+"""The update half of a step, in the only safe order under loss scaling (UPDATE_ORDER, stated the same
+in the README and the precision table):
 
-    unscale (g ← g/S) → global norm → finite check agreed by all ranks → clip → step, or a counted skip
-    → scaler update (back off on overflow, grow after a clean interval)
+    unscale → global norm → finite check agreed by all ranks → clip → step or a counted skip
+    (g ← g/S first), then the scaler update (back off on overflow, grow after a clean interval)
 
 Why this order (course note 004): the clip threshold c is meant for the true gradient. Clipping the
 scaled gradient S·g compares S·‖g‖ with c, i.e. clips at c/S: the coefficient comes out S times too
@@ -18,6 +19,9 @@ import torch
 from optim.clip import clip_grad_norm
 from optim.scaler import DynamicLossScaler
 from parallel.dist import all_reduce_max
+
+
+UPDATE_ORDER = "unscale → global norm → finite check agreed by all ranks → clip → step or a counted skip"
 
 
 class StepResult(NamedTuple):

@@ -28,6 +28,7 @@ from model.checkpointing import set_activation_checkpointing
 from optim import build_optimizer, build_scheduler, format_table
 from optim.levers import build_levers
 from parallel import Dist, barrier, wrap_model
+from parallel.wrap import is_sharded
 from precision import build_recipe
 from run.config import validate
 from stability.anticipatory import AnticipatoryRouting
@@ -103,11 +104,13 @@ def build_run(cfg: DictConfig, dist: Dist) -> Run:
     is_moe = bool(model.moe_layers())
     an = config["guard"]["anticipatory"]
     routing = AnticipatoryRouting(model, loader, cfg.train.micro_batches, an["delay"], dist.device,
-                                  recipe.autocast) if is_moe and an["enabled"] else None
+                                  recipe.autocast, forward=wrapped) if is_moe and an["enabled"] else None
     state = TrainState(model, optimizer, scheduler, loader, config, dist.rank, dist.world,
                        extras={**({"loss_scaler": scaler} if scaler else {}), "faults": faults, **levers.extras()})
     state.guard = guard = Guard(config["guard"], state=state, ckpt=None, events=events, routing=routing,
                                 is_moe=is_moe)
+    ckpt = Checkpointer(config, dist, run_dir, state)
+    ckpt.check_resume()  # which checkpoint, and is it this run: fails before anything is written
     # NOTE: after_update runs in reverse: QK-clip (levers, last) rescales W_q, W_k first, telemetry then
     # measures the whole update, and an optimizer-state drill (first) corrupts the moments after both.
     callbacks = Callbacks([FaultDrill(faults, optimizer, events) if faults.kind != "none" else None, routing,
@@ -116,7 +119,6 @@ def build_run(cfg: DictConfig, dist: Dist) -> Run:
     if dist.is_main:
         write_header(cfg, dist, run_dir, dataset, model, model_cfg, group_table, recipe)
     sinks = build_sinks(cfg.logging, run_dir, cfg.train.steps, floor, cfg.run_name, config) if dist.is_main else []
-    ckpt = Checkpointer(config, dist, run_dir, state)
     guard.ckpt = ckpt
     ckpt.resume()  # last: restores every RNG stream just before the first step
     guard.start(state.step)
@@ -138,7 +140,7 @@ def write_header(cfg, dist: Dist, run_dir: Path, dataset, model, model_cfg, grou
     print(f"model: {model.num_params() / 1e6:.3f}M parameters, "
           f"{sum(model_cfg.is_moe_layer(i) for i in range(model_cfg.n_layers))} MoE layer(s) of {model_cfg.n_layers}")
     print(format_table(group_table))
-    table = recipe.table()
+    table = recipe.table(sharded=is_sharded(model))  # FSDP2's param_dtype reaches the fp32 modules too
     print(table.to_markdown())
     table.save(run_dir)
 

@@ -112,6 +112,9 @@ class Config:
                               "expert-load pattern); compile dense models only")
         self.optim.schedule.decay_over(self.train.steps)  # warmup (and the wsd decay) fit in train.steps
         self.checkpoint.check_steps(self.train.steps)
+        if self.guard.action == "rollback" and self.guard.rollback.source == "disk" and not self.checkpoint.every:
+            raise ConfigError("guard.rollback.source=disk needs checkpoint.every > 0 (there would be nothing on "
+                              "disk to roll back to); set checkpoint.every or use guard.rollback.source=memory")
         # NOTE: fault rules that need the model or the data (fault.layer, fault.param, the mixture_switch
         # weights) are checked by FaultInjector, built before anything is written.
 

@@ -5,7 +5,7 @@ parameters. The guard turns it on after a rollback and off once training is stab
 Timing (policy version v = optimizer updates applied; step t's forward runs on version t−1):
 
     step t, after loader.next(), BEFORE the forward (parameters at version t−1):
-        1. routing-only forward (Transformer.compute_routes, no grad) of the batch that will be
+        1. routing-only forward (model(tokens, routes_only=True): through the wrapper, no grad) of the batch that will be
            trained at step t+Δt  →  cached under its batch ID with route version t−1;
         2. step t's own batch is trained with the ids cached for it.
     The batch computed at step t is trained at step t+Δt on feature version t+Δt−1, so
@@ -14,7 +14,7 @@ Timing (policy version v = optimizer updates applied; step t's forward runs on v
 Δt = 0: step 1 routes the current batch right before its forward, with the same parameters, bias and
 autocast → the same ids as normal top-k routing (bit-for-bit; tested).
 
-Activation (or resume, reset, or any cursor jump) finds no cache entry for the current batch; the
+Activation (or reset, a resume into another world size, or any cursor jump) finds no cache entry for the current batch; the
 batches t..t+Δt−1 are then routed at once with version t−1, so their delay ramps 0, 1, .., Δt−1 before
 the steady Δt. info(step) reports the delay actually served at each step.
 
@@ -27,6 +27,7 @@ While OFF nothing runs: no peek, no routing forward, no hook; routes_for returns
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass
 
 import torch
@@ -46,14 +47,16 @@ class _Entry:
 
 
 class AnticipatoryRouting(Callback):
-    def __init__(self, model, loader, micro_batches: int, delay: int, device, autocast=None):
-        """model: the unwrapped Transformer (compute_routes lives there); loader: the training Loader;
+    def __init__(self, model, loader, micro_batches: int, delay: int, device, autocast=None, forward=None):
+        """model: the unwrapped Transformer; forward: the module the step calls (DDP / FSDP2 wrapper,
+        default `model`): the routing forward goes through it so FSDP2 gathers the parameters; loader:
         micro_batches: train.micro_batches (routes follow the same split); autocast: the recipe's
         callable returning a context manager, so routing sees the activations training will see."""
         delay = from_mapping(AnticipatoryConfig, {"delay": delay}, "guard.anticipatory").delay  # the schema's check
         if not model.moe_layers():
             raise ValueError("guard.anticipatory: the model has no MoE layer to route (model.moe=null)")
         self.model, self.loader, self.micro_batches = model, loader, micro_batches
+        self.forward = forward if forward is not None else model
         self.delay, self.device = delay, torch.device(device)
         self.autocast = autocast if autocast is not None else contextlib.nullcontext
         self.active = False
@@ -100,9 +103,12 @@ class AnticipatoryRouting(Callback):
         return entry.routes
 
     def on_batch(self, s: StepState) -> None:
-        """The step's callback point: this batch's routes (None while off) and its StepRecord.routing."""
+        """The step's callback point: this batch's routes (None while off), its StepRecord.routing, and
+        the time the routing-only forward took (time_s.route, not the data's)."""
+        t0 = time.perf_counter()
         s.routes = self.routes_for(s.step, s.first_id)
         s.routing = self.info(s.step)
+        s.time_s["route"] = time.perf_counter() - t0
 
     @torch.no_grad()
     def _route(self, j: int, step: int) -> _Entry:
@@ -111,7 +117,7 @@ class AnticipatoryRouting(Callback):
         routes = []
         for mb in batch.micro_batches(self.micro_batches):  # the split train.py uses
             with self.autocast():
-                routes.append(self.model.compute_routes(mb.tokens.to(self.device)))
+                routes.append(self.forward(mb.tokens.to(self.device), routes_only=True))
         # NOTE: version step−1 assumes every earlier step applied its update; a skipped (non-finite)
         # step leaves the parameters unchanged, so the true delay can then be smaller than reported.
         return _Entry(route_version=step - 1, routes=routes)
@@ -128,10 +134,18 @@ class AnticipatoryRouting(Callback):
         return {"on": False, "delay": 0, "feature_version": step - 1, "route_version": step - 1}
 
     def state_dict(self) -> dict:
-        # NOTE: the cache is not saved: after a resume the first step routes t..t+Δt−1 afresh with the
-        # resumed parameters, so for Δt steps the delays ramp 0..Δt−1 again (an uninterrupted run would
-        # have used ids from the older parameters, which a checkpoint no longer holds).
+        """Rank-independent state; the cache (each rank's own shard) is cache_state()."""
         return {"active": self.active, "on_since": self.on_since, "delay": self.delay}
+
+    def cache_state(self) -> dict:
+        """The cached ids (chosen by parameters a checkpoint no longer holds): saved per rank, so a run
+        resumed inside the window trains on the same routes, with the same delays, as the straight one."""
+        return {fid: (e.route_version, [{l: ids.cpu() for l, ids in r.items()} for r in e.routes])
+                for fid, e in self._cache.items()}
+
+    def load_cache_state(self, sd: dict) -> None:
+        self._cache = {fid: _Entry(v, [{l: ids.to(self.device) for l, ids in r.items()} for r in routes])
+                       for fid, (v, routes) in sd.items()}
 
     def load_state_dict(self, sd: dict) -> None:
         self.active, self.on_since = bool(sd["active"]), sd["on_since"]

@@ -24,9 +24,19 @@ batch triggers again on replay the fault is in the data, and the next rollback s
 moves the cursor past the offending window at once. Both are logged with sample-id ranges. An
 incident (first trigger → quiet for `quiet_steps`) gets at most `max_rollbacks` rollbacks: a spike that
 returns after each one is in the trajectory itself, and its further spikes are vetoed as skips.
+
+Guaranteed progress: an incident stays open until the run has passed the furthest step it triggered at
+(`until`) AND `quiet_steps` executed steps went by without an acted-on trigger. Both are counted by the
+guard itself, never restored by a rollback (the detector's own `last_trigger_step` is rolled back with
+its snapshot, so a replay of old steps would look quiet and close the incident before the spike
+returns, restarting the budget forever). Ring snapshots newer than a rollback target belong to the
+abandoned trajectory and are dropped. Hence per incident ≤ max_rollbacks rollbacks of ≤ keep ·
+snapshot_every + margin steps each (memory), and the furthest step reached grows from one incident
+to the next. A trigger with no older target left, in an incident that already rolled back, is a skip.
 """
 from __future__ import annotations
 
+import copy
 import math
 import statistics
 from collections import deque
@@ -74,6 +84,7 @@ class Guard:
         self.fingerprint: str | None = None  # the data manifest of the last step
         self.replay_until: int | None = None  # trigger step of the last rollback: replaying until then
         self.last_target: int | None = None   # step the last rollback restored
+        self.quiet_run: int | None = None     # executed steps since the last acted-on trigger (None: never)
         self.verdict = Verdict()
 
     # --- the two checkpoints of a step ---------------------------------------------------------
@@ -143,6 +154,13 @@ class Guard:
             self.events.emit(step, "skip", "post-update trigger: the update is already applied, a skip cannot "
                              "undo it (guard=rollback can)", applied=True)
         spent = self.incident is not None and self.incident.get("rollbacks", 0) >= int(self.rb["max_rollbacks"])
+        why = (f"{self.incident['rollbacks']} rollback(s) in this incident did not clear it (guard.rollback."
+               f"max_rollbacks={self.rb['max_rollbacks']})") if spent else ""
+        if acted and self.action == "rollback" and not spent and self.incident is not None and \
+                self.incident.get("rollbacks", 0) and not self._has_target(self._limit(step)):
+            spent, why = True, f"no snapshot older than step {self._limit(step) + 1} is left to roll back to"
+        if acted and self.incident is not None:
+            self.incident["until"] = max(self.incident["until"], step)
         if acted and self.action == "rollback" and spent:
             # NOTE: restoring the same good state keeps leading back into the spike: it is in the
             # trajectory, not in one batch or one corrupted state. Looping would never end; from here the
@@ -150,8 +168,7 @@ class Guard:
             if v.vetoed:
                 self.skipped_steps += 1
                 self.skipped_tokens += valid_tokens
-            self.events.emit(step, "rollback_exhausted", f"{self.incident['rollbacks']} rollback(s) in this incident "
-                             f"did not clear it (guard.rollback.max_rollbacks={self.rb['max_rollbacks']}): "
+            self.events.emit(step, "rollback_exhausted", f"{why}: "
                              + ("update vetoed instead" if v.vetoed else "the update was already applied"),
                              rollbacks=self.incident["rollbacks"], vetoed=v.vetoed, skipped_steps=self.skipped_steps,
                              batch_first=first_id)
@@ -163,8 +180,10 @@ class Guard:
             if self.incident is None:
                 hist = self.detector.history.get("loss")
                 med = statistics.median(hist) if hist else None
-                self.incident = {"trigger_step": step, "metric": acted[0].metric, "loss_median": med,
-                                 "before": list(self.recent), "after": [], "recovered_step": None}
+                self.incident = {"trigger_step": step, "until": step, "metric": acted[0].metric,
+                                 "loss_median": med, "before": list(self.recent), "after": [],
+                                 "recovered_step": None}
+        self.quiet_run = 0 if acted else (None if self.quiet_run is None else self.quiet_run + 1)
         self.recent.append((step, loss, expert_violation))
         self._track_incident(step, loss, expert_violation)
         return v
@@ -185,7 +204,12 @@ class Guard:
         WARN: not a fresh run's: torch creates Adam's state lazily, and reading the state dict of an
         optimizer that never stepped initialises it (step count 1), which changes every later update.
         A fresh run takes its first snapshot after step 1 instead (maybe_snapshot).
+        NOTE: a checkpoint is taken before its step's end_step (the snapshot point precedes it), so a
+        resumed run first finishes that step's incident bookkeeping, silently: the run that saved it
+        already announced it. Otherwise a window the straight run closed at that step stays open.
         """
+        if step > 0:
+            self.end_step(step, announce=False)
         if self.action == "rollback" and self.rb["source"] == "memory" and step > 0:
             self.ring.append((step, self.state.snapshot(skip_extras=("faults",)), self.detector.state_dict()))
 
@@ -199,16 +223,28 @@ class Guard:
         if self.action != "rollback" or self.rb["source"] != "memory" or self.verdict.acted_on:
             return
         if step % int(self.rb["snapshot_every"]) == 0 or not self.ring:
+            while self.ring and self.ring[-1][0] >= step:  # a replayed step replaces its old copy
+                self.ring.pop()
             self.ring.append((step, self.state.snapshot(skip_extras=("faults",)), self.detector.state_dict()))
 
-    def rollback(self, step: int) -> int:
-        """Restore the newest good state at least `margin` steps before `step`; return its step."""
+    def _limit(self, step: int) -> int:
+        """The newest step a rollback triggered at `step` may restore."""
         limit = step - 1 - int(self.rb["margin"])
         if self.replay_until is not None and step <= self.replay_until and not self.skip_next_window:
             # fired again while replaying the last rollback, on other data: that target may already
             # hold the damage (a lagging detector), so go further back. (The same batch again is the
             # data's fault, not the state's: that target is fine and the window gets skipped.)
             limit = min(limit, self.last_target - 1)
+        return limit
+
+    def _has_target(self, limit: int) -> bool:
+        if self.rb["source"] == "memory":
+            return any(s <= limit for s, _, _ in self.ring)
+        return self.ckpt is not None and self.ckpt.has_before(limit)
+
+    def rollback(self, step: int) -> int:
+        """Restore the newest good state at least `margin` steps before `step`; return its step."""
+        limit = self._limit(step)
         cursor_after = self.state.loader.samples_consumed  # just past the batch that triggered
         kept = self._persistent()
         if self.rb["source"] == "memory":
@@ -217,6 +253,8 @@ class Guard:
                 raise GuardAbort(f"guard: no snapshot at step <= {limit} to roll back to (ring holds "
                                  f"{[s for s, _, _ in self.ring]}); raise guard.rollback.keep or lower margin")
             to_step, snap, det = found
+            while self.ring and self.ring[-1][0] > to_step:  # the abandoned trajectory's snapshots
+                self.ring.pop()
             self.state.restore(snap)
             self.detector.load_state_dict(det)
             source = f"memory:step {to_step}"
@@ -258,15 +296,17 @@ class Guard:
                                  window=int(self.an["window"]), quiet_steps=int(self.an["quiet_steps"]))
         return to_step
 
-    def end_step(self, step: int) -> None:
+    def end_step(self, step: int, announce: bool = True) -> None:
         """Anticipatory routing off after its window or once quiet; the incident closes once quiet.
 
-        Quiet = no trigger acted on for `quiet_steps` steps (and at least that long since the last
-        rollback). While an incident is open its rollbacks are counted against max_rollbacks.
+        Quiet = no trigger acted on for `quiet_steps` executed steps; an incident closes only once quiet
+        and past the furthest step it triggered at. While an incident is open its rollbacks are counted against max_rollbacks.
         """
         inc, quiet_n = self.incident, int(self.an["quiet_steps"])
-        last = self.detector.last_trigger_step
-        quiet = last is None or step - last >= quiet_n
+        emit = self.events.emit if announce else (lambda *a, **k: None)
+        # NOTE: counted in executed steps by the guard, not from the detector's last_trigger_step (a
+        # rollback restores that, and replayed steps would look quiet)
+        quiet = self.quiet_run is None or self.quiet_run >= quiet_n
         r = self.routing
         if r is not None and r.active:
             on = self.incident_on
@@ -275,17 +315,17 @@ class Guard:
                 r.deactivate(step)
                 reason = "window reached" if ran >= int(self.an["window"]) else f"quiet for {quiet_n} steps"
                 trail = inc or {}
-                self.events.emit(step, "anticipatory_off", f"anticipatory routing off after {ran} steps ({reason})",
-                                 duration=ran, on_step=on, reason=reason, recovered_step=trail.get("recovered_step"),
-                                 loss_before=[x[1] for x in trail.get("before", [])],
-                                 loss_after=[x[1] for x in trail.get("after", [])],
-                                 expert_violation_before=[x[2] for x in trail.get("before", [])],
-                                 expert_violation_after=[x[2] for x in trail.get("after", [])])
-        if inc is not None and quiet and step - inc.get("rollback_to", step) >= quiet_n and not (r is not None and r.active):
-            self.events.emit(step, "incident_closed", f"quiet for {quiet_n} steps: the incident that started at step "
-                             f"{inc['trigger_step']} is closed ({inc.get('rollbacks', 0)} rollback(s))",
-                             trigger_step=inc["trigger_step"], rollbacks=inc.get("rollbacks", 0),
-                             recovered_step=inc.get("recovered_step"))
+                emit(step, "anticipatory_off", f"anticipatory routing off after {ran} steps ({reason})",
+                     duration=ran, on_step=on, reason=reason, recovered_step=trail.get("recovered_step"),
+                     loss_before=[x[1] for x in trail.get("before", [])],
+                     loss_after=[x[1] for x in trail.get("after", [])],
+                     expert_violation_before=[x[2] for x in trail.get("before", [])],
+                     expert_violation_after=[x[2] for x in trail.get("after", [])])
+        if inc is not None and quiet and step > inc["until"] and not (r is not None and r.active):
+            emit(step, "incident_closed", f"quiet for {quiet_n} steps: the incident that started at step "
+                 f"{inc['trigger_step']} is closed ({inc.get('rollbacks', 0)} rollback(s))",
+                 trigger_step=inc["trigger_step"], rollbacks=inc.get("rollbacks", 0),
+                 recovered_step=inc.get("recovered_step"))
             self.incident = None
 
     def _track_incident(self, step: int, loss: float, violation: float | None) -> None:
@@ -304,22 +344,41 @@ class Guard:
     # --- state ------------------------------------------------------------------------------------
 
     def _persistent(self) -> dict:
+        """What describes the run, not a point of its trajectory: kept across a rollback, saved in a
+        checkpoint. The open incident and the anticipatory window are in it: a run resumed inside an
+        incident must close it (and turn routing off) exactly where the uninterrupted run does."""
         return {"skipped_steps": self.skipped_steps, "skipped_tokens": self.skipped_tokens,
-                "rollbacks": self.rollbacks, "bad_batches": sorted(self.bad_batches), "fingerprint": self.fingerprint}
+                "rollbacks": self.rollbacks, "bad_batches": sorted(self.bad_batches), "fingerprint": self.fingerprint,
+                "quiet_run": self.quiet_run, "incident": copy.deepcopy(self.incident),
+                "replay_until": self.replay_until, "last_target": self.last_target,
+                "skip_next_window": self.skip_next_window, "recent": list(self.recent),
+                "incident_on": self.incident_on,
+                "routing": self.routing.state_dict() if self.routing is not None else None}
 
     def _restore_persistent(self, kept: dict) -> None:
         self.skipped_steps, self.skipped_tokens = kept["skipped_steps"], kept["skipped_tokens"]
         self.rollbacks, self.bad_batches = kept["rollbacks"], set(kept["bad_batches"])
         self.fingerprint = kept.get("fingerprint")
+        self.quiet_run = kept.get("quiet_run")
+        self.incident = copy.deepcopy(kept.get("incident"))
+        self.replay_until, self.last_target = kept.get("replay_until"), kept.get("last_target")
+        self.skip_next_window = bool(kept.get("skip_next_window", False))
+        self.recent = deque(kept.get("recent", []), maxlen=self.recent.maxlen)
+        self.incident_on = kept.get("incident_on")
+        if self.routing is not None and kept.get("routing"):
+            self.routing.load_state_dict(kept["routing"])
 
     def state_dict(self) -> dict:
-        return {"detector": self.detector.state_dict(), **self._persistent(),
-                "routing": self.routing.state_dict() if self.routing is not None else None,
-                "incident_on": self.incident_on}
+        return {"detector": self.detector.state_dict(), **self._persistent()}
 
     def load_state_dict(self, sd: dict) -> None:
         self.detector.load_state_dict(sd["detector"])
         self._restore_persistent(sd)
-        if self.routing is not None and sd.get("routing"):
-            self.routing.load_state_dict(sd["routing"])
-        self.incident_on = sd.get("incident_on")
+
+    def local_state_dict(self) -> dict:
+        """This rank's own part (each rank routes its shard of the batch): the anticipatory route cache."""
+        return {"routes": self.routing.cache_state() if self.routing is not None else None}
+
+    def load_local_state_dict(self, sd: dict) -> None:
+        if self.routing is not None and sd.get("routes") is not None:
+            self.routing.load_cache_state(sd["routes"])

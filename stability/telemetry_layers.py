@@ -78,7 +78,9 @@ def norms(tensors: list[Tensor], device: torch.device) -> Tensor:
     NOTE: one host sync, to pick the tensors to redo.
     """
     out = torch.stack([n.to(device) for n in torch._foreach_norm(tensors, 2, dtype=torch.float32)]).double()
-    redo = (~torch.isfinite(out)).nonzero().flatten().tolist()
+    # NOTE: 0 is redone too: after an extreme clip (coef ~1e-25, a gradient past 1e19 elsewhere) the clipped
+    # g·coef of a normal layer squares below FP32's smallest value, and telemetry divides by coef again.
+    redo = ((~torch.isfinite(out)) | (out == 0)).nonzero().flatten().tolist()
     if redo:
         again = torch._foreach_norm([tensors[i] for i in redo], 2, dtype=torch.float64)
         out[redo] = torch.stack([n.to(device) for n in again])

@@ -307,3 +307,23 @@ def test_rope_real_form_used_under_compile_equals_complex_form():
     with mock.patch("torch.compiler.is_compiling", return_value=True):
         traced = apply_rope(x, cos, sin)
     torch.testing.assert_close(traced, eager, rtol=1e-6, atol=1e-6)
+
+
+def test_moe_loads_count_only_valid_label_positions():
+    """Issue 13 #7, through the model: loads sum to top_k × valid tokens and equal the per-token count of
+    the ids chosen at the valid positions; padding positions are routed but not counted."""
+    from model import MoEConfig
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=11, seq_len=12, d_model=16, n_layers=2, n_heads=2,
+                      moe=MoEConfig(n_experts=4, top_k=2, expert_hidden=8, first_dense=1))
+    model = Transformer(cfg)
+    tokens = torch.randint(0, 11, (3, 12))
+    labels = torch.randint(0, 11, (3, 12))
+    labels[0, 7:] = IGNORE_INDEX
+    labels[2, :] = IGNORE_INDEX
+    out = model(tokens, labels)
+    valid = labels != IGNORE_INDEX
+    ids = model.compute_routes(tokens)[1]  # (B, T, k), the same parameters: the same choices
+    assert out.moe_load[1].sum().item() == 2 * int(valid.sum()) == 2 * out.n_valid.item()
+    assert torch.equal(out.moe_load[1], torch.bincount(ids[valid].flatten(), minlength=4).float())

@@ -40,7 +40,7 @@ def reference(moe: MoE, x_ND: torch.Tensor, route_ids=None):
         if route_ids is not None:
             chosen = route_ids[n].tolist()
         g = [s[e].item() for e in chosen]
-        if cfg.norm_topk or cfg.score == "sigmoid":
+        if cfg.top_k > 1 and (cfg.norm_topk or cfg.score == "sigmoid"):  # k = 1: the raw p (Switch)
             g = [gi / sum(g) for gi in g]
         y = sum(gi * expert(Wgu[e], Wd[e], x) for gi, e in zip(g, chosen))
         if moe.shared is not None:
@@ -100,6 +100,43 @@ def test_switch_balance_and_router_z_on_hand_made_routing(score):
     assert out.balance_loss.item() == pytest.approx(balance, rel=1e-6)
     assert out.router_z.item() == pytest.approx(z, rel=1e-6)
     assert out.aux_loss.item() == pytest.approx(0.5 * balance + 0.25 * z, rel=1e-6)
+
+
+@pytest.mark.parametrize("score", ["softmax", "sigmoid"])
+def test_padding_counts_nowhere_in_loads_and_losses(score):
+    """Issue 13 #7: a masked position is routed (its output is defined) but enters neither the loads nor
+    the Switch loss nor the router z-loss. Reference: the same layer on the valid tokens alone."""
+    moe = make_moe(n_experts=6, top_k=2, score=score, balance_coef=0.5, router_z_coef=0.25)
+    x = torch.randn(40, 16)
+    valid = torch.rand(40) < 0.6
+    x[~valid] = x[~valid] * 3 + 1.0  # padding that would skew the loads if it counted
+    out = moe(x, valid_N=valid)
+    ref = moe(x[valid])
+    assert out.load_E.sum().item() == 2 * int(valid.sum())
+    assert torch.equal(out.load_E, ref.load_E)
+    torch.testing.assert_close(out.balance_loss, ref.balance_loss, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(out.router_z, ref.router_z, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(out.y[valid], ref.y, rtol=1e-6, atol=1e-6)
+    # the aux loss's router gradient comes from the valid tokens alone
+    g_out = torch.autograd.grad(out.aux_loss, moe.router.weight)[0]
+    g_ref = torch.autograd.grad(ref.aux_loss, moe.router.weight)[0]
+    torch.testing.assert_close(g_out, g_ref, rtol=1e-5, atol=1e-7)
+    none = moe(x, valid_N=torch.zeros(40, dtype=torch.bool))  # a micro-batch of padding only: nothing counts
+    assert none.load_E.sum().item() == 0 and none.aux_loss.item() == 0.0
+
+
+@pytest.mark.parametrize("score", ["softmax", "sigmoid"])
+def test_top1_router_gets_lm_gradient(score):
+    """Issue 13 #8: at k = 1 a renormalised gate is p/p = 1 and the router learned nothing from the LM
+    loss (grad ~1e-8). With the raw p (Switch) its gradient is of the order of the top-2 one."""
+    grads = {}
+    for k in (1, 2):
+        moe = make_moe(n_experts=4, top_k=k, score=score, balance_coef=0.0, router_z_coef=0.0)
+        x = torch.randn(64, 16, generator=torch.Generator().manual_seed(5))
+        target = torch.randn(64, 16, generator=torch.Generator().manual_seed(6))
+        (moe(x).y - target).square().sum().backward()
+        grads[k] = moe.router.weight.grad.norm().item()
+    assert grads[1] > 0.05 * grads[2] > 0, grads
 
 
 def test_balance_loss_is_one_at_uniform_routing():

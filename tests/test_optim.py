@@ -329,12 +329,38 @@ def test_clip_norm_accumulates_in_fp32():
     assert norm.dtype == torch.float32 and norm.item() == pytest.approx(math.sqrt(1e5), rel=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_clip_a_finite_gradient_whose_norm_overflows_fp32(dtype):
+    """Issue 13 #10: ‖g‖ = 4e19 > √(FP32 max): an FP32 Σg² is inf, so the old clip left coef = 1 and the
+    step ran on the raw gradient. The norm must be finite and exact, the gradient clipped to max_norm,
+    and optimizer_step must step (not skip) on the clipped gradient."""
+    from precision import optimizer_step
+
+    p = nn.Parameter(torch.zeros(4, dtype=dtype))
+    p.grad = torch.full((4,), 2e19, dtype=dtype)  # finite: 2e19 < 3.4e38; ‖g‖ = 4e19
+    ref = full_norm([p]).item()
+    norm, coef = clip_grad_norm([p], 1.0)
+    assert math.isfinite(norm.item()) and norm.item() == pytest.approx(ref, rel=1e-6)
+    assert coef.item() == pytest.approx(1.0 / ref, rel=1e-5)
+    assert full_norm([p]).item() == pytest.approx(1.0, rel=1e-2)
+    q = nn.Parameter(torch.zeros(4))
+    q.grad = torch.full((4,), 2e19)
+    opt = torch.optim.SGD([q], lr=1.0)
+    res = optimizer_step([q], opt, None, 1.0)
+    assert not res.skipped and math.isfinite(res.norm.item())
+    assert torch.linalg.vector_norm(q.detach()).item() == pytest.approx(1.0, rel=1e-5)  # one clipped SGD step
+
+
 # ---------------------------------------------------------------------------------------------------------
 # global-norm clipping, 2 gloo processes: FSDP2 shards, DDP replicas, and a mix
 
 def mlp():
     torch.manual_seed(0)  # same weights on every rank
     return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 5))
+
+
+def full_norm_dt(module):
+    return math.sqrt(sum(p.grad.full_tensor().double().square().sum().item() for p in module.parameters()))
 
 
 def _dist_worker(rank, world, init_file):
@@ -371,6 +397,18 @@ def _dist_worker(rank, world, init_file):
         extra.grad = torch.tensor([1.0, 2.0, 2.0])
         norm_mix, _ = clip_grad_norm([*sharded.parameters(), extra], None)
         assert norm_mix.item() == pytest.approx(math.sqrt((ref_norm * coef.item()) ** 2 + 9.0), rel=1e-5)
+
+        # a finite sharded gradient whose norm overflows FP32 (issue 13 #10): still clipped to max_norm
+        kept = [p.grad.to_local().clone() for p in sharded.parameters()]
+        for p in sharded.parameters():
+            p.grad.to_local().mul_(1e20)
+        big = full_norm_dt(sharded)
+        assert math.isfinite(big) and big > 1.8e19
+        norm_big, coef_big = clip_grad_norm(sharded.parameters(), 1.0)
+        assert norm_big.item() == pytest.approx(big, rel=1e-5) and coef_big.item() == pytest.approx(1 / big, rel=1e-4)
+        assert full_norm_dt(sharded) == pytest.approx(1.0, rel=1e-4)
+        for p, g in zip(sharded.parameters(), kept):  # back to the grads clipped above
+            p.grad.to_local().copy_(g)
 
         # DDP: grads are plain full tensors on every rank; an all-reduce would give √2 · the norm
         ddp = DistributedDataParallel(mlp())

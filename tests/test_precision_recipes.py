@@ -16,6 +16,7 @@ from model import ModelConfig, Transformer
 from model.moe import GroupedExperts
 from precision import RECIPES, build_recipe
 from precision.fp8_linear import Fp8GroupedExperts, Fp8Linear
+from precision.step import UPDATE_ORDER
 from precision.table import QUANTITIES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -89,8 +90,19 @@ def test_precision_table_matches_the_converted_model(name, tmp_path):
 def test_fp16_table_states_the_configured_scaler():
     recipe = build_recipe({"name": "fp16", "loss_scale": {"init": 1024.0, "growth_interval": 50}})
     row = recipe.table().rows["loss scaling"]
-    assert "S0=1024" in row and "after 50" in row and "unscale → finite check → clip → step" in row
+    assert "S0=1024" in row and "after 50" in row and UPDATE_ORDER in row
     assert recipe.make_scaler().scale == 1024.0
+
+
+def test_fp16_update_order_is_stated_the_same_everywhere():
+    """Issue 13 #13: the README said "unscale → global norm → finite check → clip", the precision table
+    "unscale → finite check → clip → step". One order: the table, the README and precision/step.py."""
+    import precision.step
+
+    root = Path(__file__).resolve().parents[1]
+    assert UPDATE_ORDER in build_recipe({"name": "fp16"}).table().rows["loss scaling"]
+    assert UPDATE_ORDER in " ".join((root / "README.md").read_text().split())
+    assert UPDATE_ORDER in precision.step.__doc__
 
 
 def test_bf16_table_rows_are_what_autocast_does():

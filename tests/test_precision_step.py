@@ -153,7 +153,8 @@ def test_empty_gradient_shards_are_ignored_by_the_finite_check():
 
 def test_finite_check_runs_only_after_a_nonfinite_norm_and_tells_overflow_from_large_grads():
     """A finite ‖g‖ proves every element finite, so the inf-norm pass is skipped; after a non-finite norm it
-    decides: Σg² overflowing fp32 from large *finite* gradients (1e20² = 1e40) is no overflow, an inf is."""
+    decides: a norm past FP32 max from large *finite* gradients (‖g‖ = 6e38; the FP64 sum of squares
+    holds it, the reported FP32 norm is inf) is no overflow and still gets clipped, an inf is."""
     from unittest import mock
 
     import precision.step as step_mod
@@ -170,9 +171,11 @@ def test_finite_check_runs_only_after_a_nonfinite_norm_and_tells_overflow_from_l
     with mock.patch.object(step_mod, "found_nonfinite", spy):
         w.grad = torch.full((4,), 0.5)
         assert not optimizer_step([w], opt, None, 1.0).skipped and calls == []
-        w.grad = torch.full((4,), 1e20)
+        w.grad = torch.full((4,), 3e38)
+        before = w.detach().clone()
         res = optimizer_step([w], opt, None, 1.0)
         assert not torch.isfinite(res.norm) and not res.skipped and calls == [1]
+        assert torch.linalg.vector_norm(w.detach() - before).item() == pytest.approx(1.0, rel=1e-5)  # clipped
         w.grad = torch.tensor([1.0, float("inf"), 0.0, 0.0])
         before = w.detach().clone()
         assert optimizer_step([w], opt, None, 1.0).skipped and calls == [1, 1]
