@@ -11,6 +11,7 @@ from einops import rearrange
 from torch import Tensor, nn
 
 from model.config import MoEConfig
+from model.grouped_gemm import grouped_mm
 from model.layers import at_least_fp32
 from model.swiglu import SwiGLU, clamp_hits, swiglu
 
@@ -25,7 +26,16 @@ class MoEOutput(NamedTuple):
 
 
 class GroupedExperts(nn.Module):
-    """E SwiGLU experts with stacked weights: w_gate_up (E, 2H, D), w_down (E, D, H)."""
+    """E SwiGLU experts with stacked weights: w_gate_up (E, 2H, D), w_down (E, D, H).
+
+    Two ways to run them, equal in value (tests/test_moe_grouped.py):
+      grouped  two `torch._grouped_mm` calls over every expert at once, the group boundaries given as
+               a device tensor (cumulative counts): no host sync, static shapes, so torch.compile
+               traces one graph whatever the load pattern;
+      loop     the readable reference: one matmul pair per expert on its rows, split sizes as Python
+               ints (one host sync per MoE layer). Used where _grouped_mm does not run (a device or
+               dtype without the kernel) and whenever a precision recipe overrides `linear` (FP8).
+    """
 
     def __init__(self, n_experts: int, d_model: int, hidden: int, limit: float | None):
         super().__init__()
@@ -33,6 +43,7 @@ class GroupedExperts(nn.Module):
         self.w_gate_up = nn.Parameter(torch.empty(n_experts, 2 * hidden, d_model))
         self.w_down = nn.Parameter(torch.empty(n_experts, d_model, hidden))
         self.record_stats = False
+        self.grouped = True  # False forces the per-expert loop (the reference)
         self.clamp_hits = torch.zeros((), dtype=torch.int64)
         self.clamp_total = torch.zeros((), dtype=torch.int64)
 
@@ -44,8 +55,27 @@ class GroupedExperts(nn.Module):
         """One expert matmul; a precision recipe overrides only this (precision/fp8_linear.py)."""
         return F.linear(x, w)
 
-    def forward(self, x_MD: Tensor, counts: list[int]) -> Tensor:
-        """x_MD holds the tokens sorted by expert, counts[e] rows for expert e."""
+    def forward(self, x_MD: Tensor, counts_E: Tensor | list[int]) -> Tensor:
+        """x_MD holds the tokens sorted by expert, counts_E[e] rows for expert e."""
+        # NOTE: `linear` overridden (by a subclass or on the instance): only the loop calls it
+        plain = type(self).linear is GroupedExperts.linear and "linear" not in self.__dict__
+        if self.grouped and plain and grouped_mm_runs(x_MD):
+            return self._grouped(x_MD, torch.as_tensor(counts_E, device=x_MD.device))
+        return self._loop(x_MD, counts_E if isinstance(counts_E, list) else counts_E.tolist())
+
+    def _grouped(self, x_MD: Tensor, counts_E: Tensor) -> Tensor:
+        offs_E = counts_E.cumsum(0).to(torch.int32)  # end row of each expert's group
+        w_gate_up = self.w_gate_up.to(x_MD.dtype)  # NOTE: what F.linear does under autocast
+        # NOTE: transposed views: grouped_mm computes x_m @ w_e with w_e (D, 2H); F.linear(x, W) = x @ Wᵀ
+        gate_MH, up_MH = grouped_mm(x_MD, w_gate_up.transpose(1, 2), offs_E).chunk(2, dim=-1)
+        h_MH = swiglu(gate_MH, up_MH, self.limit)
+        out_MD = grouped_mm(h_MH, self.w_down.to(h_MH.dtype).transpose(1, 2), offs_E)
+        if self.record_stats:
+            self.clamp_hits = clamp_hits(gate_MH, up_MH, self.limit)
+            self.clamp_total = torch.tensor(gate_MH.numel(), dtype=torch.int64, device=x_MD.device)
+        return out_MD
+
+    def _loop(self, x_MD: Tensor, counts: list[int]) -> Tensor:
         outs, hits, total = [], 0, 0
         # WARN: every expert runs, even on zero rows (an empty matmul): then every parameter is in
         # the autograd graph every step, as DDP / FSDP require without find_unused_parameters.
@@ -58,6 +88,29 @@ class GroupedExperts(nn.Module):
             self.clamp_hits = torch.as_tensor(hits, dtype=torch.int64, device=x_MD.device)
             self.clamp_total = torch.tensor(total, dtype=torch.int64, device=x_MD.device)
         return torch.cat(outs)
+
+
+_GROUPED_OK: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def grouped_mm_runs(x: Tensor) -> bool:
+    """Whether torch._grouped_mm runs forward and backward for x's device type and dtype (probed once
+    on a tiny problem, outside any compiled region; CUDA's kernel wants bf16 on recent GPUs, CPU runs fp32)."""
+    key = (x.device.type, x.dtype)
+    if key not in _GROUPED_OK:
+        if torch.compiler.is_compiling():
+            return False  # NOTE: never probe inside a trace; the eager warm-up step probes first
+        ok = hasattr(torch, "_grouped_mm")
+        if ok:
+            try:
+                a = torch.ones(4, 16, device=x.device, dtype=x.dtype, requires_grad=True)
+                w = torch.ones(2, 16, 16, device=x.device, dtype=x.dtype, requires_grad=True)
+                y = torch._grouped_mm(a, w, offs=torch.tensor([1, 4], device=x.device, dtype=torch.int32))
+                torch.autograd.grad(y, (a, w), torch.ones_like(y))
+            except (RuntimeError, NotImplementedError, TypeError):
+                ok = False
+        _GROUPED_OK[key] = ok
+    return _GROUPED_OK[key]
 
 
 class MoE(nn.Module):
@@ -119,10 +172,9 @@ class MoE(nn.Module):
         ids_M = rearrange(route_ids_Nk, "n k -> (n k)")
         order_M = torch.argsort(ids_M, stable=True)
         token_M = order_M // k
-        counts_E = torch.bincount(ids_M, minlength=E)
-        # NOTE: .tolist() is one host sync per MoE layer (split sizes must be Python ints); a grouped
-        # GEMM kernel would avoid it, at the cost of the readable per-expert loop.
-        out_MD = self.experts(x_ND[token_M], counts_E.tolist())
+        # NOTE: index_add, not bincount: a static output shape, so torch.compile needs no recompile per load
+        counts_E = torch.zeros(E, dtype=torch.int64, device=x.device).index_add_(0, ids_M, torch.ones_like(ids_M))
+        out_MD = self.experts(x_ND[token_M], counts_E)
         weighted_MD = out_MD.to(gates_Nk.dtype) * rearrange(gates_Nk, "n k -> (n k) 1")[order_M]
         # NOTE: the k contributions of a token are summed in (at least) FP32, like every reduction.
         y_ND = torch.zeros(N, x.shape[-1], dtype=gates_Nk.dtype, device=x.device)
@@ -136,7 +188,7 @@ class MoE(nn.Module):
         else:
             valid_N = valid_N.reshape(N)
             valid_M = valid_N.repeat_interleave(k)  # (n k) order, like ids_M
-            load_E = torch.bincount(ids_M[valid_M], minlength=E).to(torch.float32)
+            load_E = torch.zeros(E, dtype=torch.float32, device=x.device).index_add_(0, ids_M, valid_M.float())
             n = valid_N.sum()
         n_f = torch.as_tensor(n, dtype=logits_NE.dtype, device=x.device).clamp(min=1)  # all-padding: losses 0
         # Switch balance loss: E·Σ_e f_e·P_e is 1 at uniform routing; f carries no gradient, P does.

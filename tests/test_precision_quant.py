@@ -139,7 +139,7 @@ def test_fp8_grouped_experts_mirror_the_high_precision_loop():
     torch.manual_seed(4)
     ex = GroupedExperts(3, 32, 48, limit=2.0)
     ex.init_weights(0.3, 0.3)
-    ex.record_stats = True
+    ex.record_stats, ex.grouped = True, False  # the per-expert loop: the path FP8 experts run
     x = torch.randn(20, 32)
     counts = [7, 0, 13]  # an empty expert included
     ref = ex(x, counts)
