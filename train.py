@@ -35,10 +35,11 @@ from stability.anticipatory import AnticipatoryRouting
 from stability.events import EventLog
 from stability.faults import FaultInjector
 from stability.guard import Guard, GuardAbort
-from stability.inputs import input_stats
+from stability.inputs import InputBaseline, input_stats
 from stability.plots import plot_losses
 from stability.record import StepRecord, read_records
 from stability.sinks import build_sinks
+from stability.step_state import cpu_clock, rank_inputs, resume_marker, state_summary
 from stability.telemetry import Telemetry, moe_summary, nonfinite_flags
 
 
@@ -131,16 +132,17 @@ def train(cfg, dist, model, wrapped, optimizer, scheduler, loader, evals, datase
     # NOTE: a plain namespace: an OmegaConf attribute read costs ~17 µs (a dict read ~0.05 µs)
     tc, names = SimpleNamespace(**OmegaConf.to_container(cfg.train, resolve=True)), dataset.source_names
     step, tokens_seen = ckpt.state.step, ckpt.state.tokens  # 0 unless resumed
+    in_base = InputBaseline(dataset)  # the running unigram histogram the inputs are judged by
     while step < ckpt.last_step:  # last_step < train.steps under checkpoint.stop_after
         step += 1  # NOTE: a while loop, because a guard rollback moves the step back
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), cpu_clock()
         faults.before_batch(step)
         first_id = loader.samples_consumed  # the global batch is sample ids [first_id, first_id + batch_size)
         batch = faults.corrupt(step, first_id, loader.next())
         micro = [mb.to(dist.device) for mb in batch.micro_batches(tc.micro_batches)]
         routes = routing.routes_for(step, first_id) if routing is not None else None  # None unless on
         n_valid = count_valid_tokens(micro, dist.device)  # global, before any forward
-        inputs = input_stats(micro, dist.device, dataset.vocab_size, getattr(dataset, "bos_ids", None))
+        inputs = input_stats(micro, dist.device, dataset.vocab_size, getattr(dataset, "bos_ids", None), in_base)
         t1 = time.perf_counter()
 
         measure = telemetry.wants(step)
@@ -151,6 +153,7 @@ def train(cfg, dist, model, wrapped, optimizer, scheduler, loader, evals, datase
                                 autocast=recipe.autocast, loss_scale=scaler.scale if scaler else None)
         # the global loss before the update: the guard judges the step before it is applied
         stats = reduce_step_sums(sums, n_valid.item())
+        ranks = rank_inputs(batch, sums, dist.world, dist.rank, dist.device)
         t2 = time.perf_counter()
 
         factor, planned = faults.lr_factor(step), [g["lr"] for g in optimizer.param_groups]  # 1.0 unless an LR drill
@@ -187,6 +190,7 @@ def train(cfg, dist, model, wrapped, optimizer, scheduler, loader, evals, datase
         for layer, moe in model.moe_layers():  # aux-loss-free balancing from the global loads
             moe.update_bias(stats["moe_load"][layer].to(dist.device))
         moe_stats = moe_summary(stats["moe_load"])
+        opt_state = state_summary(optimizer, model)
         worst = max((m["max_violation"] for m in moe_stats.values()), default=None)
         for e in faults.pop_events():  # the injected fault, in the same story as the guard's actions
             info = {k: v for k, v in e.items() if k not in ("step", "kind")}
@@ -198,7 +202,8 @@ def train(cfg, dist, model, wrapped, optimizer, scheduler, loader, evals, datase
         # the snapshot point: after the update, before the next batch; never a state the guard fired on
         ckpt.maybe_save(step, tokens_seen, healthy=guard.healthy())
         guard.maybe_snapshot(step)
-        t5 = time.perf_counter()
+        t5, c5 = time.perf_counter(), cpu_clock()
+        events_now += events.pop() + ckpt.pop_events()
 
         rec = StepRecord(
             step=step, tokens=tokens_seen, world=dist.world,
@@ -215,9 +220,10 @@ def train(cfg, dist, model, wrapped, optimizer, scheduler, loader, evals, datase
             replica=post.get("replica", {}), guard=guard.record(),
             routing=routing.info(step) if routing is not None else {},
             time_s={"data": t1 - t0, "fwd_bwd": t2 - t1, "optim": t3 - t2, "log_eval": t4 - t3, "ckpt": t5 - t4,
-                    "total": t5 - t0},
+                    "total": t5 - t0, "cpu": c5 - c0},
             tokens_per_s=tc.batch_size * dataset.seq_len / (t5 - t0), memory_mb=peak_memory_mb(dist.device),
-            events=events_now + events.pop() + ckpt.pop_events(), eval=ev, ckpt_id=ckpt.ckpt_id,
+            events=events_now, eval=ev, ckpt_id=ckpt.ckpt_id,
+            resume=resume_marker(events_now), state=opt_state, ranks=ranks,
         )
         for sink in sinks:
             sink.write(rec)
