@@ -45,7 +45,7 @@ FAULTS = [
     Fault("repeat_quarter", "data.corrupted_batch", "input", what="a quarter of the positions one token id"),
     Fault("label_shift", "data.corrupted_batch", "input", what="labels shifted by one position"),
     Fault("rare_tokens", "data.corrupted_batch", "input", what="10 % of inputs the padding id, never seen as input"),
-    Fault("markov_chain_swap", "data.corrupted_batch", "input",
+    Fault("markov_chain_swap", "data.distribution_shift", "input",
           what="from S on, the markov source's documents come from another chain (a silent data switch)"),
     Fault("cursor_repeat", "data.continuity", "input", what="the loader serves the previous batch again"),
     Fault("cursor_skip", "data.continuity", "input", what="the loader jumps 40 batches ahead"),

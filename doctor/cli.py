@@ -2,13 +2,17 @@
 
     python -m doctor runs/<run>            # writes report.md, report.json, doctor_timeline.png
 
-It finds the earliest deviating quantity across the four layers of the timeline (input → forward →
-backward/update → system; doctor/timeline.py), walks the course notes' decision tree and symptom table
-(doctor/rules.py, doctor/checks.py), and writes the report (doctor/report.py): the earliest anomaly, the
-reproducible batch and its replay command (doctor/replay.py), state and environment versions,
-the rejected hypotheses with their evidence, one single-variable fix and the regression command.
+It reads every segment of the run (split where a rollback or resume sends the step back), finds in each
+the earliest deviating quantity across the four layers of the timeline (input → forward →
+backward/update → system; point and sustained tests on robust z, doctor/timeline.py) and the exact
+invariants (sample ids, tokens, per-rank sharding, doctor/invariants.py), walks the course notes'
+decision tree and symptom table (doctor/rules.py, doctor/checks.py), and writes the report
+(doctor/report.py): every incident in order, then for the first the earliest anomaly, the reproducible
+batch and its replay command (doctor/replay.py), state and environment versions, the rejected
+hypotheses with their evidence, one single-variable fix and the regression command.
 
-Exit status: 0 with a report; 2 with a one-line error when the directory is not a run.
+Exit status: 0 with a report (what the records lack — a truncated last line, an older record version —
+is one line each on stderr); 2 with a one-line error when the directory holds no complete record.
 """
 from __future__ import annotations
 
@@ -157,6 +161,12 @@ def fix_for(diag: Diagnosis, run: Run, ckpt) -> dict:
                 "change": "prove the resume: python -m checkpoint.verify with the run's config, then audit what "
                           f"loads or rewrites {part} after the checkpoint is read",
                 "override": None, "expect": f"straight and resumed runs agree step for step; {q} continuous at step {t}"}
+    if diag.fault_class == "data.distribution_shift":
+        src = diag.anomaly.quantity.split("/", 1)[1]
+        return {"variable": f"the data of source {src} from step {t}",
+                "change": f"compare {src}'s documents before and after step {t} (generator / shard / preprocessing "
+                          "version); restore the old ones or declare the change (a new data fingerprint)",
+                "override": None, "expect": f"loss_by_source/{src} back on its trajectory"}
     if diag.fault_class == "data.continuity":
         return {"variable": "the data cursor (sample ids per step)",
                 "change": f"find what moved the loader's samples_consumed at step {t} (a repeated, skipped or "

@@ -18,11 +18,14 @@ from __future__ import annotations
 import math
 import statistics
 
+import numpy as np
+
 from doctor.timeline import INPUT, SYSTEM, WINDOW, Deviation, Run
 
 COMPONENTS = ("data", "fwd_bwd", "optim")  # NOTE: ckpt and log_eval are periodic by design: left out
 SLOW = 2.0          # a component this many times its baseline (median of the K_SYS steps from t)
-SHARE_MOVE = 0.15   # ... and its share of the step up by this much: run-caused, one component
+SHARE_MOVE = 0.25   # ... and its share of the step up by this much: run-caused, one component (a busy
+                    # machine adds latency to every component, which moves a small one's share ~0.1)
 K_SYS = 5
 ENV_SLOW = 1.5      # the whole step this many times slower, shares unchanged: machine-wide
 
@@ -93,35 +96,38 @@ def system_change(recs: list[dict], start: int) -> tuple[Deviation | None, str |
     rows = [x for x in rows if all(math.isfinite(v) and v >= 0 for v in x[1]) and sum(x[1]) > 0]
     if len(rows) < 2 * K_SYS + 10:
         return None, None
-    steps = [x[0] for x in rows]
-    tm = [x[1] for x in rows]
-    share = [[v / sum(x) for v in x] for x in tm]
-    for i in range(10, len(rows) - K_SYS + 1):
-        if steps[i] < start:
-            continue
-        lo = max(0, i - WINDOW)
-        for c in range(len(COMPONENTS)):
-            base = statistics.median(x[c] for x in tm[lo:i])
-            ahead = statistics.median(x[c] for x in tm[i:i + K_SYS])
-            if not (base > 0 and ahead >= SLOW * base and tm[i][c] >= SLOW * base):
-                continue
-            s0 = statistics.median(x[c] for x in share[lo:i])
-            s1 = statistics.median(x[c] for x in share[i:i + K_SYS])
-            others = [statistics.median(x[o] for x in tm[i:i + K_SYS]) /
-                      max(statistics.median(x[o] for x in tm[lo:i]), 1e-12) for o in range(len(COMPONENTS)) if o != c]
-            if s1 - s0 >= SHARE_MOVE and all(g < ahead / base / 1.5 for g in others):
-                d = Deviation(f"system.time/{COMPONENTS[c]}", SYSTEM, c, steps[i], tm[i][c], base, ahead / base, None,
-                              "sustained")
-                return d, (f"{COMPONENTS[c]} time {base * 1e3:.3g} -> {ahead * 1e3:.3g} ms per step from step {steps[i]} "
-                           f"(share of the step {s0:.2f} -> {s1:.2f}; the other components ×"
-                           + ", ×".join(f"{g:.2f}" for g in others) + ")")
+    steps = np.array([x[0] for x in rows])
+    tm = np.array([x[1] for x in rows])                       # (n, C) seconds per component
+    share = tm / tm.sum(axis=1, keepdims=True)
+    n, C = tm.shape
+    # NOTE: vectorised: base = median of the WINDOW steps before i (fewer at the start, never < 10),
+    # ahead = median of the K_SYS steps from i
+    pad = np.concatenate([np.full((WINDOW, C), np.nan), tm])
+    pads = np.concatenate([np.full((WINDOW, C), np.nan), share])
+    idx = np.arange(10, n - K_SYS + 1)
+    base = np.nanmedian(np.lib.stride_tricks.sliding_window_view(pad, WINDOW, axis=0)[idx], axis=2)
+    s0 = np.nanmedian(np.lib.stride_tricks.sliding_window_view(pads, WINDOW, axis=0)[idx], axis=2)
+    ahead = np.median(np.lib.stride_tricks.sliding_window_view(tm, K_SYS, axis=0)[idx], axis=2)
+    s1 = np.median(np.lib.stride_tricks.sliding_window_view(share, K_SYS, axis=0)[idx], axis=2)
+    growth = ahead / np.maximum(base, 1e-12)                   # (m, C)
+    for c in range(C):
+        others = np.delete(growth, c, axis=1)
+        hit = ((steps[idx] >= start) & (base[:, c] > 0) & (growth[:, c] >= SLOW) & (tm[idx, c] >= SLOW * base[:, c])
+               & (s1[:, c] - s0[:, c] >= SHARE_MOVE) & (others < growth[:, c:c + 1] / 1.5).all(axis=1))
+        if hit.any():
+            j = int(np.argmax(hit))
+            i, g = int(idx[j]), others[j]
+            d = Deviation(f"system.time/{COMPONENTS[c]}", SYSTEM, c, int(steps[i]), float(tm[i, c]), float(base[j, c]),
+                          float(growth[j, c]), None, "sustained")
+            return d, (f"{COMPONENTS[c]} time {base[j, c] * 1e3:.3g} -> {ahead[j, c] * 1e3:.3g} ms per step from step "
+                       f"{steps[i]} (share of the step {s0[j, c]:.2f} -> {s1[j, c]:.2f}; the other components ×"
+                       + ", ×".join(f"{x:.2f}" for x in g) + ")")
     k = len(rows) // 3
     a, z = rows[:k], rows[-k:]
     ta, tz = statistics.median(sum(x[1]) for x in a), statistics.median(sum(x[1]) for x in z)
     if tz < ENV_SLOW * ta:
         return None, None
-    sa = [statistics.median(v[c] for v in share[:k]) for c in range(len(COMPONENTS))]
-    sz = [statistics.median(v[c] for v in share[-k:]) for c in range(len(COMPONENTS))]
+    sa, sz = np.median(share[:k], axis=0), np.median(share[-k:], axis=0)
     cpu = [x[2] for x in rows if x[2] is not None]
     cpu_note = ""
     if len(cpu) == len(rows):

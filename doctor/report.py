@@ -32,7 +32,8 @@ def to_json(run: Run, diag: Diagnosis, devs: dict, state: dict, fix: dict, comma
     return {
         "run": str(run.dir), "class": diag.fault_class, "summary": diag.summary,
         "earliest": None if a is None else {
-            "step": a.step, "layer": a.layer, "quantity": a.quantity, "model_layer": diag.model_layer,
+            "step": a.step, "layer": diag.layer or a.layer, "quantity_layer": a.layer, "quantity": a.quantity,
+            "kind": a.kind, "model_layer": diag.model_layer,
             "rank": diag.rank, "value": _num(a.value), "baseline": _num(a.baseline), "z": _num(a.z)},
         "nearby": [{"step": d.step, "layer": d.layer, "quantity": d.quantity, "value": _num(d.value)} for d in nearby],
         "symptom": list(diag.symptom) if diag.symptom else None,
@@ -41,7 +42,7 @@ def to_json(run: Run, diag: Diagnosis, devs: dict, state: dict, fix: dict, comma
         "untestable": [vars(c) for c in diag.untestable],
         "batch": diag.batch, "state": state, "fix": fix, "commands": commands,
         "incidents": [{"step": i.step, "class": i.fault_class, "quantity": i.anomaly.quantity if i.anomaly else None,
-                       "layer": i.anomaly.layer if i.anomaly else None, "model_layer": i.model_layer,
+                       "layer": (i.layer or i.anomaly.layer) if i.anomaly else None, "model_layer": i.model_layer,
                        "segment": i.seg_index, "summary": i.summary} for i in (diag.incidents or [])],
         "environment": diag.environment, "notes": list(run.notes),
         "ground_truth": ground_truth(run),
@@ -77,7 +78,8 @@ def render(run: Run, diag: Diagnosis, report: dict) -> str:
         out += ["No quantity of the timeline left its baseline (robust z over a trailing window)."]
     else:
         e = report["earliest"]
-        out += [f"- step **{a.step}**, timeline layer **{a.layer}**, quantity `{a.quantity}`",
+        out += [f"- step **{a.step}**, timeline layer **{diag.layer or a.layer}**, quantity `{a.quantity}`"
+                + (f" (a {a.layer}-layer quantity: {diag.layer} is inferred)" if diag.layer and diag.layer != a.layer else ""),
                 f"- model layer: {_f(e['model_layer'])}; rank: {_f(diag.rank)}",
                 f"- {a.describe()}", "- deviating within ±1 step (timeline order): "
                 + (", ".join(f"`{d['quantity']}`@{d['step']}" for d in report["nearby"][:12]) or "none")]

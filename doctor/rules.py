@@ -60,6 +60,7 @@ class Diagnosis:
     incidents: list["Diagnosis"] = field(default_factory=list)  # every incident, in order (the first is this)
     environment: str | None = None      # a machine-wide slowdown: not the run's fault
     devs: dict = field(default_factory=dict)  # the deviations the diagnosis was drawn from
+    layer: str | None = None            # the timeline layer the diagnosis names, when not the quantity's own
 
 
 
@@ -156,13 +157,29 @@ def classify(ctx: Context, first: Deviation) -> Diagnosis:
         cls, main, why = "optim.gradient_spike", None, "the gradient (and with it the update) moved first"
     elif q.startswith(("act_rms", "clamp_hit_rate", "logit_max", "z_loss")):
         cls, main, why = "numerics.activation_outlier", None, f"an activation moved first ({q})"
+    elif q.startswith("loss_by_source/") and first.kind == "sustained" and one_source(ctx, q):
+        # NOTE: a model or optimizer fault moves every source's loss; one source's loss stepping up and
+        # staying there, with the others, the LR, gradients and activations on their baselines, is that
+        # source's content changing under the same fingerprint: a data fault inferred from the forward layer
+        cls, main = "data.distribution_shift", "corrupted input batch"
+        why = (f"only {q.split('/', 1)[1]}'s loss stepped up and stayed up from step {t0} (the other sources, "
+               f"the LR, gradients and activations on their baselines): that source's data changed")
     else:
         cls, main, why = "forward.loss_spike", None, f"the loss rose first ({q}) with normal inputs and settings"
     diag = Diagnosis(cls, f"{cls} at step {t0}: {why}", first, t0, rank,
                      {"step": t0, **rec["batch"]}, SYMPTOMS.get(cls), layer)
+    if cls == "data.distribution_shift":
+        diag.layer = "input"
     diag.tree = walk(ctx, checks, layer, rank)
     split(diag, checks.values(), main)
     return diag
+
+
+def one_source(ctx: Context, q: str) -> bool:
+    others = [d for k, d in ctx.devs.items() if k != q and k.startswith(("loss_by_source/", "grad_", "act_rms",
+                                                                         "update_ratio", "lr/", "logit_max"))
+              and abs(d.step - ctx.t0) <= 1]
+    return len([k for k in ctx.tl if k.startswith("loss_by_source/")]) > 1 and not others
 
 
 def rank_apart(rec: dict, q: str, first: Deviation) -> str:
