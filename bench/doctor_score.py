@@ -113,6 +113,19 @@ def diagnose(run_dir: Path, fault: str | None) -> dict:
     return rep
 
 
+def guard_at(d: Path, rep: dict) -> str:
+    """What the online guard said at the doctor's step on a clean run: an alarm the guard shares is a
+    natural incident of the run (a real spike), not the doctor seeing ghosts; still counted."""
+    e = rep.get("earliest")
+    if not e:
+        return ""
+    from stability.record import read_records
+    trig = [x for r in read_records(d / "metrics.jsonl") if abs(r["step"] - e["step"]) <= 1
+            for x in r.get("guard", {}).get("triggers", [])]
+    z = e["z"] if isinstance(e["z"], str) else f"{e['z']:.1f}"
+    return f" [{e['quantity']} z {z}; guard at ±1 step: {', '.join(trig) or 'silent'}]"
+
+
 def score_fault(f: Fault, rep: dict) -> dict:
     e = rep.get("earliest") or {}
     ok_step = e.get("step") is not None and abs(e["step"] - f.step) <= 1
@@ -149,8 +162,9 @@ def main(argv=None) -> int:
     clean = []
     for s in seeds:
         rep = diagnose(root / f"clean_seed{s}", None)
+        g = guard_at(root / f"clean_seed{s}", rep)
         clean.append({"seed": s, "class": rep["class"], "ok": rep["class"] == "healthy",
-                      "summary": rep["summary"][:110]})
+                      "natural": rep["class"] != "healthy" and "silent" not in g, "summary": rep["summary"][:110] + g})
     print(f"| fault | expected class / layer / step | doctor | class | layer | step ±1 |")
     print("|---|---|---|---|---|---|")
     for r in rows:
@@ -159,7 +173,9 @@ def main(argv=None) -> int:
     print(f"\nfaults scored: {sum(r['ok'] for r in rows)} of {len(rows)} (class, layer and step ±1)")
     for c in clean:
         print(f"clean seed {c['seed']}: {c['class']} — {c['summary']}")
-    print(f"clean runs: {sum(not c['ok'] for c in clean)} false alarm(s) in {len(clean)}")
+    nat = sum(c["natural"] for c in clean)
+    print(f"clean runs: {sum(not c['ok'] and not c['natural'] for c in clean)} false alarm(s) in {len(clean)}"
+          + (f"; {nat} natural incident(s) the online guard fired on too, reported by the doctor" if nat else ""))
     print(f"runs: {root}")
     if not args.keep and not args.reuse:
         shutil.rmtree(root, ignore_errors=True)

@@ -35,7 +35,8 @@ class Context:
 
     @property
     def seg(self) -> list[dict]:
-        return self.run.segments[self.seg_index]
+        """The incident's trajectory: its segment with the history it was replayed from (Run.paths)."""
+        return self.run.paths[self.seg_index]
 
     def rec(self, t: int | None = None) -> dict | None:
         t = self.t0 if t is None else t

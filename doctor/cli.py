@@ -73,7 +73,7 @@ def checkpoint_root(run: Run) -> Path:
 
 def state_and_env(run: Run, diag: Diagnosis, ckpt) -> dict:
     from importlib.metadata import version
-    seg = run.segments[diag.seg_index]
+    seg = run.paths[diag.seg_index]
     rec = next((r for r in seg if r["step"] == diag.step), seg[-1])
     meta, fp = {}, None
     if ckpt is not None:

@@ -23,9 +23,10 @@ import numpy as np
 from doctor.timeline import INPUT, SYSTEM, WINDOW, Deviation, Run
 
 COMPONENTS = ("data", "fwd_bwd", "optim")  # NOTE: ckpt and log_eval are periodic by design: left out
-SLOW = 2.0          # a component this many times its baseline (median of the K_SYS steps from t)
-SHARE_MOVE = 0.25   # ... and its share of the step up by this much: run-caused, one component (a busy
-                    # machine adds latency to every component, which moves a small one's share ~0.1)
+SLOW = 3.0          # a component this many times its baseline (median of the K_SYS steps from t) ...
+SLOW_MIN = 2.0      # ... and every one of those steps at least this many times: a slowdown that persists
+                    # (a busy machine preempts a short component now and then: spikes, not a floor)
+SHARE_MOVE = 0.1    # ... and its share of the step up by this much: run-caused, one component
 K_SYS = 5
 ENV_SLOW = 1.5      # the whole step this many times slower, shares unchanged: machine-wide
 
@@ -107,12 +108,14 @@ def system_change(recs: list[dict], start: int) -> tuple[Deviation | None, str |
     idx = np.arange(10, n - K_SYS + 1)
     base = np.nanmedian(np.lib.stride_tricks.sliding_window_view(pad, WINDOW, axis=0)[idx], axis=2)
     s0 = np.nanmedian(np.lib.stride_tricks.sliding_window_view(pads, WINDOW, axis=0)[idx], axis=2)
-    ahead = np.median(np.lib.stride_tricks.sliding_window_view(tm, K_SYS, axis=0)[idx], axis=2)
+    fwd = np.lib.stride_tricks.sliding_window_view(tm, K_SYS, axis=0)[idx]
+    ahead, floor = np.median(fwd, axis=2), np.min(fwd, axis=2)
     s1 = np.median(np.lib.stride_tricks.sliding_window_view(share, K_SYS, axis=0)[idx], axis=2)
     growth = ahead / np.maximum(base, 1e-12)                   # (m, C)
     for c in range(C):
         others = np.delete(growth, c, axis=1)
         hit = ((steps[idx] >= start) & (base[:, c] > 0) & (growth[:, c] >= SLOW) & (tm[idx, c] >= SLOW * base[:, c])
+               & (floor[:, c] >= SLOW_MIN * base[:, c])
                & (s1[:, c] - s0[:, c] >= SHARE_MOVE) & (others < growth[:, c:c + 1] / 1.5).all(axis=1))
         if hit.any():
             j = int(np.argmax(hit))

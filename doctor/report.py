@@ -95,7 +95,7 @@ def render(run: Run, diag: Diagnosis, report: dict) -> str:
     out += ["", "## Reproducible batch", ""]
     if diag.batch:
         b = diag.batch
-        rec = next(r for r in run.segments[diag.seg_index] if r["step"] == b["step"])
+        rec = next(r for r in run.paths[diag.seg_index] if r["step"] == b["step"])
         out += [f"- step {b['step']}: global sample ids [{b['first']}, {b['first'] + b['size']}) of the train split "
                 f"(rank r of {rec.get('world', 1)} holds the r-th contiguous share)",
                 f"- documents by source {rec.get('source_mix')}, {rec.get('valid_tokens')} valid tokens, "
@@ -125,7 +125,7 @@ def render(run: Run, diag: Diagnosis, report: dict) -> str:
 
 
 def timeline_table(run: Run, diag: Diagnosis) -> list[str]:
-    seg = run.segments[diag.seg_index]
+    seg = run.paths[diag.seg_index]
     t0 = diag.step if diag.step is not None else seg[-1]["step"]
     rows = [r for r in seg if t0 - 4 <= r["step"] <= t0 + 2]
     out = ["| step | input: label align / top token / doc start | forward: loss "
@@ -145,7 +145,7 @@ def plot(run: Run, diag: Diagnosis, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")  # NOTE: headless
     import matplotlib.pyplot as plt
-    recs = run.segments[diag.seg_index]
+    recs = run.paths[diag.seg_index]
     t = [r["step"] for r in recs]
     fig, axes = plt.subplots(4, 1, figsize=(8, 9), sharex=True)
     panels = [("input", [(k, [r.get("inputs", {}).get(k) for r in recs]) for k in

@@ -72,15 +72,16 @@ def diagnose(run_dir) -> tuple[Run, Diagnosis, dict]:
     inv = continuity(run)
     start = scoring_start(run.config)
     incidents, env, at = [], None, 0
+    paths = run.paths
     for k, seg in enumerate(run.segments):
         idx = range(at, at + len(seg))
         at += len(seg)
-        tl = timeline(seg, run.config)
+        tl = timeline(paths[k], run.config)
         exact = {}
         for i, d in inv:
             if i in idx and d.quantity not in exact:
                 exact[d.quantity] = d
-        sysdev, note = system_change(seg, start)
+        sysdev, note = system_change(paths[k], max(start, seg[0]["step"]))
         if sysdev is None and note and env is None:
             env = note
         since = start if k == 0 else seg[0]["step"]

@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -63,6 +64,16 @@ class Run:
     @property
     def first(self) -> list[dict]:
         return self.segments[0]
+
+    @cached_property
+    def paths(self) -> list[list[dict]]:
+        """Per segment, the trajectory the model lived up to its end: the earlier path's records before
+        the segment's first step, then the segment (a replay after a rollback at step 70 to 60 has steps
+        1..59 of the first pass as its history: its baseline is not rebuilt from nothing)."""
+        out = [self.segments[0]]
+        for seg in self.segments[1:]:
+            out.append([r for r in out[-1] if r["step"] < seg[0]["step"]] + seg)
+        return out
 
 
 def load_run(run_dir) -> Run:
