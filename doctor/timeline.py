@@ -157,7 +157,7 @@ def timeline(records: list[dict], config: dict) -> dict[str, Series]:
         # NOTE: two-sided: noise raises the entropy and lowers the top-token share, repetition does
         # the opposite; both are a batch unlike the run's.
         put("input.label_alignment", Spec(INPUT, "down", exact=1.0), t, inp.get("label_alignment"))
-        put("input.top_token_frac", Spec(INPUT, "both", rel_floor=0.1), t, inp.get("top_token_frac"))
+        put("input.top_token_frac", Spec(INPUT, "both", rel_floor=0.25), t, inp.get("top_token_frac"))
         put("input.doc_start_frac", Spec(INPUT, "both", rel_floor=0.1), t, inp.get("doc_start_frac"))
         put("input.valid_frac", Spec(INPUT, "both", rel_floor=0.1), t, inp.get("valid_frac"))
         put("input.entropy", Spec(INPUT, "both", rel_floor=0.02), t, inp.get("entropy"))

@@ -84,9 +84,22 @@ def read_records(path) -> list[dict]:
 def read_records_partial(path) -> tuple[list[dict], str | None]:
     """(every complete record, a note naming what was dropped or None): a run killed mid-write leaves
     a truncated last line; the records before it are whole and still tell the run's story."""
+    import gc
     with open(path) as f:
         lines = [x for x in f.read().split("\n") if x.strip()]
     out = []
+    # NOTE: the cyclic GC rescans every live dict as the list grows (quadratic in records); JSON records
+    # hold no cycles, so it is paused while they load
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _parse(lines, out, path)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _parse(lines: list[str], out: list[dict], path) -> tuple[list[dict], str | None]:
     for i, line in enumerate(lines):
         try:
             out.append(json.loads(line))
