@@ -19,6 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# WARN: before any import of the project: the shared venv may also point at another checkout, and a
+# patched module must be the one train.py will import
+sys.path.insert(0, str(ROOT))
 S = 60          # the fault step
 STOP = S + 8    # checkpoint.stop_after: the run ends a few steps after the fault
 BASE = ["train.steps=400", "train.eval_every=1000", "train.eval_samples=32", "train.eval_batch_size=16",
@@ -272,7 +275,6 @@ def launch(name: str | None, run_dir: str, overrides: list[str]) -> None:
     """Plant `name` (None: a clean run) in this process, then run train.py as a user would."""
     if name:
         patch(name)
-    sys.path.insert(0, str(ROOT))
     sys.argv = [str(ROOT / "train.py"), f"hydra.run.dir={run_dir}", *overrides]
     runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
 
