@@ -2,8 +2,8 @@
 (monkeypatches, fault=none: nothing in the run directory names them), and its new checks on synthetic
 records (continuity, per-rank inputs, resume-time state, per-step system time, every segment, bad input).
 
-Default suite: four planted faults (input, forward, update, resume) and one clean run with a resume;
-`-m slow`: the whole set (bench/doctor_score.py) and ten clean seeds, scored as the README's table.
+Default suite: four planted faults (input, forward, update, resume; ~7 short trainings); `-m slow`: a
+clean resumed run, the whole set (bench/doctor_score.py) and ten clean seeds, scored as the README's table.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ SAMPLE = ["noise_half", "act_x4_attn", "adam_v_div16", "resume_lost_moments"]
 def planted(tmp_path_factory):
     from concurrent.futures import ThreadPoolExecutor
     root = tmp_path_factory.mktemp("unseen")
-    jobs = [lambda f=f: train_fault(BY_NAME[f], root) for f in SAMPLE] + [lambda: train_clean(1, root, resume=True)]
+    jobs = [lambda f=f: train_fault(BY_NAME[f], root) for f in SAMPLE]
     with ThreadPoolExecutor(2) as pool:
         list(pool.map(lambda j: j(), jobs))
     return root
@@ -43,10 +43,12 @@ def test_planted_fault_is_named(planted, name):
         (run_dir(planted, f) / "events.jsonl").read_text()
 
 
-def test_clean_resumed_run_is_healthy(planted):
-    rep = diagnose(planted / "clean_seed1", None)
+@pytest.mark.slow
+def test_clean_resumed_run_is_healthy(tmp_path):
+    train_clean(1, tmp_path, resume=True)
+    rep = diagnose(tmp_path / "clean_seed1", None)
     assert rep["class"] == "healthy", rep["summary"]
-    recs = [json.loads(x) for x in (planted / "clean_seed1" / "metrics.jsonl").read_text().splitlines()]
+    recs = [json.loads(x) for x in (tmp_path / "clean_seed1" / "metrics.jsonl").read_text().splitlines()]
     marked = [r for r in recs if r.get("resume")]
     assert len(marked) == 1 and marked[0]["step"] == marked[0]["resume"]["step"] + 1  # the resume is recorded
 
