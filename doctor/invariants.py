@@ -27,7 +27,7 @@ SLOW = 3.0          # a component this many times its baseline (median of the K_
 SLOW_MIN = 2.0      # ... and every one of those steps at least this many times: a slowdown that persists
                     # (a busy machine preempts a short component now and then: spikes, not a floor)
 SHARE_MOVE = 0.1    # ... and its share of the step up by this much: run-caused, one component
-K_SYS = 5
+K_SYS = 8           # steps the slowdown must persist: a busy machine slows a short component in bursts
 ENV_SLOW = 1.5      # the whole step this many times slower, shares unchanged: machine-wide
 
 
