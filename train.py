@@ -30,9 +30,10 @@ from run.config import preflight, register
 from run.schema import ConfigError
 from stability.callbacks import StepState
 from stability.guard import GuardAbort
-from stability.inputs import input_stats
+from stability.inputs import InputBaseline, input_stats
 from stability.plots import plot_losses
 from stability.record import loss_by_source, read_records, step_record
+from stability.step_state import cpu_clock, rank_inputs, state_summary
 from stability.telemetry import moe_summary, nonfinite_flags
 
 register()  # the typed schema conf/config.yaml's defaults list starts with (run/config.py)
@@ -64,10 +65,11 @@ def train(run: Run) -> None:
     tc, names, dev, ckpt, guard, cb = run.train, run.dataset.source_names, run.dist.device, run.ckpt, run.guard, run.callbacks
     model, optimizer, loader = run.model, run.optimizer, run.loader
     step, tokens_seen = ckpt.state.step, ckpt.state.tokens  # 0 unless resumed
+    in_base = InputBaseline(run.dataset)  # the running unigram histogram each batch's inputs are judged by
     while step < ckpt.last_step:  # last_step < train.steps under checkpoint.stop_after
         step += 1  # NOTE: a while loop, because a guard rollback moves the step back
         s = StepState(step)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), cpu_clock()
         cb.before_batch(s)
         s.first_id = loader.samples_consumed  # the global batch is sample ids [first_id, first_id + batch_size)
         s.batch = loader.next()
@@ -75,7 +77,7 @@ def train(run: Run) -> None:
         s.micro = micro = [mb.to(dev) for mb in s.batch.micro_batches(tc.micro_batches)]
         n_valid = count_valid_tokens(micro, dev)  # global, before any forward
         s.n_valid = int(n_valid.item())
-        s.inputs = input_stats(micro, dev, run.dataset.vocab_size, getattr(run.dataset, "bos_ids", None))
+        s.inputs = input_stats(micro, dev, run.dataset.vocab_size, getattr(run.dataset, "bos_ids", None), in_base)
         t1 = time.perf_counter()
 
         cb.before_forward(s)
@@ -83,6 +85,7 @@ def train(run: Run) -> None:
                                 autocast=run.recipe.autocast, loss_scale=run.scaler.scale if run.scaler else None)
         # the global loss before the update: the guard judges the step before it is applied
         s.stats = reduce_step_sums(sums, n_valid.item())
+        s.ranks = rank_inputs(s.batch, sums, run.dist.world, run.dist.rank, dev)  # each rank's ids, hash, loss
         s.loss_by_source = loss_by_source(s.stats, names)
         t2 = time.perf_counter()
 
@@ -108,6 +111,7 @@ def train(run: Run) -> None:
         for layer, moe in model.moe_layers() if not res.skipped else ():  # a vetoed step moves no state
             moe.update_bias(s.stats["moe_load"][layer].to(dev))  # aux-loss-free balancing, global loads
         s.moe = moe_summary(s.stats["moe_load"])
+        s.opt_state = state_summary(optimizer, model)  # ‖m‖, ‖v‖ per group, MoE bias norms (collective)
         worst = max((m["max_violation"] for m in s.moe.values()), default=None)
         verdict = guard.after_update(step, s.first_id, s.n_valid, s.post, s.stats["loss"], worst)
         tokens_seen += s.n_valid
@@ -117,11 +121,11 @@ def train(run: Run) -> None:
         # the snapshot point: after the update, before the next batch; never a state the guard fired on
         ckpt.maybe_save(step, tokens_seen, healthy=guard.healthy())
         guard.maybe_snapshot(step)
-        t5 = time.perf_counter()
+        t5, c5 = time.perf_counter(), cpu_clock()
 
         route = s.time_s.get("route", 0.0)  # NOTE: the anticipatory routing forward, booked on its own
         s.time_s = {"data": t1 - t0 - route, "route": route, "fwd_bwd": t2 - t1, "optim": t3 - t2,
-                    "log_eval": t4 - t3, "ckpt": t5 - t4, "total": t5 - t0}
+                    "log_eval": t4 - t3, "ckpt": t5 - t4, "total": t5 - t0, "cpu": c5 - c0}
         s.events += run.events.pop() + ckpt.pop_events()
         rec = step_record(s, tokens=tokens_seen, world=run.dist.world, batch_size=tc.batch_size,
                           seq_len=run.dataset.seq_len, names=names, guard=guard.record(), ckpt_id=ckpt.ckpt_id,

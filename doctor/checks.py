@@ -31,10 +31,16 @@ class Context:
     tl: dict[str, Series]
     devs: dict[str, Deviation]
     t0: int | None
+    seg_index: int = 0          # the segment (run.segments) the incident is in
+
+    @property
+    def seg(self) -> list[dict]:
+        """The incident's trajectory: its segment with the history it was replayed from (Run.paths)."""
+        return self.run.paths[self.seg_index]
 
     def rec(self, t: int | None = None) -> dict | None:
         t = self.t0 if t is None else t
-        return next((r for r in self.run.first if r["step"] == t), None)
+        return next((r for r in self.seg if r["step"] == t), None)
 
     def near(self, prefix: str, lo: int = -NEAR, hi: int = NEAR) -> list[Deviation]:
         """Deviations of quantities named prefix* within [t0 + lo, t0 + hi]."""
@@ -63,15 +69,21 @@ def _vs(ctx: Context, q: str) -> str:
 # ---- the input layer ------------------------------------------------------------------------------
 CORRUPTION = {  # input quantity -> what a deviation of it means, in the order they are tested
     "input.label_alignment": "labels misaligned or shuffled (labels[t] != tokens[t+1])",
-    "input.top_token_frac": "one token repeated across the batch (duplicated / degenerate text)",
+    "continuity.": "the data cursor broke its order (sample ids repeated, skipped or out of order)",
+    "ranks.": "a rank's inputs are not what the sharding promises (its sample ids or its local loss)",
+    "input.top_token_frac": "the most frequent token's share moved (repeated / degenerate text, or noise)",
     "input.doc_start_frac": "rows that start no document: one overlong, unsegmented document",
     "input.valid_frac": "the share of valid label positions moved (padding / mask / length change)",
+    "input.foreign_frac": "tokens outside their document's vocabulary block (noise, foreign or spliced text)",
+    "input.rare_frac": "tokens the run has (almost) never seen (out-of-vocabulary / foreign text)",
+    "input.entropy": "the batch's token entropy moved (noise raises it, repetition lowers it)",
+    "input.kl_running": "the batch's token histogram left the run's running histogram (another distribution)",
 }
 
 
 def check_input(ctx: Context) -> Check:
     """Split the loss by source, length, mask and duplicates: did the batch itself deviate?"""
-    vals = ", ".join(_vs(ctx, q) for q in CORRUPTION if q in ctx.tl)
+    vals = ", ".join(_vs(ctx, q) for q in CORRUPTION if q in ctx.tl and q.startswith("input."))
     bad = [q for q in CORRUPTION if ctx.near(q, -NEAR, 0)]
     if bad:
         return Check("corrupted input batch", True, f"{CORRUPTION[bad[0]]}; at step {ctx.t0}: {vals}")
@@ -100,7 +112,7 @@ def per_source_verdict(ctx: Context, t: int) -> tuple[str, str]:
     """labs.mixture's test: per-source losses on their trajectories while the mixture floor moved
     ('objective changed'), or some source rose above its trajectory ('optimisation broke')."""
     from labs.mixture import classify, evidence, spread, window
-    recs = [r for r in ctx.run.first if all(math.isfinite(v) for v in r.get("loss_by_source", {}).values())]
+    recs = [r for r in ctx.seg if all(math.isfinite(v) for v in r.get("loss_by_source", {}).values())]
     i = next((k for k, r in enumerate(recs) if r["step"] >= t), len(recs))
     lo = max(0, i - 20)
     if i - lo < 5 or len(recs) - i < 2:
@@ -163,7 +175,7 @@ def nonfinite_layer(ctx: Context) -> str | None:
 def transient(ctx: Context) -> str | None:
     """Evidence from later segments: the same batch replayed after a rollback, and what it did."""
     rec = ctx.rec()
-    for seg in ctx.run.segments[1:]:
+    for seg in ctx.run.segments[ctx.seg_index + 1:]:
         again = next((r for r in seg if r["batch"].get("first") == rec["batch"].get("first")), None)
         if again is not None:
             ok = math.isfinite(again["loss"]) and not any(again.get("nonfinite", {}).values())
@@ -217,7 +229,7 @@ def check_replica(ctx: Context) -> Check:
     spreads = ", ".join(f"{k} {v:.4g}" for k, v in rec["replica"].items())
     if near:
         # the misdiagnosis of the symptom table is "random fluctuation": replicas hold the same bits
-        zero = sum(1 for r in ctx.run.first if r["step"] < near[0].step and r.get("replica")
+        zero = sum(1 for r in ctx.seg if r["step"] < near[0].step and r.get("replica")
                    and not any(r["replica"].values()))
         return Check("rank divergence", True, f"the {world} replicas disagree from step {near[0].step}: {spreads}; "
                      f"exactly 0 on the {zero} steps before (healthy DDP holds the same bits: not a fluctuation)")
@@ -235,7 +247,7 @@ def check_resume(ctx: Context) -> Check:
             return Check("jump after resume", True, f"resumed at step {r}; the anomaly follows at step {ctx.t0}{was}")
         return Check("jump after resume", False, f"resumed at step {r}; the anomaly is at step {ctx.t0}")
     # no point anomaly: a level shift of the loss at the resume step (median of 10 steps either side)
-    losses = {x["step"]: x["loss"] for x in ctx.run.first if math.isfinite(x["loss"])}
+    losses = {x["step"]: x["loss"] for x in ctx.seg if math.isfinite(x["loss"])}
     before = [v for t, v in losses.items() if r - 10 <= t < r]
     after = [v for t, v in losses.items() if r <= t < r + 10]
     if len(before) < 5 or len(after) < 5:
@@ -258,7 +270,7 @@ def resume_step(run: Run) -> int | None:
 def check_lr_too_large(ctx: Context) -> Check:
     """The common misdiagnosis (symptom table): 'the LR is too large'. It would show before the
     incident: a rising loss or grad norm, or clipping on most steps."""
-    before = [r for r in ctx.run.first if ctx.t0 - WINDOW <= r["step"] < ctx.t0]
+    before = [r for r in ctx.seg if ctx.t0 - WINDOW <= r["step"] < ctx.t0]
     if len(before) < 6:
         return Check("LR too large in general", None, "too few steps before the anomaly")
     half = len(before) // 2

@@ -2,13 +2,17 @@
 
     python -m doctor runs/<run>            # writes report.md, report.json, doctor_timeline.png
 
-It finds the earliest deviating quantity across the four layers of the timeline (input → forward →
-backward/update → system; doctor/timeline.py), walks the course notes' decision tree and symptom table
-(doctor/rules.py, doctor/checks.py), and writes the report (doctor/report.py): the earliest anomaly, the
-reproducible batch and its replay command (doctor/replay.py), state and environment versions,
-the rejected hypotheses with their evidence, one single-variable fix and the regression command.
+It reads every segment of the run (split where a rollback or resume sends the step back), finds in each
+the earliest deviating quantity across the four layers of the timeline (input → forward →
+backward/update → system; point and sustained tests on robust z, doctor/timeline.py) and the exact
+invariants (sample ids, tokens, per-rank sharding, doctor/invariants.py), walks the course notes'
+decision tree and symptom table (doctor/rules.py, doctor/checks.py), and writes the report
+(doctor/report.py): every incident in order, then for the first the earliest anomaly, the reproducible
+batch and its replay command (doctor/replay.py), state and environment versions, the rejected
+hypotheses with their evidence, one single-variable fix and the regression command.
 
-Exit status: 0 with a report; 2 with a one-line error when the directory is not a run.
+Exit status: 0 with a report (what the records lack — a truncated last line, an older record version —
+is one line each on stderr); 2 with a one-line error when the directory holds no complete record.
 """
 from __future__ import annotations
 
@@ -18,7 +22,6 @@ import json
 import sys
 from pathlib import Path
 
-from checkpoint.state import git_commit
 from doctor import report as doctor_report
 from doctor.rules import Diagnosis, diagnose
 from doctor.timeline import Run
@@ -29,6 +32,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def doctor(run_dir, plots: bool = True) -> dict:
     """Diagnose `run_dir`, write its report files, return report.json's content."""
     run, diag, devs = diagnose(run_dir)
+    for note in run.notes:  # what the records lack: one line each, the diagnosis goes on without it
+        print(f"doctor: {note}", file=sys.stderr)
     ckpt = checkpoint_before(run, diag.step)
     state = state_and_env(run, diag, ckpt)
     fix = fix_for(diag, run, ckpt)
@@ -38,11 +43,23 @@ def doctor(run_dir, plots: bool = True) -> dict:
 
 
 # ---- state and environment ---------------------------------------------------------------------------
+def git_commit() -> str:
+    """The doctor's checkout (12 hex digits): only when the run did not record its own."""
+    import subprocess
+    try:
+        return subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=10).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
 def checkpoint_before(run: Run, step: int | None) -> tuple[int, Path] | None:
-    """The newest complete checkpoint saved before `step` (its parameters fed a later forward)."""
-    from checkpoint import publish
-    if step is None:
+    """The newest complete checkpoint saved before `step` (its parameters fed a later forward).
+    NOTE: the checkpoint package (torch.distributed.checkpoint) is imported only when the run has a
+    checkpoint directory: a run without checkpoints is diagnosed from its JSON files alone."""
+    if step is None or not checkpoint_root(run).is_dir():
         return None
+    from checkpoint import publish
     found = [(s, p) for s, p in publish.list_steps(checkpoint_root(run)) if s < step]
     # NOTE: no hashing here (the replay verifies what it loads); only a marker makes a checkpoint complete
     found = [(s, p) for s, p in found if publish.check(p, verify_hashes=False) is None]
@@ -56,7 +73,8 @@ def checkpoint_root(run: Run) -> Path:
 
 def state_and_env(run: Run, diag: Diagnosis, ckpt) -> dict:
     from importlib.metadata import version
-    rec = next((r for r in run.first if r["step"] == diag.step), run.first[-1])
+    seg = run.paths[diag.seg_index]
+    rec = next((r for r in seg if r["step"] == diag.step), seg[-1])
     meta, fp = {}, None
     if ckpt is not None:
         from checkpoint import read_blobs
@@ -132,24 +150,87 @@ def fix_for(diag: Diagnosis, run: Run, ckpt) -> dict:
                           "unintended, else re-baseline the guard and compare per-source losses with their floors",
                 "override": None,
                 "expect": "per-source losses on their trajectories; total loss at the new mixture floor"}
-    if diag.fault_class == "state.resume_jump":
-        return {"variable": "the resumed state (optimizer / scheduler / RNG / data cursor)",
-                "change": "prove the resume: python -m checkpoint.verify with the run's config",
-                "override": None, "expect": "straight and resumed runs agree step for step"}
+    if diag.fault_class == "state.resume_fault":
+        q = diag.anomaly.quantity if diag.anomaly else "the loss"
+        part = ("the data cursor (loader samples_consumed)" if q.startswith(("continuity.", "ranks.")) else
+                "the LR scheduler state" if q.startswith("lr/") else
+                "the MoE balancing bias (a model buffer)" if "moe_bias" in q else
+                "the optimizer moments (exp_avg / exp_avg_sq)" if q.startswith(("state.", "update_ratio")) else
+                "the resumed state (optimizer / scheduler / RNG / data cursor)")
+        return {"variable": f"{part}, as the resume at step {t} loaded it ({q} left its baseline)",
+                "change": "prove the resume: python -m checkpoint.verify with the run's config, then audit what "
+                          f"loads or rewrites {part} after the checkpoint is read",
+                "override": None, "expect": f"straight and resumed runs agree step for step; {q} continuous at step {t}"}
+    if diag.fault_class == "data.distribution_shift":
+        src = diag.anomaly.quantity.split("/", 1)[1]
+        return {"variable": f"the data of source {src} from step {t}",
+                "change": f"compare {src}'s documents before and after step {t} (generator / shard / preprocessing "
+                          "version); restore the old ones or declare the change (a new data fingerprint)",
+                "override": None, "expect": f"loss_by_source/{src} back on its trajectory"}
+    if diag.fault_class == "data.continuity":
+        return {"variable": "the data cursor (sample ids per step)",
+                "change": f"find what moved the loader's samples_consumed at step {t} (a repeated, skipped or "
+                          "reset window); every id must be read once, in order", "override": None,
+                "expect": f"batch.first of step {t} = batch.first + size of step {t - 1}"}
+    if diag.fault_class == "rank.data":
+        return {"variable": f"the inputs of rank {diag.rank}",
+                "change": f"compare rank {diag.rank}'s sample ids and local loss at step {t} with the sharding "
+                          "(rank r reads ids [first + r·b, first + (r+1)·b)); fix its sampler / data path",
+                "override": None, "expect": "per-rank first ids on the sharding; per-rank losses within their spread"}
+    if diag.fault_class == "system.slow_component":
+        comp = diag.anomaly.quantity.split("/")[-1] if diag.anomaly else "?"
+        return {"variable": f"the {comp} component of the step (from step {t})",
+                "change": {"data": "profile the data path (loader, storage, decoding, workers) from that step",
+                           "fwd_bwd": "profile forward/backward: shapes, routing load, recomputation, communication",
+                           "optim": "profile the optimizer step and the guard / telemetry around it"}.get(comp, "profile it"),
+                "override": None, "expect": f"{comp} time back to its share of the step"}
     if diag.fault_class == "healthy":
-        return {"variable": "none", "change": "nothing to fix", "override": None,
-                "expect": "the doctor finds no anomaly again"}
-    return {"variable": {"optim.gradient_spike": "the global-norm clip threshold (train.max_grad_norm)",
-                         "numerics.activation_outlier": "the SwiGLU clamp bound (model.swiglu_clamp)",
-                         "data.slow_worsening": "the data mixture / duplication / mask of the recent data",
+        return {"variable": "none", "change": "nothing to fix" + (" (the machine slowed, not the run)"
+                                                                  if diag.environment else ""),
+                "override": None, "expect": "the doctor finds no anomaly again"}
+    if diag.fault_class in ("numerics.activation_outlier", "optim.gradient_spike"):
+        return localised_fix(diag, run, ck)
+    return {"variable": {"data.slow_worsening": "the data mixture / duplication / mask of the recent data",
                          "system.throughput": "shapes, routing load, communication of the slow steps"}.get(
                 diag.fault_class, "the quantity that deviated first"),
             "change": f"change only that and rerun from {ck}", "override": None,
             "expect": "the earliest anomaly gone, nothing else moved"}
 
 
+def localised_fix(diag: Diagnosis, run: Run, ck: str) -> dict:
+    """The fix follows from the named model layer and quantity: a module upstream of the fault is never
+    named (an embedding row's blow-up cannot be reached by the SwiGLU clamp)."""
+    q, layer = diag.anomaly.quantity, diag.model_layer or "?"
+    model = run.config.get("model") or {}
+    if q.startswith(("act_rms", "clamp_hit_rate")) and layer.endswith(".mlp") and "swiglu_clamp" in model:
+        cur = model.get("swiglu_clamp")
+        return {"variable": f"the SwiGLU clamp bound of {layer} (model.swiglu_clamp, now {cur})",
+                "change": f"lower it and rerun from {ck}; if the outlier persists, the input to {layer} grew: look "
+                          "upstream", "override": f"model.swiglu_clamp={(cur or 100) / 2:g}" if cur else None,
+                "expect": f"act_rms of {layer} within its baseline"}
+    if q.startswith("act_rms") and layer == "emb":
+        return {"variable": "the token-embedding rows the batch used",
+                "change": f"find the rows whose norm grew (compare tok_emb.weight row norms in {ck} and after); "
+                          "audit what writes them (a wrong update, weight tying, a load)", "override": None,
+                "expect": "act_rms of emb within its baseline; no single row far above the others"}
+    if q.startswith(("act_rms", "logit_max", "z_loss")):
+        return {"variable": f"the output of {layer}",
+                "change": f"replay the step (python -m doctor.replay) and compare {layer}'s output and weights "
+                          f"with {ck}: the first module whose output grew is the one to fix", "override": None,
+                "expect": f"act_rms of {layer} within its baseline"}
+    if q.startswith(("grad_rms", "update_ratio")):
+        return {"variable": f"the gradient of {layer}",
+                "change": f"replay the step and compare {layer}'s gradient with its neighbours': a backward "
+                          "hook, a loss term or a reduction that touches only that layer", "override": None,
+                "expect": f"grad_rms of {layer} within its baseline"}
+    clip = (run.config.get("train") or {}).get("max_grad_norm")
+    return {"variable": f"the global-norm clip threshold (train.max_grad_norm, now {clip})",
+            "change": f"lower it and rerun from {ck}", "override": f"train.max_grad_norm={clip / 2:g}" if clip else None,
+            "expect": "the earliest anomaly gone, nothing else moved"}
+
+
 def commands(run: Run, diag: Diagnosis, fix: dict) -> dict:
-    d, world = run.dir, run.first[-1].get("world", 1)
+    d, world = run.dir, run.records[-1].get("world", 1)
     launch = "python" if world <= 1 else f"torchrun --standalone --nproc_per_node={world}"
     over = f" {fix['override']}" if fix.get("override") else ""
     fixed = f"{d}-fix"
@@ -166,11 +247,14 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     try:
         report = doctor(args.run_dir, plots=not args.no_plots)
-    except ValueError as e:
+    except (ValueError, OSError) as e:
         print(f"doctor: {e}", file=sys.stderr)
         return 2
     e = report["earliest"]
-    print(f"{report['class']}: {report['summary']}")
+    summary = report["summary"]
+    print(summary if summary.startswith(f"{report['class']}:") else f"{report['class']}: {summary}")
+    for i in report.get("incidents", [])[1:]:
+        print(f"also: {i['class']} at step {i['step']} ({i['quantity']}, segment {i['segment']})")
     if e:
         print(f"earliest anomaly: step {e['step']}, {e['layer']} layer, {e['quantity']}"
               + (f" ({e['model_layer']})" if e["model_layer"] else "") + f"; rank {e['rank']}")

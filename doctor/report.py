@@ -32,7 +32,8 @@ def to_json(run: Run, diag: Diagnosis, devs: dict, state: dict, fix: dict, comma
     return {
         "run": str(run.dir), "class": diag.fault_class, "summary": diag.summary,
         "earliest": None if a is None else {
-            "step": a.step, "layer": a.layer, "quantity": a.quantity, "model_layer": diag.model_layer,
+            "step": a.step, "layer": diag.layer or a.layer, "quantity_layer": a.layer, "quantity": a.quantity,
+            "kind": a.kind, "model_layer": diag.model_layer,
             "rank": diag.rank, "value": _num(a.value), "baseline": _num(a.baseline), "z": _num(a.z)},
         "nearby": [{"step": d.step, "layer": d.layer, "quantity": d.quantity, "value": _num(d.value)} for d in nearby],
         "symptom": list(diag.symptom) if diag.symptom else None,
@@ -40,6 +41,10 @@ def to_json(run: Run, diag: Diagnosis, devs: dict, state: dict, fix: dict, comma
         "confirmed": [vars(c) for c in diag.confirmed], "rejected": [vars(c) for c in diag.rejected],
         "untestable": [vars(c) for c in diag.untestable],
         "batch": diag.batch, "state": state, "fix": fix, "commands": commands,
+        "incidents": [{"step": i.step, "class": i.fault_class, "quantity": i.anomaly.quantity if i.anomaly else None,
+                       "layer": (i.layer or i.anomaly.layer) if i.anomaly else None, "model_layer": i.model_layer,
+                       "segment": i.seg_index, "summary": i.summary} for i in (diag.incidents or [])],
+        "environment": diag.environment, "notes": list(run.notes),
         "ground_truth": ground_truth(run),
     }
 
@@ -59,12 +64,22 @@ def ground_truth(run: Run) -> str | None:
 def render(run: Run, diag: Diagnosis, report: dict) -> str:
     a, st, fix, cmd = diag.anomaly, report["state"], report["fix"], report["commands"]
     out = [f"# Doctor report: {run.dir.name}", "", f"**{diag.fault_class}** — {diag.summary}", ""]
+    if run.notes:
+        out += [f"> {n}" for n in run.notes] + [""]
+    if len(report["incidents"]) > 1:
+        out += ["## Incidents (execution order)", ""]
+        out += [f"{k}. step {i['step']} (segment {i['segment']}): **{i['class']}** — `{i['quantity']}`"
+                for k, i in enumerate(report["incidents"], 1)]
+        out += ["", "The sections below are about the first.", ""]
+    if diag.environment:
+        out += [f"Environment: {diag.environment}", ""]
     out += ["## Earliest anomaly", ""]
     if a is None:
         out += ["No quantity of the timeline left its baseline (robust z over a trailing window)."]
     else:
         e = report["earliest"]
-        out += [f"- step **{a.step}**, timeline layer **{a.layer}**, quantity `{a.quantity}`",
+        out += [f"- step **{a.step}**, timeline layer **{diag.layer or a.layer}**, quantity `{a.quantity}`"
+                + (f" (a {a.layer}-layer quantity: {diag.layer} is inferred)" if diag.layer and diag.layer != a.layer else ""),
                 f"- model layer: {_f(e['model_layer'])}; rank: {_f(diag.rank)}",
                 f"- {a.describe()}", "- deviating within ±1 step (timeline order): "
                 + (", ".join(f"`{d['quantity']}`@{d['step']}" for d in report["nearby"][:12]) or "none")]
@@ -80,7 +95,7 @@ def render(run: Run, diag: Diagnosis, report: dict) -> str:
     out += ["", "## Reproducible batch", ""]
     if diag.batch:
         b = diag.batch
-        rec = next(r for r in run.first if r["step"] == b["step"])
+        rec = next(r for r in run.paths[diag.seg_index] if r["step"] == b["step"])
         out += [f"- step {b['step']}: global sample ids [{b['first']}, {b['first'] + b['size']}) of the train split "
                 f"(rank r of {rec.get('world', 1)} holds the r-th contiguous share)",
                 f"- documents by source {rec.get('source_mix')}, {rec.get('valid_tokens')} valid tokens, "
@@ -95,7 +110,8 @@ def render(run: Run, diag: Diagnosis, report: dict) -> str:
     out += [f"- **{c.name}** — {c.evidence}" for c in diag.rejected] or ["- none"]
     out += [f"- *not testable*: **{c.name}** — {c.evidence}" for c in diag.untestable]
     out += ["", "## Fix to try (one variable)", "", f"- variable: {fix['variable']}", f"- change: {fix['change']}",
-            f"- override: `{fix['override']}`" if fix.get("override") else "- override: none (not a config key)"]
+            f"- override: `{fix['override']}`" if fix.get("override") else
+            "- override: none (no single config override tests this fix)"]
     out += ["", "## Regression check", "", "```", cmd["regression"], "```", "", f"Expect: {fix['expect']}"]
     out += ["", "## Timeline", "", *timeline_table(run, diag), "", f"![timeline]({PLOT})"]
     guard = [e for e in run.events if diag.step is None or abs(e["step"] - diag.step) <= 3][:8]
@@ -109,8 +125,9 @@ def render(run: Run, diag: Diagnosis, report: dict) -> str:
 
 
 def timeline_table(run: Run, diag: Diagnosis) -> list[str]:
-    t0 = diag.step if diag.step is not None else run.first[-1]["step"]
-    rows = [r for r in run.first if t0 - 4 <= r["step"] <= t0 + 2]
+    seg = run.paths[diag.seg_index]
+    t0 = diag.step if diag.step is not None else seg[-1]["step"]
+    rows = [r for r in seg if t0 - 4 <= r["step"] <= t0 + 2]
     out = ["| step | input: label align / top token / doc start | forward: loss "
            "| backward/update: lr / grad norm / ρ max | system: replica spread / tokens/s |", "|---|---|---|---|---|"]
     for r in rows:
@@ -128,7 +145,8 @@ def plot(run: Run, diag: Diagnosis, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")  # NOTE: headless
     import matplotlib.pyplot as plt
-    recs, t = run.first, [r["step"] for r in run.first]
+    recs = run.paths[diag.seg_index]
+    t = [r["step"] for r in recs]
     fig, axes = plt.subplots(4, 1, figsize=(8, 9), sharex=True)
     panels = [("input", [(k, [r.get("inputs", {}).get(k) for r in recs]) for k in
                          ("label_alignment", "top_token_frac", "doc_start_frac", "valid_frac")], False),
@@ -149,7 +167,7 @@ def plot(run: Run, diag: Diagnosis, path: Path) -> None:
         ax.legend(fontsize=7, loc="upper left")
         ax.grid(alpha=0.3)
     axes[0].set_title(f"{run.dir.name}: {diag.fault_class}" + (f" (step {diag.step})" if diag.step else ""))
-    axes[-1].set_xlabel("optimizer step (first-executed trajectory)")
+    axes[-1].set_xlabel(f"optimizer step (segment {diag.seg_index} of the execution order)")
     fig.subplots_adjust(left=0.1, right=0.98, top=0.95, bottom=0.06, hspace=0.08)  # NOTE: tight_layout costs ~1 s
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -20,21 +20,25 @@ from dataclasses import dataclass, field
 from doctor.checks import (Check, Context, check_finite, check_input, check_lr, check_lr_too_large,
                                      check_mixture, check_replica, check_resume, check_update, corruption_kind,
                                      nonfinite_layer, resume_step, transient)
-from doctor.timeline import (Deviation, Run, deviations, earliest, load_run, scoring_start,
+from doctor.invariants import continuity, resumed, system_change
+from doctor.timeline import (WINDOW, Deviation, Run, deviations, earliest, load_run, scoring_start,
                                        timeline)
 
 # symptom-table rows: (symptom, what to check first, what it is easily mistaken for)
 SYMPTOMS = {
     "numerics.nonfinite": ("one-step NaN (单步突然 NaN)", "the current batch, loss scale, reductions and kernels",
                            "an LR that is too large in general"),
-    "state.resume_jump": ("jump right after resume (resume 后立即跳变)",
-                          "optimizer / scheduler state, RNG, data cursor", "a new data distribution"),
     "system.rank_divergence": ("only some ranks diverge (只有某些 rank 发散)",
                                "the collective, shard ownership, a bad device", "ordinary random fluctuation"),
     "data.slow_worsening": ("slow worsening with a flat grad norm (loss 缓慢恶化且 norm 平稳)",
                             "data mixture, duplication rate, labels or mask", "numerical overflow"),
     "system.throughput": ("throughput drop with a normal loss (吞吐下降但 loss 正常)",
                           "shapes, routing load, communication and recomputation", "optimizer degradation"),
+    "system.slow_component": ("throughput drop with a normal loss (吞吐下降但 loss 正常)",
+                              "the one component whose share of the step grew (data / fwd_bwd / optim)",
+                              "a machine-wide slowdown"),
+    "state.resume_fault": ("jump right after resume (resume 后立即跳变)",
+                           "optimizer / scheduler state, RNG, data cursor", "a new data distribution"),
 }
 
 
@@ -52,17 +56,58 @@ class Diagnosis:
     confirmed: list[Check] = field(default_factory=list)
     rejected: list[Check] = field(default_factory=list)
     untestable: list[Check] = field(default_factory=list)
+    seg_index: int = 0                  # the segment of run.segments the incident is in
+    incidents: list["Diagnosis"] = field(default_factory=list)  # every incident, in order (the first is this)
+    environment: str | None = None      # a machine-wide slowdown: not the run's fault
+    devs: dict = field(default_factory=dict)  # the deviations the diagnosis was drawn from
+    layer: str | None = None            # the timeline layer the diagnosis names, when not the quantity's own
+
 
 
 def diagnose(run_dir) -> tuple[Run, Diagnosis, dict]:
-    """(run, diagnosis, deviations) of one run directory."""
+    """(run, first diagnosis, its deviations) of one run directory; every incident, in execution order,
+    is in diagnosis.incidents. Each segment (split where a rollback or resume sends the step back) is
+    read on its own; within one, after an incident the next search starts a baseline window later."""
     run = load_run(run_dir)
+    inv = continuity(run)
+    start = scoring_start(run.config)
+    incidents, env, at = [], None, 0
+    paths = run.paths
+    for k, seg in enumerate(run.segments):
+        idx = range(at, at + len(seg))
+        at += len(seg)
+        tl = timeline(paths[k], run.config)
+        exact = {}
+        for i, d in inv:
+            if i in idx and d.quantity not in exact:
+                exact[d.quantity] = d
+        sysdev, note = system_change(paths[k], max(start, seg[0]["step"]))
+        if sysdev is None and note and env is None:
+            env = note
+        since = start if k == 0 else seg[0]["step"]
+        while True:
+            devs = {q: d for q, d in deviations(tl, since).items() if d.step >= since}
+            devs.update({q: d for q, d in exact.items() if d.step >= since})
+            if sysdev is not None and sysdev.step >= since:
+                devs[sysdev.quantity] = sysdev
+            first = earliest(devs)
+            if first is None:
+                break
+            ctx = Context(run, tl, devs, first.step, k)
+            diag = classify(ctx, first)
+            diag.seg_index, diag.devs = k, devs
+            if diag.fault_class == "system.slow_component":
+                diag.summary += f"; {note}"
+            incidents.append(diag)
+            since = first.step + WINDOW
+    if incidents:
+        diag = incidents[0]
+        diag.incidents, diag.environment = incidents, env
+        return run, diag, diag.devs
     tl = timeline(run.first, run.config)
-    devs = deviations(tl, scoring_start(run.config))
-    first = earliest(devs)
-    ctx = Context(run, tl, devs, first.step if first else None)
-    diag = classify(ctx, first) if first else no_point_anomaly(ctx)
-    return run, diag, devs
+    ctx = Context(run, tl, {}, None)
+    diag = no_point_anomaly(ctx, env)
+    return run, diag, {}
 
 
 def classify(ctx: Context, first: Deviation) -> Diagnosis:
@@ -72,16 +117,31 @@ def classify(ctx: Context, first: Deviation) -> Diagnosis:
                                   check_update(ctx), check_replica(ctx), check_resume(ctx), check_lr_too_large(ctx))}
     rank = "0 (single process)" if world <= 1 else f"not localised (world {world}: the record is rank 0's view)"
     layer = first.layer_name
+    at_resume = next((r["step"] for r in ctx.seg if resumed(r) and r["step"] <= t0 <= r["step"] + 1), None)
     if q.startswith("input.data_fingerprint"):
         cls, why = (("objective.mixture", "the data mixture switched; each source stayed on its trajectory")
                     if checks["objective change (data mixture switch)"].holds else
                     ("data.switch", "the data mixture switched and a source's loss rose above its trajectory"))
         main = "objective change (data mixture switch)"
+    elif at_resume is not None:
+        cls, main = "state.resume_fault", "jump after resume"
+        why = (f"the first steps after the resume at step {at_resume} ({(rec.get('resume') or {}).get('from', 'a checkpoint')})"
+               f" left the run's own baseline: {first.quantity}"
+               + (f" ({first.layer_name})" if first.layer_name else "") + ": the resumed state is not the saved one")
+    elif q.startswith("continuity."):
+        cls, main = "data.continuity", "corrupted input batch"
+        why = f"the data cursor broke its order at step {t0}: {first.describe()}"
+    elif q.startswith("ranks."):
+        cls, main = "rank.data", "corrupted input batch"
+        rank = rank_apart(rec, q, first)
+        why = f"one rank's inputs left the sharding or the other ranks ({q}); rank {rank}"
     elif q.startswith("input."):
         cls, main = "data.corrupted_batch", "corrupted input batch"
         why = f"the batch deviated before any forward ({corruption_kind(ctx)})"
+    elif q.startswith("system."):
+        cls, main, why = "system.slow_component", None, f"one component of the step slowed ({q.split('/')[-1]})"
     elif checks["jump after resume"].holds:
-        cls, main, why = "state.resume_jump", "jump after resume", "the anomaly follows a resume"
+        cls, main, why = "state.resume_fault", "jump after resume", "the anomaly follows a resume"
     elif checks["non-finite numerics"].holds:
         cls, main = "numerics.nonfinite", "non-finite numerics"
         layer = nonfinite_layer(ctx) or layer
@@ -91,20 +151,48 @@ def classify(ctx: Context, first: Deviation) -> Diagnosis:
         rank = f"replicas disagree (world {world}); the record holds spreads only, not which rank"
     elif q == "lr/schedule":
         cls, main, why = "optim.lr_switch", "LR switch", "the LR left its schedule"
-    elif checks["corrupted optimizer state"].holds:
+    elif checks["corrupted optimizer state"].holds or (q.startswith("state.") and not ctx.near("grad_", 0, 0)):
         cls, main = "optim.state", "corrupted optimizer state"
-        why = "the update ratio jumped with the LR on schedule, a normal gradient and normal inputs"
-    elif q.startswith(("grad_norm", "grad_rms", "update_ratio")):
-        cls, main, why = "optim.gradient_spike", None, "the gradient (and with it the update) spiked"
+        why = "the update (or the optimizer state) jumped with the LR on schedule, a normal gradient and normal inputs"
+    elif q.startswith(("grad_norm", "grad_rms", "update_ratio", "state.")):
+        cls, main, why = "optim.gradient_spike", None, "the gradient (and with it the update) moved first"
     elif q.startswith(("act_rms", "clamp_hit_rate", "logit_max", "z_loss")):
-        cls, main, why = "numerics.activation_outlier", None, f"an activation grew first ({q})"
+        cls, main, why = "numerics.activation_outlier", None, f"an activation moved first ({q})"
+    elif q.startswith("loss_by_source/") and first.kind == "sustained" and one_source(ctx, q):
+        # NOTE: a model or optimizer fault moves every source's loss; one source's loss stepping up and
+        # staying there, with the others, the LR, gradients and activations on their baselines, is that
+        # source's content changing under the same fingerprint: a data fault inferred from the forward layer
+        cls, main = "data.distribution_shift", "corrupted input batch"
+        why = (f"only {q.split('/', 1)[1]}'s loss stepped up and stayed up from step {t0} (the other sources, "
+               f"the LR, gradients and activations on their baselines): that source's data changed")
     else:
         cls, main, why = "forward.loss_spike", None, f"the loss rose first ({q}) with normal inputs and settings"
     diag = Diagnosis(cls, f"{cls} at step {t0}: {why}", first, t0, rank,
                      {"step": t0, **rec["batch"]}, SYMPTOMS.get(cls), layer)
+    if cls == "data.distribution_shift":
+        diag.layer = "input"
     diag.tree = walk(ctx, checks, layer, rank)
     split(diag, checks.values(), main)
     return diag
+
+
+def one_source(ctx: Context, q: str) -> bool:
+    others = [d for k, d in ctx.devs.items() if k != q and k.startswith(("loss_by_source/", "grad_", "act_rms",
+                                                                         "update_ratio", "lr/", "logit_max"))
+              and abs(d.step - ctx.t0) <= 1]
+    return len([k for k in ctx.tl if k.startswith("loss_by_source/")]) > 1 and not others
+
+
+def rank_apart(rec: dict, q: str, first: Deviation) -> str:
+    """The rank whose inputs are off: the one off the sharding, else the local loss farthest from the
+    median of the ranks."""
+    if first.layer_name and first.layer_name.startswith("rank "):
+        return first.layer_name.split()[1]
+    loss = (rec.get("ranks") or {}).get("loss") or []
+    if not loss:
+        return "?"
+    med = statistics.median(loss)
+    return str(max(range(len(loss)), key=lambda k: abs(loss[k] - med)))
 
 
 def split(diag: Diagnosis, checks, main: str | None) -> None:
@@ -136,7 +224,7 @@ def walk(ctx: Context, checks: dict, layer: str | None, rank: str) -> list[tuple
         rose = [d.quantity.split("/", 1)[1] for d in ctx.near("loss_by_source/", 0, 1)]
         tree.append(("split the loss by source, length, mask and duplicates", checks["corrupted input batch"].evidence
                      + (f"; sources whose loss rose: {', '.join(rose)}" if rose else "; no source's loss left its baseline by the doctor's threshold")))
-    sizes = {r["batch"].get("size") for r in ctx.run.first}
+    sizes = {r["batch"].get("size") for r in ctx.seg}
     tree.append(("LR / batch / data / length switches at that step", "; ".join(
         [checks["LR switch"].evidence, checks["objective change (data mixture switch)"].evidence,
          "batch size constant" if len(sizes) == 1 else f"batch sizes {sorted(sizes)}",
@@ -146,20 +234,28 @@ def walk(ctx: Context, checks: dict, layer: str | None, rank: str) -> list[tuple
 
 
 # ---- runs without a point anomaly: the slow symptoms ------------------------------------------------
-def no_point_anomaly(ctx: Context) -> Diagnosis:
+def no_point_anomaly(ctx: Context, env: str | None = None) -> Diagnosis:
     run = ctx.run
     start = scoring_start(run.config)
     recs = [r for r in run.first if r["step"] >= start and math.isfinite(r["loss"])]
-    checks = [check_resume(ctx), slow_worsening(recs), throughput_drop(recs)]  # a resume: a known step, first
+    timed = all(r.get("time_s", {}).get("fwd_bwd") is not None for r in recs)
+    # NOTE: with per-component times, a throughput drop has already been judged (system_change): a
+    # run-caused one is an incident with a step, a machine-wide one is `env`, never the run's fault
+    thr = (Check("throughput drop", False, env or "no component of the step slowed; the step time is steady")
+           if timed and recs else throughput_drop(recs))
+    checks = [check_resume(ctx), slow_worsening(recs), thr]  # a resume: a known step, first
     held = [c for c in checks if c.holds]
     cls = {"slow worsening": "data.slow_worsening", "throughput drop": "system.throughput",
-           "jump after resume": "state.resume_jump"}.get(held[0].name, "healthy") if held else "healthy"
+           "jump after resume": "state.resume_fault"}.get(held[0].name, "healthy") if held else "healthy"
     last = run.first[-1]["step"]
     scored = (f"from step {start} to {last}" if last >= start else
               f"(exact checks only: {last} steps < scoring start {start})")
     summary = f"{cls}: {held[0].evidence}" if held else f"healthy: no quantity left its baseline {scored}"
-    step = resume_step(run) if cls == "state.resume_jump" else None
+    if env and cls == "healthy":
+        summary += f" ({env})"
+    step = resume_step(run) if cls == "state.resume_fault" else None
     diag = Diagnosis(cls, summary, None, step, None, None, SYMPTOMS.get(cls))
+    diag.environment = env
     diag.tree = [("freeze the batch ID and the state", "no anomalous step to freeze"),
                  ("finite checks: loss / logits / gradients / optimizer state",
                   "every loss, logit, gradient and optimizer-state flag finite" if not any(

@@ -7,30 +7,47 @@ first one an alarm fired on).
     devs = deviations(tl)                  # quantity -> first Deviation (robust z over a trailing window)
     first = earliest(devs)                 # earliest step; ties: input < forward < backward/update < system
 
-After a guard rollback the step numbers in metrics.jsonl go back and repeat; `run.first` is the
-trajectory as first executed (up to the record whose step the next one does not exceed), so the
-incident is analysed where it happened, not where a replay smoothed it over. Later segments are kept
-(`run.segments`) as evidence: did the same batch fail again on replay?
+After a guard rollback (or a resume from an older checkpoint) the step numbers in metrics.jsonl go
+back and repeat; the records split there into segments (`run.segments`, execution order; `run.first`
+is the first). Every segment is read: each may hold incidents (doctor/rules.py diagnose_all), and a
+later segment is also evidence about an earlier one (did the same batch fail again on replay?).
+
+Two statistics per quantity, both on a robust z against the trailing WINDOW values (median, MAD):
+    point      z_t > THRESHOLD                                   (a one-step spike; the guard's test)
+    sustained  min(z_t .. z_{t+K-1}) > SUSTAINED, all K scored    (a level shift: a ×2 change of one
+               against the baseline before t                       layer's quantity shows in K steps)
+Floors are small (a ×1.1 move of a log quantity can deviate if its noise is smaller still), so the
+doctor is at least as sensitive as the guard (threshold 6, floor 1e-3·|median|). The thresholds were
+calibrated on clean runs (bench/doctor_score.py --clean: false alarms per run, measured).
 """
 from __future__ import annotations
 
 import math
 import statistics
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
+import numpy as np
 import yaml
 
 from stability.events import read_events
-from stability.record import read_records
+from stability.record import RECORD_VERSION, V2_FIELDS, read_records, read_records_partial
 
 LAYERS = ("input", "forward", "backward/update", "system")
 INPUT, FORWARD, BACKWARD, SYSTEM = LAYERS
 WINDOW = 30       # trailing values in a baseline (the guard's detector window)
 MIN_HISTORY = 10  # no score before this many baseline values
-THRESHOLD = 8.0   # robust z above which a value deviates (above the guard's 6: the doctor looks at
-                  # ~50 quantities, so a false alarm per quantity must be rarer)
+THRESHOLD = 8.0   # point test: robust z above which one value deviates. The guard fires at 6 with a
+                  # floor of 1e-3·|median|; the doctor's floors are as small (FLOOR_LOG), and 8 instead
+                  # of 6 because it reads ~70 quantities: calibrated on clean runs (0 false alarms)
+SUSTAINED = 3.5   # sustained test: K consecutive values all above this z (chance ~(2e-4)^K per start)
+K = 4             # steps a sustained shift must hold
+FLOOR_LOG = 0.05  # log units: moves under ~5 % never deviate (sub-percent MADs on smooth quantities)
+FLOOR_STATE = 0.15  # ‖m‖, ‖v‖ follow the gradient's noise with a lag; a lost / altered state moves them ×3+
 MAD_SIGMA = 1.4826  # MAD → σ for Gaussian noise
+DETREND = False  # NOTE: measured on clean runs: extrapolating the window's slope over-shoots on curved
+                 # quantities (ρ, ‖v‖ decaying) and raised the clean maxima; a flat median did better
 
 
 @dataclass
@@ -42,10 +59,21 @@ class Run:
     truth: list[dict]             # the injector's "fault" events: ground truth, never used to classify
     config: dict                  # resolved config.yaml ({} when absent)
     superseded: list[dict]        # metrics.superseded.jsonl (records a resume replaced)
+    notes: list[str] = field(default_factory=list)  # what the records lack (truncated, older version)
 
     @property
     def first(self) -> list[dict]:
         return self.segments[0]
+
+    @cached_property
+    def paths(self) -> list[list[dict]]:
+        """Per segment, the trajectory the model lived up to its end: the earlier path's records before
+        the segment's first step, then the segment (a replay after a rollback at step 70 to 60 has steps
+        1..59 of the first pass as its history: its baseline is not rebuilt from nothing)."""
+        out = [self.segments[0]]
+        for seg in self.segments[1:]:
+            out.append([r for r in out[-1] if r["step"] < seg[0]["step"]] + seg)
+        return out
 
 
 def load_run(run_dir) -> Run:
@@ -55,9 +83,14 @@ def load_run(run_dir) -> Run:
         raise ValueError(f"run_dir={run_dir}: no such directory")
     if not path.is_file():
         raise ValueError(f"run_dir={run_dir}: no metrics.jsonl (not a run directory)")
-    records = read_records(path)
+    records, note = read_records_partial(path)
     if not records:
-        raise ValueError(f"run_dir={run_dir}: metrics.jsonl holds no records")
+        raise ValueError(f"run_dir={run_dir}: metrics.jsonl holds no complete record")
+    notes = [note] if note else []
+    old = sorted({r.get("version", 1) for r in records if r.get("version", 1) < RECORD_VERSION})
+    if old:
+        notes.append(f"{path}: record version {old[0]} < {RECORD_VERSION}: no {', '.join(V2_FIELDS)}, "
+                     f"inputs.entropy/kl_running/rare_frac or time_s.cpu; their checks are skipped")
     events = read_events(run_dir / "events.jsonl")
     cfg_path = run_dir / "config.yaml"
     config = yaml.safe_load(cfg_path.read_text()) if cfg_path.is_file() else {}
@@ -66,7 +99,7 @@ def load_run(run_dir) -> Run:
     # last line. Every diagnosis comes from the StepRecords and the guard's own events.
     return Run(run_dir, records, segment(records), [e for e in events if e.get("kind") != "fault"],
                [e for e in events if e.get("kind") == "fault"], config or {},
-               read_records(sup) if sup.is_file() else [])
+               read_records_partial(sup)[0] if sup.is_file() else [], notes)
 
 
 def segment(records: list[dict]) -> list[list[dict]]:
@@ -102,8 +135,8 @@ def timeline(records: list[dict], config: dict) -> dict[str, Series]:
     """Every numeric quantity of the records, keyed by name, in timeline order.
 
     NOTE: wall-clock quantities (tokens_per_s, step time, memory) are left out: a slow step changes no
-    number, so it cannot be where a numerical incident starts; the symptom "throughput drop with a
-    normal loss" reads them separately (doctor/rules.py throughput_drop).
+    number, so it cannot be where a numerical incident starts; doctor/invariants.py system_change reads
+    them as shares of the step. Exact invariants (sample ids, tokens, sharding) are there too.
     """
     tl: dict[str, Series] = {}
 
@@ -121,27 +154,37 @@ def timeline(records: list[dict], config: dict) -> dict[str, Series]:
         t = r["step"]
         # input: what the batch was, before any forward
         inp = r.get("inputs", {})
+        # NOTE: two-sided: noise raises the entropy and lowers the top-token share, repetition does
+        # the opposite; both are a batch unlike the run's.
         put("input.label_alignment", Spec(INPUT, "down", exact=1.0), t, inp.get("label_alignment"))
-        put("input.top_token_frac", Spec(INPUT, "up", rel_floor=0.3), t, inp.get("top_token_frac"))
-        put("input.doc_start_frac", Spec(INPUT, "down", rel_floor=0.1), t, inp.get("doc_start_frac"))
+        put("input.top_token_frac", Spec(INPUT, "both", rel_floor=0.25), t, inp.get("top_token_frac"))
+        put("input.doc_start_frac", Spec(INPUT, "both", rel_floor=0.1), t, inp.get("doc_start_frac"))
         put("input.valid_frac", Spec(INPUT, "both", rel_floor=0.1), t, inp.get("valid_frac"))
+        put("input.entropy", Spec(INPUT, "both", rel_floor=0.02), t, inp.get("entropy"))
+        put("input.kl_running", Spec(INPUT, "up", rel_floor=0.1, abs_floor=0.02), t, inp.get("kl_running"))
+        put("input.foreign_frac", Spec(INPUT, exact=0.0, rel_floor=0.0, abs_floor=0.0), t, inp.get("foreign_frac"))
+        put("input.rare_frac", Spec(INPUT, "up", rel_floor=0.1, abs_floor=0.03), t, inp.get("rare_frac"))
         switched = "input.data_fingerprint" in r.get("guard", {}).get("triggers", [])
         put("input.data_fingerprint_changed", Spec(INPUT, exact=0.0), t, float(switched))
+        rk = r.get("ranks") or {}
+        if len(rk.get("loss", [])) > 1 and all(math.isfinite(v) for v in rk["loss"]):
+            # per-rank inputs: one rank's local loss apart from the others' (its data, not the model's)
+            put("ranks.loss_spread", Spec(INPUT, "up", log=True, rel_floor=0.05), t, max(rk["loss"]) - min(rk["loss"]))
         # forward: activations in model order, then what is computed from them
         for name, q in r.get("layers", {}).items():
             if "act_rms" in q:
-                put(f"act_rms/{name}", Spec(FORWARD, "both", log=True, rel_floor=0.3), t, q["act_rms"], name)
+                put(f"act_rms/{name}", Spec(FORWARD, "both", log=True, rel_floor=FLOOR_LOG), t, q["act_rms"], name)
         for name, q in r.get("layers", {}).items():
             if "clamp_hit_rate" in q:
                 put(f"clamp_hit_rate/{name}", Spec(FORWARD, abs_floor=0.01), t, q["clamp_hit_rate"], name)
         nf = r.get("nonfinite", {})
         put("nonfinite.logits", Spec(FORWARD, exact=0.0), t, float(bool(nf.get("logits"))))
-        put("logit_max", Spec(FORWARD, log=True, rel_floor=0.3), t, r.get("logit_max"))
-        put("z_loss", Spec(FORWARD, log=True, rel_floor=0.3), t, r.get("z_loss"))
+        put("logit_max", Spec(FORWARD, "both", log=True, rel_floor=FLOOR_LOG), t, r.get("logit_max"))
+        put("z_loss", Spec(FORWARD, log=True, rel_floor=FLOOR_LOG), t, r.get("z_loss"))
         for src, v in r.get("loss_by_source", {}).items():
-            put(f"loss_by_source/{src}", Spec(FORWARD, rel_floor=0.05), t, v)
+            put(f"loss_by_source/{src}", Spec(FORWARD, rel_floor=0.01), t, v)
         put("nonfinite.loss", Spec(FORWARD, exact=0.0), t, float(bool(nf.get("loss"))))
-        put("loss", Spec(FORWARD, rel_floor=0.05), t, r.get("loss"))
+        put("loss", Spec(FORWARD, rel_floor=0.01), t, r.get("loss"))
         # backward / update: the LR the update used, gradients, then the update itself
         if schedule is not None and r.get("lr") is not None:
             expect = schedule(t)
@@ -155,18 +198,38 @@ def timeline(records: list[dict], config: dict) -> dict[str, Series]:
             put("nonfinite.grads", Spec(BACKWARD, exact=0.0), t, float(bool(nf.get("grads"))))
             for name, q in r.get("layers", {}).items():
                 if "grad_rms" in q:
-                    put(f"grad_rms/{name}", Spec(BACKWARD, log=True, rel_floor=0.3), t, q["grad_rms"], name)
-            put("grad_norm", Spec(BACKWARD, log=True, rel_floor=0.3), t, r.get("grad_norm"))
+                    put(f"grad_rms/{name}", Spec(BACKWARD, "both", log=True, rel_floor=FLOOR_LOG), t, q["grad_rms"], name)
+            put("grad_norm", Spec(BACKWARD, log=True, rel_floor=FLOOR_LOG), t, r.get("grad_norm"))
         if not r.get("skipped"):  # a vetoed update moved nothing: its ρ = 0 says nothing about the optimizer
             for name, q in r.get("layers", {}).items():
                 if "update_ratio" in q:
-                    put(f"update_ratio/{name}", Spec(BACKWARD, log=True, rel_floor=0.3), t, q["update_ratio"], name)
-            put("update_ratio_max", Spec(BACKWARD, log=True, rel_floor=0.3), t, r.get("update_ratio_max"))
+                    put(f"update_ratio/{name}", Spec(BACKWARD, "both", log=True, rel_floor=FLOOR_LOG), t, q["update_ratio"], name)
+            put("update_ratio_max", Spec(BACKWARD, log=True, rel_floor=FLOOR_LOG), t, r.get("update_ratio_max"))
         put("nonfinite.optim_state", Spec(BACKWARD, exact=0.0), t, float(bool(nf.get("optim_state"))))
+        # optimizer state after the update (‖m‖, ‖v‖ per group) and the MoE balancing bias: what a resume
+        # must restore exactly; after the gradients in order, so a gradient spike that moves m wins the tie
+        for name, v in (r.get("state") or {}).items():
+            if not r.get("skipped"):
+                put(f"state.{name}", Spec(BACKWARD, "both", log=True, rel_floor=FLOOR_STATE), t, v)
         # system: cross-rank consistency (exactly 0 on healthy DDP)
         for name, v in r.get("replica", {}).items():
             put(f"replica.{name}", Spec(SYSTEM, exact=0.0, rel_floor=0.0, abs_floor=0.0), t, v)
     return tl
+
+
+def _schedule_module():
+    """optim/schedule.py loaded on its own: the optim package's __init__ imports the optimizer stack
+    (torch, DTensor); the schedule is plain arithmetic."""
+    import importlib.util
+    import sys
+    mod = sys.modules.get("_doctor_schedule")
+    if mod is None:
+        spec = importlib.util.spec_from_file_location("_doctor_schedule", Path(__file__).resolve().parents[1]
+                                                      / "optim" / "schedule.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        sys.modules["_doctor_schedule"] = mod
+    return mod
 
 
 def lr_schedule(config: dict):
@@ -174,7 +237,7 @@ def lr_schedule(config: dict):
 
     The record's lr is the LR of the update of step t, i.e. the scheduler's factor at index t − 1
     (optim/schedule.py counts optimizer steps from 0)."""
-    from optim.schedule import lr_factor
+    lr_factor = _schedule_module().lr_factor
     optim, steps = config.get("optim"), config.get("train", {}).get("steps")
     if not optim or not steps or "lr" not in optim:
         return None
@@ -191,55 +254,120 @@ class Deviation:
     step: int
     value: float
     baseline: float | None   # trailing median (None for a non-finite value without history)
-    z: float                 # robust z (inf: non-finite or off an exact value)
+    z: float                 # robust z (inf: non-finite or off an exact value; sustained: the least of K)
     layer_name: str | None = None
+    kind: str = "point"      # point | sustained | exact | nonfinite | invariant
 
     def describe(self) -> str:
         where = f" ({self.layer_name})" if self.layer_name else ""
         if self.baseline is None:
             return f"{self.quantity}{where} = {self.value:.4g} at step {self.step}"
-        z = "off its exact value" if math.isinf(self.z) else f"robust z {self.z:.1f}"
+        z = ("off its exact value" if math.isinf(self.z) else
+             f"robust z ≥ {self.z:.1f} for {K} steps" if self.kind == "sustained" else f"robust z {self.z:.1f}")
         return (f"{self.quantity}{where} = {self.value:.4g} at step {self.step} vs baseline "
                 f"{self.baseline:.4g} ({z})")
 
 
-def score(spec: Spec, history: list[float], x: float) -> tuple[float, float | None]:
-    """(robust z of x against the history, baseline median). z = ±inf for a non-finite x."""
-    if not math.isfinite(x):
-        return math.inf, (statistics.median(history) if history else None)
+def baselines(y: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(level, MAD, slope) of the trailing window y[i-WINDOW:i] for every i (NaN before MIN_HISTORY
+    values). The window's trend is taken out: slope b = (median of its last third − median of its first
+    third) / (2/3·WINDOW), residuals r_k = y_k − b·(k − centre); level = median(r) at the centre, so the
+    prediction for y[i+j] is level + b·(WINDOW/2 + j + 0.5). Training quantities drift (logit max, ρ, act
+    RMS all move steadily): a flat baseline would read a drift as a sustained shift. Slope 0 until the
+    window is full.
+    NOTE: vectorised (numpy sliding windows): 20k steps × 70 quantities in about a second. No value is
+    left out of a baseline: only the first deviation of a quantity is sought, and before it none deviated."""
+    n = len(y)
+    lev, mad, slope = np.full(n, np.nan), np.full(n, np.nan), np.zeros(n)
+    if n <= MIN_HISTORY:
+        return lev, mad, slope
+    pad = np.concatenate([np.full(WINDOW, np.nan), y])
+    win = np.lib.stride_tricks.sliding_window_view(pad, WINDOW)[MIN_HISTORY:n]  # row i: y[i-W:i]
+    third = WINDOW // 3
+    full = np.arange(MIN_HISTORY, n) >= WINDOW
+    b = np.zeros(len(win))
+    if DETREND and full.any():
+        w = win[full]
+        b[full] = (np.median(w[:, -third:], axis=1) - np.median(w[:, :third], axis=1)) / (WINDOW - third)
+    centre = np.arange(WINDOW) - (WINDOW - 1) / 2
+    r = win - b[:, None] * centre[None, :] if DETREND else win
+    # NOTE: np.median on the full windows, nanmedian only on the few padded ones (nanmedian is ~50× slower)
+    m, d = np.empty(len(win)), np.empty(len(win))
+    if full.any():
+        m[full] = np.median(r[full], axis=1)
+        d[full] = np.median(np.abs(r[full] - m[full, None]), axis=1)
+    if (~full).any():
+        m[~full] = np.nanmedian(r[~full], axis=1)
+        d[~full] = np.nanmedian(np.abs(r[~full] - m[~full, None]), axis=1)
+    lev[MIN_HISTORY:], slope[MIN_HISTORY:], mad[MIN_HISTORY:] = m, b, d
+    return lev, mad, slope
+
+
+def predict(lev: np.ndarray, slope: np.ndarray, j: int) -> np.ndarray:
+    """The baseline's value j steps after the window's end (j = 0: the step being scored)."""
+    return lev + slope * ((WINDOW - 1) / 2 + 1 + j)
+
+
+def first_deviation(name: str, s: Series, start: int, threshold: float = THRESHOLD,
+                    sustained: float = SUSTAINED) -> Deviation | None:
+    steps = np.array(sorted(s.values), dtype=np.int64)
+    if not len(steps):
+        return None
+    x = np.array([s.values[int(t)] for t in steps], dtype=np.float64)
+    spec, fin = s.spec, np.isfinite(x)
+
+    def dev(i: int, z: float, base, kind: str) -> Deviation:
+        return Deviation(name, spec.layer, s.order, int(steps[i]), float(x[i]), base, z, s.layer_name, kind)
+
     if spec.exact is not None:
-        off = abs(x - spec.exact) > spec.rel_floor * max(abs(spec.exact), 1.0) + spec.abs_floor
-        return (math.inf if off else 0.0), spec.exact
-    if len(history) < MIN_HISTORY:
-        return 0.0, None
-    f = (lambda v: math.log(max(v, 1e-30))) if spec.log else (lambda v: v)
-    h = [f(v) for v in history]
-    med = statistics.median(h)
-    mad = statistics.median(abs(v - med) for v in h)
-    floor = spec.rel_floor if spec.log else spec.rel_floor * abs(med)
-    z = (f(x) - med) / (MAD_SIGMA * mad + floor + spec.abs_floor)
-    z = z if spec.direction == "up" else (-z if spec.direction == "down" else abs(z))
-    base = math.exp(med) if spec.log else med
-    return z, base
+        off = ~fin | (np.abs(x - spec.exact) > spec.rel_floor * max(abs(spec.exact), 1.0) + spec.abs_floor)
+        i = int(np.argmax(off))
+        return dev(i, math.inf, spec.exact, "exact") if off[i] else None
+    nf = int(np.argmax(~fin)) if not fin.all() else len(x)  # a non-finite value needs no baseline
+    y = np.log(np.maximum(x[:nf], 1e-30)) if spec.log else x[:nf]
+    lev, mad, slope = baselines(y)
+    med = predict(lev, slope, 0)
+    floor = spec.rel_floor if spec.log else spec.rel_floor * np.abs(med)
+    den = MAD_SIGMA * mad + floor + spec.abs_floor
+    zs = (y - med) / den                                  # signed robust z against the trailing baseline
+    scored = (steps[:nf] >= start) & np.isfinite(zs)
+    zp = zs if spec.direction == "up" else (-zs if spec.direction == "down" else np.abs(zs))
+    cands = []
+    hit = scored & (zp > threshold)
+    if hit.any():
+        i = int(np.argmax(hit))
+        cands.append((i, float(zp[i]), "point"))
+    if nf > K:  # sustained: values t..t+K-1 all against the baseline before t
+        m = nf - K + 1
+        zk = np.stack([(y[j:j + m] - predict(lev, slope, j)[:m]) / den[:m] for j in range(K)])
+        lo, hi = np.min(zk, axis=0), np.max(zk, axis=0)
+        up = lo if spec.direction != "down" else np.full(m, -np.inf)
+        down = -hi if spec.direction != "up" else np.full(m, -np.inf)
+        zsus = np.maximum(np.nan_to_num(up, nan=-np.inf), np.nan_to_num(down, nan=-np.inf))
+        hit = scored[:m] & (zsus > sustained)
+        if hit.any():
+            i = int(np.argmax(hit))
+            cands.append((i, float(zsus[i]), "sustained"))
+    if nf < len(x):
+        cands.append((nf, math.inf, "nonfinite"))
+    if not cands:
+        return None
+    i, z, kind = min(cands, key=lambda c: c[0])
+    base = med[i] if i < nf else (np.nanmedian(y[max(0, nf - WINDOW):nf]) if nf else np.nan)
+    base = None if not np.isfinite(base) else float(math.exp(base) if spec.log else base)
+    return dev(i, z, base, kind)
 
 
-def deviations(tl: dict[str, Series], start: int = 1, threshold: float = THRESHOLD) -> dict[str, Deviation]:
+def deviations(tl: dict[str, Series], start: int = 1, threshold: float = THRESHOLD,
+               sustained: float = SUSTAINED) -> dict[str, Deviation]:
     """The first deviating step of every quantity. Baseline-relative scores count from step `start`
     on (earlier values only build the baseline); a non-finite value, or a quantity off the value a
-    healthy run holds exactly, counts from step 1: it needs no baseline. Like the guard's detector, a
-    deviating value never joins the baseline."""
+    healthy run holds exactly, counts from step 1: it needs no baseline."""
     out = {}
     for name, s in tl.items():
-        hist: list[float] = []
-        for t in sorted(s.values):
-            x = s.values[t]
-            z, base = score(s.spec, hist[-WINDOW:], x)
-            absolute = s.spec.exact is not None or not math.isfinite(x)
-            if (t >= start or absolute) and z > threshold:
-                out[name] = Deviation(name, s.spec.layer, s.order, t, x, base, z, s.layer_name)
-                break
-            if math.isfinite(x):
-                hist.append(x)
+        d = first_deviation(name, s, start, threshold, sustained)
+        if d is not None:
+            out[name] = d
     return out
 
 
@@ -253,6 +381,8 @@ def earliest(devs: dict[str, Deviation]) -> Deviation | None:
 
 def scoring_start(config: dict) -> int:
     """First step the doctor scores: early training is a transient (loss, grad norm and ρ fall by an
-    order of magnitude), not a baseline; its values still build the baseline."""
+    order of magnitude), not a baseline; its values still build the baseline. Never before the guard's
+    own warm-up (guard.detector.warmup): the guard is blind there too."""
     warm = (config.get("optim", {}).get("schedule", {}) or {}).get("warmup_steps") or 0
-    return max(2 * int(warm), MIN_HISTORY + 1)
+    guard = ((config.get("guard") or {}).get("detector") or {}).get("warmup") or 0
+    return max(2 * int(warm), int(guard), MIN_HISTORY + 1)

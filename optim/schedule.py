@@ -19,11 +19,10 @@ NOTE: neither phase wastes a step: warmup never sits at 0 and the last step alre
 Steps past the end hold at r (cosine, linear, wsd), so a longer resumed run does not restart the cycle.
 """
 
+from __future__ import annotations
+
 import math
 from collections.abc import Mapping
-
-import torch
-from torch.optim.lr_scheduler import LambdaLR
 
 from optim.config import SCHEDULES, ScheduleConfig  # noqa: F401  (SCHEDULES: re-exported)
 
@@ -51,12 +50,14 @@ def lr_factor(step: int, total_steps: int, cfg: Mapping) -> float:
     return _factor(step, *_phases(cfg, total_steps))
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: Mapping, total_steps: int) -> LambdaLR:
+def build_scheduler(optimizer, cfg: Mapping, total_steps: int):
     """LambdaLR applying lr_factor to every group's own lr (so lr_scale survives).
 
     NOTE: LambdaLR's state_dict is the step counter (last_epoch) and base lrs; the factor is recomputed
     from the config, so resume is exact as long as the schedule config and train.steps are unchanged.
     """
+    # NOTE: torch imported here: lr_factor is pure arithmetic, and the doctor reads it without torch
+    from torch.optim.lr_scheduler import LambdaLR
     phases = _phases(cfg, total_steps)  # validate once, up front, not at the first step
 
     def factor(step: int) -> float:

@@ -47,6 +47,8 @@ class StepState:
     clip: dict = field(default_factory=dict)      # the adaptive clip's numbers (train.clip=zscore)
     qk_clip: dict = field(default_factory=dict)   # heads QK-clip scaled after the update
     moe: dict = field(default_factory=dict)       # expert-load summary per MoE layer
+    opt_state: dict = field(default_factory=dict)  # optimizer-state and MoE-bias norms (stability/step_state.py)
+    ranks: dict = field(default_factory=dict)     # per-rank first sample id, count, content hash, local loss
     events: list[str] = field(default_factory=list)  # one-line notes of this step (StepRecord.events)
     eval: dict | None = None
     time_s: dict[str, float] = field(default_factory=dict)

@@ -3,16 +3,27 @@
 Laid out as the course notes' four-layer timeline (input → forward → backward/update → system), all
 keyed by the same `step`, cumulative `tokens` and `ckpt_id`, so the first quantity that deviated can be
 found by reading one file (runs/<run>/metrics.jsonl).
+
+Record versions (`version`; a record without one is version 1):
+    2  inputs.{entropy, kl_running, rare_frac}; time_s.cpu (process CPU seconds of the step);
+       resume (the first step after a resume and its checkpoint); state (‖m‖, ‖v‖ per param group,
+       ‖bias‖ per MoE layer, after the update); ranks (per-rank first sample id, count, content hash,
+       local loss). Computed by stability/inputs.py and stability/step_state.py.
 """
 from __future__ import annotations
 
 import json
 import math
+import re
 import resource
 from dataclasses import dataclass, field
 from typing import Any
 
 from stability.callbacks import StepState
+
+
+RECORD_VERSION = 2
+V2_FIELDS = ("resume", "state", "ranks")  # what a version-1 record lacks (beside inputs.entropy, time_s.cpu)
 
 
 @dataclass
@@ -58,6 +69,11 @@ class StepRecord:
     routing: dict[str, Any] = field(default_factory=dict)  # anticipatory routing: on, delay, policy versions
     events: list[str] = field(default_factory=list)
     eval: dict[str, Any] | None = None  # present on steps that ran an evaluation
+    # version 2 (stability/step_state.py)
+    resume: dict[str, Any] | None = None  # {"from": checkpoint, "step": s} on the first step after a resume
+    state: dict[str, float] = field(default_factory=dict)  # m/<group>, v/<group>, moe_bias/<layer> norms
+    ranks: dict[str, list] = field(default_factory=dict)  # first, n, hash, loss: one entry per rank
+    version: int = RECORD_VERSION
 
     def to_json(self) -> str:
         # NOTE: allow_nan keeps NaN/inf visible as JSON's non-standard tokens; a diverged run must
@@ -84,6 +100,7 @@ def step_record(s: StepState, *, tokens: int, world: int, batch_size: int, seq_l
         nonfinite={**s.flags, **post.get("nonfinite", {})}, replica=post.get("replica", {}), guard=guard,
         routing=s.routing, time_s=s.time_s, tokens_per_s=batch_size * seq_len / s.time_s["total"],
         memory_mb=peak_memory_mb(device), events=s.events, eval=s.eval, ckpt_id=ckpt_id,
+        resume=resume_marker(s.events), state=s.opt_state, ranks=s.ranks,
     )
 
 
@@ -100,6 +117,47 @@ def peak_memory_mb(device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
+_RESUMED = re.compile(r"resumed from (\S+) \(step (\d+)")
+
+
+def resume_marker(events: list[str]) -> dict | None:
+    """{"from": the checkpoint directory, "step": its step} when this step is a resume's first."""
+    for e in events:
+        m = _RESUMED.match(str(e))
+        if m:
+            return {"from": m.group(1), "step": int(m.group(2))}
+    return None
+
+
 def read_records(path) -> list[dict]:
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def read_records_partial(path) -> tuple[list[dict], str | None]:
+    """(every complete record, a note naming what was dropped or None): a run killed mid-write leaves
+    a truncated last line; the records before it are whole and still tell the run's story."""
+    import gc
+    with open(path) as f:
+        lines = [x for x in f.read().split("\n") if x.strip()]
+    out = []
+    # NOTE: the cyclic GC rescans every live dict as the list grows (quadratic in records); JSON records
+    # hold no cycles, so it is paused while they load
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _parse(lines, out, path)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _parse(lines: list[str], out: list[dict], path) -> tuple[list[dict], str | None]:
+    for i, line in enumerate(lines):
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            last = out[-1]["step"] if out else None
+            return out, (f"{path}: line {i + 1} of {len(lines)} is not a complete record (truncated write?); "
+                         f"diagnosed up to step {last}")
+    return out, None

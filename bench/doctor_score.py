@@ -1,0 +1,186 @@
+"""Score the doctor on faults it has never seen (bench/doctor_drills.py) and on clean runs.
+
+    python bench/doctor_score.py                      # every fault + 10 clean seeds, 2 runs at a time
+    python bench/doctor_score.py --faults noise_half lr_x3 --clean 2
+    python bench/doctor_score.py --reuse DIR          # re-diagnose runs already trained under DIR
+
+Each fault is planted by the launcher (no injector, fault=none, nothing in the run directory names it);
+the doctor then reads the run directory with builtins.open / Path.read_text watched, and the score
+fails a run whose diagnosis opened a file that names its fault. Scored: class, timeline layer, and
+the earliest anomaly's step within ±1 of the first step the fault can be visible. A clean run scores
+when the doctor says "healthy" (an environmental slowdown is a note, not a fault).
+"""
+from __future__ import annotations
+
+import argparse
+import builtins
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.doctor_drills import BASE, BY_NAME, FAULTS, ROOT, S, STOP, Fault  # noqa: E402
+
+LAUNCHER = str(ROOT / "bench" / "doctor_drills.py")
+
+
+def _env() -> dict:
+    e = dict(os.environ)
+    e.update(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", WANDB_MODE="disabled", PYTHONUNBUFFERED="1",
+             OMP_NUM_THREADS="1")
+    return e
+
+
+def _launch(fault: str | None, run_dir: Path, extra: list[str], nproc: int = 1) -> None:
+    cmd = [LAUNCHER, "launch", fault or "none", str(run_dir), *BASE, *extra]
+    cmd = [sys.executable, *cmd] if nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *cmd]
+    r = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    if r.returncode != 0:
+        raise RuntimeError(f"{fault or 'clean'} -> {run_dir}: exit {r.returncode}\n{r.stderr[-3000:]}")
+
+
+def run_dir(root: Path, f: Fault) -> Path:
+    """An opaque directory name: the run directory (and environment.json's argv) must not name the fault."""
+    return root / f"run{FAULTS.index(f):02d}"
+
+
+def train_fault(f: Fault, root: Path) -> Path:
+    d = run_dir(root, f)
+    if f.resume:  # a clean first process up to S - 1, then a resume with the fault planted on load
+        _launch(None, d, [f"checkpoint.stop_after={S - 1}"])
+        _launch(f.name, d, [f"checkpoint.stop_after={STOP}", "resume=latest"])
+    else:
+        _launch(f.name, d, [f"checkpoint.stop_after={STOP}"], nproc=f.nproc)
+    return d
+
+
+def train_clean(seed: int, root: Path, resume: bool = False, busy: bool = False) -> Path:
+    d = root / f"clean_seed{seed}"
+    extra = [f"seed={seed}", f"data.seed={1000 + seed}"]
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if busy else None
+    try:
+        if resume:  # a clean resume must not look like a resume fault
+            _launch(None, d, [*extra, f"checkpoint.stop_after={S - 1}"])
+            _launch(None, d, [*extra, f"checkpoint.stop_after={STOP}", "resume=latest"])
+        else:
+            _launch(None, d, [*extra, f"checkpoint.stop_after={STOP}"])
+    finally:
+        if hog is not None:
+            hog.kill()
+            hog.wait()
+    return d
+
+
+@contextmanager
+def watch_reads():
+    """Every path the code opens through builtins.open or Path.open / read_text / read_bytes."""
+    seen: list[Path] = []
+    o_open, o_popen = builtins.open, Path.open
+
+    def open_(file, *a, **k):
+        if isinstance(file, (str, os.PathLike)):
+            seen.append(Path(file))
+        return o_open(file, *a, **k)
+
+    def popen(self, *a, **k):
+        seen.append(Path(self))
+        return o_popen(self, *a, **k)
+    builtins.open, Path.open = open_, popen  # read_text / read_bytes go through Path.open
+    try:
+        yield seen
+    finally:
+        builtins.open, Path.open = o_open, o_popen
+
+
+def diagnose(run_dir: Path, fault: str | None) -> dict:
+    from doctor.cli import doctor
+    with watch_reads() as seen:
+        rep = doctor(run_dir, plots=False)
+    for p in seen:  # the doctor's own report files are written, not read; check what it read
+        if p.suffix in (".py",) or p.name.startswith("report"):
+            continue
+        if p.is_file() and fault and fault in p.read_text(errors="replace"):
+            raise AssertionError(f"the doctor read {p}, which names the fault {fault}")
+        if "doctor_drills" in str(p):
+            raise AssertionError(f"the doctor read the answer key {p}")
+    rep["_read"] = [str(p) for p in seen]
+    return rep
+
+
+def guard_at(d: Path, rep: dict) -> str:
+    """What the online guard said at the doctor's step on a clean run: an alarm the guard shares is a
+    natural incident of the run (a real spike), not the doctor seeing ghosts; still counted."""
+    e = rep.get("earliest")
+    if not e:
+        return ""
+    from stability.record import read_records
+    trig = [x for r in read_records(d / "metrics.jsonl") if abs(r["step"] - e["step"]) <= 1
+            for x in r.get("guard", {}).get("triggers", [])]
+    z = e["z"] if isinstance(e["z"], str) else f"{e['z']:.1f}"
+    return f" [{e['quantity']} z {z}; guard at ±1 step: {', '.join(trig) or 'silent'}]"
+
+
+def score_fault(f: Fault, rep: dict) -> dict:
+    e = rep.get("earliest") or {}
+    ok_step = e.get("step") is not None and abs(e["step"] - f.step) <= 1
+    row = {"fault": f.name, "expect": f"{f.cls} / {f.layer} / {f.step}",
+           "got": f"{rep['class']} / {e.get('layer')} / {e.get('step')}",
+           "class": rep["class"] == f.cls, "layer": e.get("layer") == f.layer, "step": ok_step}
+    row["ok"] = row["class"] and row["layer"] and row["step"]
+    return row
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--faults", nargs="*", default=[f.name for f in FAULTS])
+    ap.add_argument("--clean", type=int, default=10, help="clean runs (seeds 0..N-1)")
+    ap.add_argument("--reuse", help="a directory of runs trained before (skip training)")
+    ap.add_argument("--keep", help="train into this directory (default: a temporary one)")
+    ap.add_argument("--jobs", type=int, default=2)
+    args = ap.parse_args(argv)
+    unknown = [n for n in args.faults if n not in BY_NAME]
+    if unknown:
+        print(f"doctor_score: unknown fault {unknown[0]} (known: {', '.join(BY_NAME)})", file=sys.stderr)
+        return 2
+    root = Path(args.reuse or args.keep or tempfile.mkdtemp(prefix="doctor_score_"))
+    root.mkdir(parents=True, exist_ok=True)
+    faults = [BY_NAME[n] for n in args.faults]
+    seeds = list(range(args.clean))
+    if not args.reuse:
+        jobs = [(train_fault, f, root) for f in faults]
+        # NOTE: seed 1 resumes cleanly; the last two seeds train beside a CPU hog (a busy machine)
+        jobs += [(train_clean, s, root, s == 1, s >= max(seeds[-2:], default=0) and len(seeds) > 2) for s in seeds]
+        with ThreadPoolExecutor(args.jobs) as pool:
+            list(pool.map(lambda j: j[0](*j[1:]), jobs))
+    rows = [score_fault(f, diagnose(run_dir(root, f), f.name)) for f in faults]
+    clean = []
+    for s in seeds:
+        rep = diagnose(root / f"clean_seed{s}", None)
+        g = guard_at(root / f"clean_seed{s}", rep)
+        clean.append({"seed": s, "class": rep["class"], "ok": rep["class"] == "healthy",
+                      "natural": rep["class"] != "healthy" and "silent" not in g, "summary": rep["summary"][:110] + g})
+    print(f"| fault | expected class / layer / step | doctor | class | layer | step ±1 |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        m = lambda b: "✓" if b else "✗"  # noqa: E731
+        print(f"| {r['fault']} | {r['expect']} | {r['got']} | {m(r['class'])} | {m(r['layer'])} | {m(r['step'])} |")
+    print(f"\nfaults scored: {sum(r['ok'] for r in rows)} of {len(rows)} (class, layer and step ±1)")
+    for c in clean:
+        print(f"clean seed {c['seed']}: {c['class']} — {c['summary']}")
+    nat = sum(c["natural"] for c in clean)
+    print(f"clean runs: {sum(not c['ok'] and not c['natural'] for c in clean)} false alarm(s) in {len(clean)}"
+          + (f"; {nat} natural incident(s) the online guard fired on too, reported by the doctor" if nat else ""))
+    print(f"runs: {root}")
+    if not args.keep and not args.reuse:
+        shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

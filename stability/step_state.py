@@ -1,0 +1,83 @@
+"""StepRecord fields the doctor needs at resume boundaries, per rank and per step of CPU (record
+version 2; stability/record.py). Each is cheap enough for every step.
+
+    state = state_summary(optimizer, model)     # ‖m‖, ‖v‖ per param group; ‖bias‖ per MoE layer
+    ranks = rank_inputs(local_batch, sums, world, rank)   # per-rank sample ids, content hash, local loss
+    resume = resume_marker(events_now)          # stability/record.py: {"from": checkpoint, "step": s} on a resume's first step
+    cpu = cpu_clock()                           # process CPU seconds (all threads)
+
+A resume that lost or altered optimizer state shows at its first step as a jump of ‖m‖ / ‖v‖ that no
+gradient explains; a rank reading other data shows as sample ids off the sharding, or a local loss far
+from the other ranks'; a machine-wide slowdown shows as wall time up with CPU time per step unchanged.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from parallel.dist import all_reduce_sum
+from stability.telemetry_layers import is_sharded, local
+
+# NOTE: a fixed odd multiplier per position mod a prime below 2^31: the hash stays an exact integer in
+# float64 after the all-reduce (every other rank adds 0 to this rank's slot).
+_HASH_MOD = 2_147_483_629
+
+
+def state_summary(optimizer: torch.optim.Optimizer, model) -> dict[str, float]:
+    """{"m/<group>": ‖exp_avg‖, "v/<group>": ‖exp_avg_sq‖, "moe_bias/<layer>": ‖bias_E‖}. Global norms
+    (one SUM all-reduce of squares: FSDP shards add up; DDP replicas are divided by the world)."""
+    keys, sq = [], []
+    for i, g in enumerate(optimizer.param_groups):
+        name = str(g.get("name", f"group{i}"))
+        for slot, short in (("exp_avg", "m"), ("exp_avg_sq", "v")):
+            ts = [local(optimizer.state[p][slot]) for p in g["params"]
+                  if p in optimizer.state and slot in optimizer.state[p]]
+            ts = [t for t in ts if t.numel()]
+            keys.append(f"{short}/{name}")
+            sq.append(torch.stack([t.double().square().sum() for t in ts]).sum() if ts else
+                      torch.zeros((), dtype=torch.float64))
+    moe = model.moe_layers() if hasattr(model, "moe_layers") else []
+    for layer, m in moe:
+        keys.append(f"moe_bias/{layer}")
+        sq.append(m.bias_E.detach().double().square().sum())
+    if not keys:
+        return {}
+    dev = sq[0].device
+    vals = torch.stack([s.to(dev) for s in sq])
+    world, sharded = _world_and_sharding(model)
+    if world > 1:
+        vals = all_reduce_sum(vals)
+        if not sharded:  # replicas hold the same state: the sum counted it `world` times
+            vals = vals / world
+    return {k: math.sqrt(v) for k, v in zip(keys, vals.tolist())}
+
+
+def _world_and_sharding(model) -> tuple[int, bool]:
+    import torch.distributed as tdist
+    world = tdist.get_world_size() if tdist.is_initialized() else 1
+    sharded = any(is_sharded(p) for p in model.parameters())
+    return world, sharded
+
+
+def rank_inputs(local_batch, sums, world: int, rank: int, device) -> dict[str, list]:
+    """Per rank: first sample id, sample count, a content hash of its tokens, its local loss per valid
+    token. One SUM all-reduce of a (4, world) table in which each rank fills its own column."""
+    ids = local_batch.sample_ids
+    tok = local_batch.tokens.cpu().long().flatten()
+    w = torch.arange(1, tok.numel() + 1, dtype=torch.int64) * 2 + 1
+    h = int(((tok + 1) * w % _HASH_MOD).sum() % _HASH_MOD)
+    n_valid = float(sums.tokens_by_source.sum())
+    loss = float(sums.loss_sum) / n_valid if n_valid else math.nan
+    table = torch.zeros(4, world, dtype=torch.float64)
+    table[:, rank] = torch.tensor([float(ids.min()) if len(ids) else -1.0, float(len(ids)), float(h), loss],
+                                  dtype=torch.float64)
+    table = all_reduce_sum(table.to(device)).cpu() if world > 1 else table
+    first, n, hsh, lo = table.tolist()
+    return {"first": [int(x) for x in first], "n": [int(x) for x in n], "hash": [int(x) for x in hsh], "loss": lo}
+
+
+def cpu_clock() -> float:
+    """Process CPU seconds, every thread: unchanged per step when only the machine got busier."""
+    return time.process_time()

@@ -1,0 +1,188 @@
+"""The doctor on faults it has never seen (issue 14): planted from outside by bench/doctor_drills.py
+(monkeypatches, fault=none: nothing in the run directory names them), and its new checks on synthetic
+records (continuity, per-rank inputs, resume-time state, per-step system time, every segment, bad input).
+
+Default suite: four planted faults (input, forward, update, resume; ~7 short trainings); `-m slow`: a
+clean resumed run, the whole set (bench/doctor_score.py) and ten clean seeds, scored as the README's table.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from helpers import ROOT, env
+from test_doctor import fake_run
+from bench.doctor_drills import BY_NAME, FAULTS
+from bench.doctor_score import diagnose, run_dir, score_fault, train_clean, train_fault
+from doctor.cli import doctor
+
+SAMPLE = ["noise_half", "act_x4_attn", "adam_v_div16", "resume_lost_moments"]
+
+
+@pytest.fixture(scope="module")
+def planted(tmp_path_factory):
+    from concurrent.futures import ThreadPoolExecutor
+    root = tmp_path_factory.mktemp("unseen")
+    jobs = [lambda f=f: train_fault(BY_NAME[f], root) for f in SAMPLE]
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(lambda j: j(), jobs))
+    return root
+
+
+@pytest.mark.parametrize("name", SAMPLE)
+def test_planted_fault_is_named(planted, name):
+    f = BY_NAME[name]
+    rep = diagnose(run_dir(planted, f), f.name)  # raises if the doctor read a file naming the fault
+    row = score_fault(f, rep)
+    assert row["ok"], row
+    assert not (run_dir(planted, f) / "events.jsonl").exists() or "fault" not in \
+        (run_dir(planted, f) / "events.jsonl").read_text()
+
+
+@pytest.mark.slow
+def test_clean_resumed_run_is_healthy(tmp_path):
+    train_clean(1, tmp_path, resume=True)
+    rep = diagnose(tmp_path / "clean_seed1", None)
+    assert rep["class"] == "healthy", rep["summary"]
+    recs = [json.loads(x) for x in (tmp_path / "clean_seed1" / "metrics.jsonl").read_text().splitlines()]
+    marked = [r for r in recs if r.get("resume")]
+    assert len(marked) == 1 and marked[0]["step"] == marked[0]["resume"]["step"] + 1  # the resume is recorded
+
+
+def test_read_watch_catches_a_file_naming_the_fault(tmp_path):
+    """The guard on the scorer: a run file that names the fault fails the diagnosis."""
+    d = fake_run(tmp_path / "r")
+    cfg = yaml.safe_load((d / "config.yaml").read_text())
+    cfg["note"] = "planted: lr_x3"
+    (d / "config.yaml").write_text(yaml.safe_dump(cfg))
+    with pytest.raises(AssertionError, match="names the fault"):
+        diagnose(d, "lr_x3")
+
+
+@pytest.mark.slow
+def test_unseen_fault_set_and_clean_seeds(tmp_path):
+    """The whole set: ≥ 18 of 20 (here: all but 2 of the set) right in class, layer and step ±1; ten
+    clean seeds (the last two beside a CPU hog, one resumed): zero false alarms. NOTE: a clean run can
+    hold a natural incident (seed 7: the embedding's gradient ×23 at step 48, the online guard fired on
+    it too); the doctor reports it, and an alarm the guard shares is not counted as a false one."""
+    from concurrent.futures import ThreadPoolExecutor
+    jobs = [lambda f=f: train_fault(f, tmp_path) for f in FAULTS]
+    jobs += [lambda s=s: train_clean(s, tmp_path, resume=s == 1, busy=s >= 8) for s in range(10)]
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(lambda j: j(), jobs))
+    rows = [score_fault(f, diagnose(run_dir(tmp_path, f), f.name)) for f in FAULTS]
+    assert sum(r["ok"] for r in rows) >= len(rows) - 2, [r for r in rows if not r["ok"]]
+    from bench.doctor_score import guard_at
+    alarms = [(s, rep["summary"], g) for s in range(10)
+              if (rep := diagnose(tmp_path / f"clean_seed{s}", None))["class"] != "healthy"
+              and "silent" in (g := guard_at(tmp_path / f"clean_seed{s}", rep))]
+    assert not alarms, alarms
+
+
+# ---- the new checks on synthetic records ------------------------------------------------------------------
+def v2(t, r, world=1):
+    """Version-2 fields on a fake record: per-step times, optimizer-state norms, per-rank inputs."""
+    import random
+    rng = random.Random(t)
+    r.update(version=2, resume=None, state={"m/default": 0.1 * (1 + 0.02 * rng.uniform(-1, 1)),
+                                            "v/default": 0.01 * (1 + 0.02 * rng.uniform(-1, 1))},
+             time_s={"data": 0.002 * (1 + 0.1 * rng.uniform(-1, 1)), "fwd_bwd": 0.03 * (1 + 0.1 * rng.uniform(-1, 1)),
+                     "optim": 0.01, "log_eval": 0.0, "ckpt": 0.0, "total": 0.042, "cpu": 0.04})
+    b = r["batch"]
+    share = b["size"] // world
+    r["ranks"] = {"first": [b["first"] + k * share for k in range(world)], "n": [share] * world,
+                  "hash": [t] * world, "loss": [r["loss"]] * world}
+
+
+def test_cursor_jump_is_a_continuity_fault(tmp_path):
+    def tweak(t, r):
+        v2(t, r)
+        if t >= 70:  # the cursor went back to 0 at step 70
+            r["batch"]["first"] = 8 * (t - 70)
+            r["ranks"]["first"] = [r["batch"]["first"]]
+    rep = doctor(fake_run(tmp_path, tweak=tweak), plots=False)
+    assert rep["class"] == "data.continuity" and rep["earliest"]["step"] == 70, rep["summary"]
+    assert rep["earliest"]["quantity"] == "continuity.sample_ids"
+
+
+def test_one_rank_off_its_shard_is_a_rank_fault(tmp_path):
+    def tweak(t, r):
+        v2(t, r, world=2)
+        if t >= 70:
+            r["ranks"]["first"][1] += 5000
+    rep = doctor(fake_run(tmp_path, world=2, tweak=tweak), plots=False)
+    assert rep["class"] == "rank.data" and rep["earliest"]["step"] == 70, rep["summary"]
+    assert rep["earliest"]["rank"] == "1"
+
+
+def test_lost_moments_at_resume_is_a_resume_fault(tmp_path):
+    def tweak(t, r):
+        v2(t, r)
+        if t == 70:
+            r["resume"] = {"from": "runs/x/checkpoints/step_000069", "step": 69}
+            r["events"] = ["resumed from runs/x/checkpoints/step_000069 (step 69, 10000 tokens)"]
+        if t >= 70:  # m and v restarted from zero: one step of (1 − β) g
+            r["state"] = {k: v * (0.1 if k.startswith("m") else 0.05) for k, v in r["state"].items()}
+    rep = doctor(fake_run(tmp_path, tweak=tweak), plots=False)
+    assert rep["class"] == "state.resume_fault" and rep["earliest"]["step"] == 70, rep["summary"]
+    assert "optimizer moments" in rep["fix"]["variable"]
+
+
+def test_slow_component_vs_busy_machine(tmp_path):
+    def slow_data(t, r):
+        v2(t, r)
+        if t >= 60:
+            r["time_s"]["data"] = 0.06
+    rep = doctor(fake_run(tmp_path / "a", tweak=slow_data), plots=False)
+    assert rep["class"] == "system.slow_component" and rep["earliest"]["step"] == 60, rep["summary"]
+    assert rep["earliest"]["quantity"] == "system.time/data"
+
+    def busy(t, r):  # every component ×3 in proportion, CPU time per step unchanged
+        v2(t, r)
+        if t >= 50:
+            r["time_s"] = {k: v * 3 if k != "cpu" else v for k, v in r["time_s"].items()}
+            r["tokens_per_s"] /= 3
+    rep = doctor(fake_run(tmp_path / "b", tweak=busy), plots=False)
+    assert rep["class"] == "healthy" and rep["earliest"] is None, rep["summary"]
+    assert rep["environment"] and rep["environment"].startswith("environmental"), rep
+
+
+def test_every_segment_is_read(tmp_path):
+    """A natural spike and a rollback at step 40, then a planted LR switch at step 80 in the replay:
+    two incidents, in order; the doctor does not stop at the first rollback."""
+    d = fake_run(tmp_path, n=90, tweak=lambda t, r: t == 40 and r.update(
+        loss=float("nan"), nonfinite={"loss": True, "logits": True, "grads": True, "optim_state": False},
+        guard={"triggers": ["loss"], "rollbacks": 1, "rollback": True}))
+    recs = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
+    first, rest = recs[:40], [dict(r) for r in recs[35:]]  # the replay restarts at step 36
+    for r in rest:
+        r.update(loss=2.5 + 0.01 * (r["step"] % 3), nonfinite={}, guard={"triggers": [], "rollbacks": 1})
+        if r["step"] >= 80:
+            r["lr"] = 1e-2
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in first + rest))
+    rep = doctor(d, plots=False)
+    got = [(i["class"], i["step"], i["segment"]) for i in rep["incidents"]]
+    assert got[0] == ("numerics.nonfinite", 40, 0) and ("optim.lr_switch", 80, 1) in got, got
+
+
+def test_truncated_and_old_records_are_named_and_diagnosed(tmp_path):
+    d = fake_run(tmp_path, tweak=lambda t, r: t == 70 and r.update(lr=1e-2))
+    text = (d / "metrics.jsonl").read_text()
+    (d / "metrics.jsonl").write_text(text + text.splitlines()[-1][:57])  # a write cut short
+    r = subprocess.run([sys.executable, "-m", "doctor", str(d), "--no-plots"], cwd=ROOT, env=env(),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "optim.lr_switch" in r.stdout, r.stdout + r.stderr
+    notes = r.stderr.strip().splitlines()
+    assert any("not a complete record" in n and "up to step 90" in n for n in notes), notes
+    assert any("record version 1" in n for n in notes), notes  # fake records carry no version: v1
+
+
+def test_empty_records_are_a_one_line_error(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "tok')
+    r = subprocess.run([sys.executable, "-m", "doctor", str(tmp_path)], cwd=ROOT, env=env(),
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "no complete record" in r.stderr
