@@ -3,7 +3,7 @@
     python -m doctor runs/<run>            # writes report.md, report.json, doctor_timeline.png
 
 It finds the earliest deviating quantity across the four layers of the timeline (input → forward →
-backward/update → system; doctor/timeline.py), walks the course notes' decision tree and symptom table
+backward/update → system; doctor/timeline.py), walks the decision tree (docs/course.md §5) and symptom table
 (doctor/rules.py, doctor/checks.py), and writes the report (doctor/report.py): the earliest anomaly, the
 reproducible batch and its replay command (doctor/replay.py), state and environment versions,
 the rejected hypotheses with their evidence, one single-variable fix and the regression command.

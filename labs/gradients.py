@@ -1,5 +1,5 @@
 """Autograd vs central finite differences, float64, for every component of the model; then the lesson
-of course note 000: "backward ran" is not "the objective is right".
+of docs/course.md §2: "backward ran" is not "the objective is right".
 
 Each component is a scalar objective f = <component(inputs), w> (w a fixed random projection) or a loss,
 checked on sampled coordinates of its inputs and parameters (labs/gradcheck.py). Piecewise-smooth parts

@@ -1,4 +1,4 @@
-"""Clipping on every step hides a recipe problem (course note 000: "if every step is heavily clipped
+"""Clipping on every step hides a recipe problem (docs/course.md §2: "if every step is heavily clipped
 for a long time, a stable-looking curve may mask a recipe problem").
 
 Two runs of the same tiny model with the same clip threshold (c = 1.0, precision/step.py →

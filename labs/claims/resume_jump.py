@@ -1,5 +1,5 @@
-"""A resume with the wrong data cursor or RNG makes the loss jump (course note 004: "resume 后立即跳变 —
-check optimizer/scheduler, RNG, data cursor").
+"""A resume with the wrong data cursor or RNG makes the loss jump (docs/course.md §10: "a jump right
+after a resume — check optimizer/scheduler state, RNG, data cursor").
 
 One run trains N steps and saves a checkpoint at step A (checkpoint.Saver, sync, through the publish
 protocol; the state is checkpoint.TrainState: model, AdamW, scheduler, loader cursor, RNG). Each resume

@@ -1,4 +1,4 @@
-"""The update-to-weight ratio rises before the loss blows up (course note 004: per-layer
+"""The update-to-weight ratio rises before the loss blows up (docs/course.md §8: per-layer
 ρ_ℓ = ‖Δθ_ℓ‖/(‖θ_ℓ‖+ε) exposes trouble earlier than waiting for a NaN).
 
 A run is pushed to divergence by an LR that grows ×RAMP per step from LR0, with no clipping (an LR
