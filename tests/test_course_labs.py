@@ -1,0 +1,42 @@
+"""The course corrections' arms (issue 19): each shows its effect with seed 7, and loses it when the
+mechanism it demonstrates is removed. (The labs' full quick runs are in tests/test_labs_claims.py.)"""
+from __future__ import annotations
+
+import statistics
+
+import pytest
+import torch
+from torch.optim.lr_scheduler import LambdaLR
+
+from labs.claims import clip_always, rho_early
+from labs.common import single_thread
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled", "ignore:Seems like `optimizer.step")
+
+
+def test_clip_always_adam_update_size_ignores_the_clip_and_sgd_does_not(monkeypatch):
+    with single_thread():
+        on, off = (clip_always.train(7, clip_always.HIGH_LR, 20, m) for m in (clip_always.MAX_NORM, None))
+    assert on["median_coef"] < 0.5 and off["clipped_fraction"] == 0.0
+    assert 0.7 <= on["median_update"] / off["median_update"] <= 1.4  # Adam: ~lr whatever the clip
+    # remove Adam's normalisation: under SGD the update shrinks with the clip coefficient
+    sgd = lambda model, lr, steps=1: (lambda o: (o, LambdaLR(o, lambda s: 1.0)))(torch.optim.SGD(model.parameters(), lr=1e-2))
+    monkeypatch.setattr(clip_always, "make_optimizer", sgd)
+    with single_thread():
+        on, off = (clip_always.train(7, clip_always.HIGH_LR, 20, m) for m in (0.1, None))
+    assert on["median_update"] / off["median_update"] < 0.7
+
+
+def test_rho_early_names_the_one_faulty_layer_and_only_while_it_is_faulty():
+    with single_thread():
+        bad = rho_early.train_layer_fault(7, "block1.attn", rho_early.FAULT, rho_early.FAULT_START, 16)
+        none = rho_early.train_layer_fault(7, "block1.attn", 1.0, rho_early.FAULT_START, 16)
+    alarms = {k: rho_early.alarm_step(v) for k, v in bad["rho_layers"].items()}
+    assert {k for k, s in alarms.items() if s} == {"block1.attn"} and alarms["block1.attn"] == rho_early.FAULT_START
+    assert rho_early.alarm_step(bad["rho_whole"]) is None and len(set(bad["lr"])) == 1
+    assert all(rho_early.alarm_step(v) is None for v in none["rho_layers"].values())
+    # the faulty layer's ρ is FAULT× its own early level; the whole model's rises far less
+    rise = bad["rho_layers"]["block1.attn"][rho_early.FAULT_START - 1] / statistics.median(bad["rho_layers"]["block1.attn"][:5])
+    assert rise > 5 and max(bad["rho_whole"]) / statistics.median(bad["rho_whole"][:5]) < rise / 2
+    with pytest.raises(ValueError, match="fault_layer='block9.mlp'"):
+        rho_early.train_layer_fault(7, "block9.mlp", 2.0, 1, 1)
