@@ -40,3 +40,19 @@ def test_rho_early_names_the_one_faulty_layer_and_only_while_it_is_faulty():
     assert rise > 5 and max(bad["rho_whole"]) / statistics.median(bad["rho_whole"][:5]) < rise / 2
     with pytest.raises(ValueError, match="fault_layer='block9.mlp'"):
         rho_early.train_layer_fault(7, "block9.mlp", 2.0, 1, 1)
+
+
+def test_gradients_headline_is_held_out_and_vanishes_without_the_mask_bug(monkeypatch):
+    from labs import gradients
+
+    gen = torch.Generator().manual_seed(7)
+    with single_thread():
+        _, s = gradients.mask_bug_lesson(7, gradients.LESSON_STEPS, 4, gen, 256)
+    h = s["heldout"]
+    assert h["samples"] == 256 and h["bug_excess"] + 3 * h["bug_se"] < 0 < h["correct_excess"] - 3 * h["correct_se"]
+    # without the bug both objectives are the same, and neither goes below the floor
+    monkeypatch.setattr(gradients, "pad_targets", lambda labels: labels)
+    with single_thread():
+        _, s = gradients.mask_bug_lesson(7, gradients.LESSON_STEPS, 4, gen, 256)
+    h = s["heldout"]
+    assert h["bug_excess"] == h["correct_excess"] > 0
