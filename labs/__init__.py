@@ -18,4 +18,5 @@ LABS = {
     "zloss": "labs.claims.zloss",
     "clip_always": "labs.claims.clip_always",
     "rho_early": "labs.claims.rho_early",
+    "anticipatory": "labs.anticipatory",
 }

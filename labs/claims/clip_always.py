@@ -52,11 +52,12 @@ def train(seed: int, lr: float, steps: int, max_norm: float | None = MAX_NORM) -
             "finite": all(math.isfinite(x) for x in loss), "flagged": clipped_always(coef)}
 
 
-def run(seed: int, quick: bool = False, high_lr: float = HIGH_LR) -> dict:
-    """high_lr: the suspect run's LR (set it to the healthy LR and there is nothing to flag)."""
+def run(seed: int, quick: bool = False, high_lr: float = HIGH_LR, max_norm: float | None = MAX_NORM) -> dict:
+    """high_lr: the suspect run's LR (set it to the healthy LR and there is nothing to flag);
+    max_norm: the clip of the healthy and suspect runs (None: no clip, nothing is ever flagged)."""
     steps = 40 if quick else 200
     with single_thread():
-        runs = {"healthy": train(seed, HEALTHY_LR, steps), "too_high": train(seed, high_lr, steps),
+        runs = {"healthy": train(seed, HEALTHY_LR, steps, max_norm), "too_high": train(seed, high_lr, steps, max_norm),
                 "too_high_no_clip": train(seed, high_lr, steps, max_norm=None)}
     h, t, u = runs["healthy"], runs["too_high"], runs["too_high_no_clip"]
     update_ratio = t["median_update"] / u["median_update"]
@@ -71,7 +72,7 @@ def run(seed: int, quick: bool = False, high_lr: float = HIGH_LR) -> dict:
         "Adam's update is ~lr whatever the clip: median ‖Δθ‖ clipped / unclipped in [0.7, 1.4] "
         "while the median clip coefficient is < 0.5": 0.7 <= update_ratio <= 1.4 and t["median_coef"] < 0.5,
     }
-    r = {"seed": seed, "quick": quick, "steps": steps, "max_norm": MAX_NORM, "runs": runs,
+    r = {"seed": seed, "quick": quick, "steps": steps, "max_norm": max_norm, "runs": runs,
          "update_ratio": update_ratio, "checks": checks,
          "ok": all(checks.values())}
     r["table"] = table(r)
@@ -79,12 +80,13 @@ def run(seed: int, quick: bool = False, high_lr: float = HIGH_LR) -> dict:
 
 
 def table(r: dict) -> str:
-    lines = [f"{r['steps']} steps, AdamW at a constant LR, global-norm clip c = {r['max_norm']:g} on every step", "",
+    clip_c = "off" if r["max_norm"] is None else f"c = {r['max_norm']:g} on every step"
+    lines = [f"{r['steps']} steps, AdamW at a constant LR, global-norm clip {clip_c}", "",
              f"{'run':<18}{'lr':>7}{'clip':>6}{'steps clipped':>15}{'median coef':>13}{'median ‖g‖':>12}"
              f"{'median ‖Δθ‖':>13}{'loss first 10%':>16}{'last 10%':>10}{'finite':>8}{'flag':>10}"]
     for name, x in r["runs"].items():
         flag = "CLIPPED" if x["flagged"] else "-"
-        clip = "off" if x.get("max_norm", r["max_norm"]) is None else f"{r['max_norm']:g}"
+        clip = "off" if x.get("max_norm", r["max_norm"]) is None else f"{x.get('max_norm', r['max_norm']):g}"
         lines.append(f"{name:<18}{x['lr']:>7g}{clip:>6}{x['clipped_fraction']:>15.0%}{x['median_coef']:>13.3f}"
                      f"{x['median_norm']:>12.3f}{x['median_update']:>13.4f}{x['loss_first']:>16.3f}{x['loss_last']:>10.3f}"
                      f"{str(x['finite']):>8}{flag:>10}")
