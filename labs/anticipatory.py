@@ -32,6 +32,7 @@ from pathlib import Path
 TITLE = "anticipatory: rollback with anticipatory routing on vs off on a spike-prone MoE run"
 ROOT = Path(__file__).resolve().parents[1]
 WINDOW = 40
+COMPARED = ("recurrence", "rollbacks", "recovery_mean", "churn_mean", "final_eval")
 
 
 def train(run_dir: Path, seed: int, steps: int, enabled: bool, delay: int) -> None:
@@ -61,7 +62,10 @@ def measure(run_dir: Path) -> dict:
     rollbacks = [e for e in events if e["kind"] == "rollback"]
     first_rb = rollbacks[0]["step"] if rollbacks else None
     triggers = [e for e in events if e["kind"] == "trigger"]
-    recurrence = sum(1 for e in triggers if first_rb is not None and e["step"] > first_rb)
+    # NOTE: in event order, not by step: after a rollback the steps go back, and a spike on the replay
+    # has a smaller step number than the one that caused the rollback
+    i_rb = kinds.index("rollback") if rollbacks else len(events)
+    recurrence = sum(1 for e in events[i_rb + 1:] if e["kind"] == "trigger")
     recovered = [e["recovered_steps"] for e in events if e["kind"] == "recovered"]
 
     def churn(a: dict, b: dict) -> float:
@@ -71,7 +75,7 @@ def measure(run_dir: Path) -> dict:
         return statistics.mean(0.5 * sum(abs(x - y) for x, y in zip(a["expert_load"][k], b["expert_load"][k]))
                                for k in layers)
 
-    lo = (first_rb or steps[0]) + 1
+    lo = (rollbacks[0]["to_step"] if rollbacks else steps[0]) + 1
     window = [s for s in steps if lo <= s < lo + WINDOW and s - 1 in final]
     churns = [churn(final[s - 1], final[s]) for s in window]
     served = [final[s].get("routing", {}).get("delay") for s in steps if final[s].get("routing", {}).get("on")]
@@ -102,10 +106,13 @@ def run(seed: int, quick: bool = False, delay: int = 2, enabled: bool = True) ->
             on["on_steps"] > 0 and delay in on["delays_served"],
         "off-arm: never ran (no stale routes)": off["on_steps"] == 0,
     }
-    better = [k for k, lower in (("recurrence", True), ("rollbacks", True), ("churn_mean", True))
-              if on[k] is not None and off[k] is not None and on[k] < off[k]]
+    # lower is better for each; compared only where both arms have a number
+    compared = [k for k in COMPARED if on[k] is not None and off[k] is not None]
+    better = [k for k in compared if on[k] < off[k]]
+    worse = [k for k in compared if on[k] > off[k]]
     r = {"seed": seed, "quick": quick, "steps": steps, "delay": delay, "window": WINDOW, "arms": arms,
-         "on_better_in": better, "checks": checks, "ok": all(checks.values())}
+         "on_better_in": better, "on_worse_in": worse, "claim_appears": bool(compared) and len(better) == len(compared),
+         "checks": checks, "ok": all(checks.values())}
     r["table"] = table(r)
     return r
 
@@ -125,10 +132,12 @@ def table(r: dict) -> str:
              f"on-arm Δt = {r['delay']}", "", f"{'':<40}{'on':>10}{'off':>10}"]
     lines += [f"{label:<40}{f(on[k], fmt):>10}{f(off[k], fmt):>10}" for label, k, fmt in rows]
     lines.append(f"{'route delay served':<40}{str(on['delays_served'] or '—'):>10}{str(off['delays_served'] or '—'):>10}")
-    verdict = (f"anticipatory routing did better on: {', '.join(r['on_better_in'])}" if r["on_better_in"] else
-               "the benefit V4 reports does NOT appear here: with routing on, no fewer recurrences, rollbacks "
-               "or load churn")
-    lines += ["", f"V4's claim at this scale (one seed, no error bars — a single paired comparison): {verdict}."]
+    better, worse = ", ".join(r["on_better_in"]) or "nothing", ", ".join(r["on_worse_in"]) or "nothing"
+    verdict = ("on is better on every measure" if r["claim_appears"] else
+               "NOT established here: the comparison is mixed")
+    lines += ["", f"on better in: {better}; on worse in: {worse}",
+              f"V4's claimed recovery benefit at this scale: {verdict}. One seed, one paired comparison, no error "
+              "bars: a difference here is not evidence either way (rerun with --seed N to see it move)."]
     return "\n".join(lines + [""] + [f"[{'ok' if v else 'FAIL'}] {k}" for k, v in r["checks"].items()])
 
 

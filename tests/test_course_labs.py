@@ -56,3 +56,19 @@ def test_gradients_headline_is_held_out_and_vanishes_without_the_mask_bug(monkey
         _, s = gradients.mask_bug_lesson(7, gradients.LESSON_STEPS, 4, gen, 256)
     h = s["heldout"]
     assert h["bug_excess"] == h["correct_excess"] > 0
+
+
+@pytest.mark.slow
+def test_anticipatory_lab_compares_on_and_off_and_fails_without_the_mechanism(tmp_path):
+    from labs import anticipatory
+
+    r = anticipatory.run(7, quick=True)
+    assert r["ok"], r["table"]
+    on, off = r["arms"]["on"], r["arms"]["off"]
+    assert on["delays_served"] and max(on["delays_served"]) == r["delay"] and off["on_steps"] == 0
+    assert "V4's claim at this scale" in r["table"]
+    anticipatory.plot(r, tmp_path / "a.png")
+    assert (tmp_path / "a.png").stat().st_size > 5000
+    r = anticipatory.run(7, quick=True, enabled=False)  # both arms off: nothing stale was served
+    assert not r["ok"] and not r["checks"][f"on-arm: anticipatory routing ran after its rollback and served "
+                                           f"Δt = {r['delay']} stale routes"]
