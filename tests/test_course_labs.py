@@ -11,7 +11,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from labs.claims import clip_always, rho_early
 from labs.common import single_thread
 
-pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled", "ignore:Seems like `optimizer.step")
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 
 def test_clip_always_adam_update_size_ignores_the_clip_and_sgd_does_not(monkeypatch):

@@ -86,6 +86,9 @@ def train_layer_fault(seed: int, layer: str, factor: float, start: int, steps: i
                     p.copy_(b + factor * (p - b))
         return out
 
+    # NOTE: the scheduler's check for "step replaced after the scheduler was built" looks for this mark;
+    # step_with_fault calls the marked original, so the order the check protects is kept.
+    step_with_fault._wrapped_by_lr_sched = True
     optimizer.step = step_with_fault
     telemetry, loader, params = Telemetry(model, every=1), Loader(dataset, 8), list(model.parameters())
     loss, lr, whole, layers = [], [], [], {}
