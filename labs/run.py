@@ -94,8 +94,12 @@ def list_labs() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    # NOTE: the knobs come from importing every lab, so only --help pays for them in its epilog
+    wants_help = any(a in ("-h", "--help") for a in argv)
     p = argparse.ArgumentParser(prog="python -m labs.run", description=__doc__.splitlines()[0],
-                                epilog="`--list` prints every lab with its knobs and the named breaks.")
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=list_labs() if wants_help else None)
     p.add_argument("--list", action="store_true", help="list the labs, their knobs and the breaks, and exit")
     p.add_argument("--exercises", action="store_true", help="with --list: print the exercises by course section")
     p.add_argument("--experiment", help="lab name (see --list)")

@@ -44,6 +44,12 @@ def test_list_shows_knobs_and_breaks(capsys):
     assert all(k in out for k in BREAKS) and all(name in out for name in LABS)
 
 
+def test_help_lists_the_knobs(capsys):
+    with pytest.raises(SystemExit) as e:
+        labs_run.main(["--help"])
+    assert e.value.code == 0 and "knobs: high_lr=0.5, max_norm=1.0" in capsys.readouterr().out
+
+
 def test_a_break_is_planted_for_the_run_only():
     rope, swiglu = model.layers.apply_rope, model.swiglu.swiglu
     with planted(["wrong_rope_backward", "straight_through_clamp"]):
