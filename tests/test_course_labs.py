@@ -42,6 +42,7 @@ def test_rho_early_names_the_one_faulty_layer_and_only_while_it_is_faulty():
         rho_early.train_layer_fault(7, "block9.mlp", 2.0, 1, 1)
 
 
+@pytest.mark.slow  # the held-out check itself runs in tests/test_labs_gradients.py's quick lab run
 def test_gradients_headline_is_held_out_and_vanishes_without_the_mask_bug(monkeypatch):
     from labs import gradients
 
