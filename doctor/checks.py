@@ -1,4 +1,4 @@
-"""The doctor's hypothesis checks: each one names a cause of a loss spike (course note 000) and says,
+"""The doctor's hypothesis checks: each one names a cause of a loss spike (docs/course.md §1) and says,
 from the StepRecords alone, whether the step of the earliest anomaly supports it, with the numbers.
 
     ctx = Context(run, tl, devs, t0)      # t0: the step of the earliest anomaly (None: no anomaly)

@@ -1,5 +1,5 @@
 """Single-batch replay: one logged step, rebuilt from its batch ID and the checkpoint before it, run
-forward in FP32 (or FP64) on one process and compared with what the run logged (course note 000: only
+forward in FP32 (or FP64) on one process and compared with what the run logged (docs/course.md §1: only
 a saved batch ID lets you replay the same fault, shrunk, on one device).
 
     python -m doctor.replay runs/<run> --step S [--dtype float32|float64] [--checkpoint PATH]
@@ -219,7 +219,7 @@ def forward(model, micro: list, n_sources: int, ds) -> dict:
 
 
 def verdict(r: ReplayResult) -> list[str]:
-    """What the comparison says, in words (course note 000: reproducible or not is itself evidence)."""
+    """What the comparison says, in words (docs/course.md §5: reproducible or not is itself evidence)."""
     logged_bad = not math.isfinite(r.logged_loss) or r.logged_first_nonfinite is not None
     if logged_bad and r.first_nonfinite is None and math.isfinite(r.loss):
         where = f"; the run's telemetry names the first non-finite layer: {r.logged_first_nonfinite}" \

@@ -1,4 +1,4 @@
-"""The doctor's fault report (course note 000's deliverable): report.md for people, report.json for
+"""The doctor's fault report (docs/course.md §11's deliverable): report.md for people, report.json for
 tools and tests, doctor_timeline.png for the eye — all written into the run directory.
 
 report.md sections (SECTIONS): the earliest anomaly; the diagnosis (symptom-table row, decision-tree
@@ -87,7 +87,7 @@ def render(run: Run, diag: Diagnosis, report: dict) -> str:
     if diag.symptom:
         s = diag.symptom
         out += [f"Symptom-table row: **{s[0]}** — check first: {s[1]}; easily mistaken for: {s[2]}.", ""]
-    out += ["Decision tree (course note 000):", ""]
+    out += ["Decision tree (docs/course.md §5):", ""]
     out += [f"{i}. *{node}*: {finding}" for i, (node, finding) in enumerate(diag.tree, 1)]
     out += ["", "Confirmed:", ""] + [f"- **{c.name}** — {c.evidence}" for c in diag.confirmed or []]
     if not diag.confirmed:

@@ -1,5 +1,5 @@
-"""The doctor's decision tree (course note 000, "Loss spike 的诊断决策树") and symptom table (course note
-004, "症状也能缩短排查路径"), walked over one run's StepRecords.
+"""The doctor's decision tree (docs/course.md §5) and symptom table (docs/course.md
+§10), walked over one run's StepRecords.
 
     freeze the batch ID and the state → finite checks (loss / logits / grads / optimizer state)
       non-finite: localise the earliest non-finite layer and rank

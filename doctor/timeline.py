@@ -1,5 +1,5 @@
-"""The doctor's view of a run: its records as the course notes' four-layer timeline, and the first
-quantity that deviated (course note 000: find the first quantity that left its baseline, not the
+"""The doctor's view of a run: its records as the four-layer timeline (docs/course.md §1), and the first
+quantity that deviated (docs/course.md §1: find the first quantity that left its baseline, not the
 first one an alarm fired on).
 
     run = load_run("runs/<run>")           # records, the first-executed trajectory, events, config

@@ -1,4 +1,4 @@
-"""Labs: each claim of the course notes as a runnable experiment (`python -m labs.run --list`).
+"""Labs: each claim of the course (docs/course.md) as a runnable experiment (`python -m labs.run --list`).
 
 A lab is a module here with TITLE, run(seed, quick) -> dict and plot(result, path). The result holds
 `ok` (did the expected effect appear?), `checks` (each claim → bool) and `table` (the printed report);
@@ -19,4 +19,5 @@ LABS = {
     "clip_always": "labs.claims.clip_always",
     "rho_early": "labs.claims.rho_early",
     "levers": "labs.levers",
+    "anticipatory": "labs.anticipatory",
 }

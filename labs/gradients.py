@@ -1,5 +1,5 @@
 """Autograd vs central finite differences, float64, for every component of the model; then the lesson
-of course note 000: "backward ran" is not "the objective is right".
+of docs/course.md §2: "backward ran" is not "the objective is right".
 
 Each component is a scalar objective f = <component(inputs), w> (w a fixed random projection) or a loss,
 checked on sampled coordinates of its inputs and parameters (labs/gradcheck.py). Piecewise-smooth parts
@@ -9,8 +9,11 @@ and MoE top-k routing where θ±h leaves the chosen experts unchanged.
 
 The lesson: padding labels left as PAD instead of IGNORE_INDEX. Training runs, backward runs, and the
 gradient passes the finite-difference check — it is the exact gradient of the *wrong* objective, one
-that rewards predicting PAD after PAD. Its reported loss even falls below the exact Bayes floor of the
-data, which no correct objective can do.
+that rewards predicting PAD after PAD. Its loss even falls below the exact Bayes floor of the data, which
+no correct objective can do. The decisive number is measured held out, not read off the noisy training
+curve: on HELDOUT validation samples, the per-sample excess of each objective's loss over the exact
+floor of that sample's real tokens, with its standard error — the buggy objective sits more than
+SE_MIN standard errors below the floor, the correct objective on the same model well above it.
 """
 from __future__ import annotations
 
@@ -35,6 +38,8 @@ TOL = 1e-6
 L = 10.0           # SwiGLU clamp bound (the model default)
 Z_COEF = 1e-4      # z-loss coefficient, as labs/common.train_small trains with
 LOSS_CHANGE = 0.05  # the mask bug must move the loss by > 5 % to count as "changes the loss"
+LESSON_STEPS = 120  # NOTE: the same in quick mode: at 40-80 steps the buggy model is not yet below the floor
+HELDOUT, SE_MIN = 512, 3.0
 F64 = torch.float64
 # A tiny mixed dense + MoE model (layer 0 dense, layer 1 MoE) on documents short enough that a third
 # of the label positions are padding.
@@ -192,7 +197,7 @@ def _run(seed: int, quick: bool) -> dict:
     T, n = (16, 20) if quick else (32, 48)
     gen = torch.Generator().manual_seed(seed)
     components, clamp = check_components(T, n, gen)
-    whole, lesson = mask_bug_lesson(seed, 40 if quick else 120, n, gen)
+    whole, lesson = mask_bug_lesson(seed, LESSON_STEPS, n, gen, HELDOUT // 2 if quick else HELDOUT)
     components["whole model (dense + MoE)"] = whole
     checks = {f"{name}: rel err <= {TOL:g}": c["rel_err"] <= TOL for name, c in components.items()}
     checks["autograd gradient is exactly 0 where the SwiGLU clamp bites"] = (
@@ -200,6 +205,10 @@ def _run(seed: int, quick: bool) -> dict:
     checks["mask bug passes gradcheck AND changes the loss"] = (
         lesson["bug_rel_err"] <= TOL
         and abs(lesson["loss_bug"] - lesson["loss_correct"]) > LOSS_CHANGE * lesson["loss_correct"])
+    h = lesson["heldout"]
+    checks[f"held out ({h['samples']} samples): the buggy objective's loss is > {SE_MIN:g} SE below the exact "
+           "floor, the correct objective's is not below it"] = (
+        h["bug_excess"] + SE_MIN * h["bug_se"] < 0 and h["correct_excess"] + SE_MIN * h["correct_se"] > 0)
     result = {"seed": seed, "quick": quick, "tol": TOL, "components": components, "clamp": clamp,
               "lesson": lesson, "checks": checks, "ok": all(checks.values())}
     result["table"] = table(result)
@@ -219,13 +228,33 @@ def check_components(T: int, n: int, gen: torch.Generator) -> tuple[dict, dict]:
     return components, clamp
 
 
-def mask_bug_lesson(seed: int, steps: int, n: int, gen: torch.Generator) -> tuple[dict, dict]:
+@torch.no_grad()
+def heldout_excess(model, dataset, samples: int) -> dict:
+    """Mean over held-out samples of (objective's loss per label − exact floor per real token), for the
+    buggy and the correct objective, with the standard error of each mean."""
+    ex = {"bug": [], "correct": []}
+    for b in eval_batches(dataset, samples, 64):
+        valid_BT = b.labels != IGNORE_INDEX
+        floor_B = (b.floor * valid_BT).sum(1) / valid_BT.sum(1)
+        for key, labels in (("correct", b.labels), ("bug", pad_targets(b.labels))):
+            out = model(b.tokens, labels)
+            ex[key] += (out.loss_sum_B / out.n_valid_B - floor_B).tolist()
+    res = {"samples": samples}
+    for key, xs in ex.items():
+        m = sum(xs) / len(xs)
+        res[f"{key}_excess"] = m
+        res[f"{key}_se"] = math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1) / len(xs))
+    return res
+
+
+def mask_bug_lesson(seed: int, steps: int, n: int, gen: torch.Generator, heldout: int = HELDOUT) -> tuple[dict, dict]:
     """Train the tiny mixed model with PAD targets; on a held-out batch, gradcheck the whole model on the
     correct objective and on the buggy one, and compare their losses and gradients."""
     dataset = build_data({**DATA, "seed": seed})
     trained = {}
     curve = train_small(MODEL, {}, {"name": "fp32"}, steps, 16, seed, eval_samples=16,
                         dataset=PadTargets(dataset), on_step=lambda s, m, o, l: trained.setdefault("m", m))
+    held = heldout_excess(trained["m"], dataset, heldout)
     model = copy.deepcopy(trained["m"]).to(F64)
     batch = eval_batches(dataset, 16, 16)[0]
     params, routes = dict(model.named_parameters()), capture_routes(model)
@@ -240,7 +269,7 @@ def mask_bug_lesson(seed: int, steps: int, n: int, gen: torch.Generator) -> tupl
                    "loss_correct": loss_ok, "loss_bug": loss_bug, "labels_correct": batch.n_valid,
                    "labels_bug": int((pad_targets(batch.labels) != IGNORE_INDEX).sum()),
                    "bug_rel_err": bug["rel_err"], "bug_coords": bug["coords"],
-                   "grad_difference": rel_err(g_bug, g_ok), "train_loss": curve["train_loss"]}
+                   "grad_difference": rel_err(g_bug, g_ok), "train_loss": curve["train_loss"], "heldout": held}
 
 
 def table(r: dict) -> str:
@@ -265,6 +294,12 @@ def table(r: dict) -> str:
               f"  gradcheck of the buggy objective: rel err {s['bug_rel_err']:.1e} on {s['bug_coords']} coords "
               f"({'passes' if s['bug_rel_err'] <= r['tol'] else 'FAILS'}); its gradient differs from the correct "
               f"objective's by {s['grad_difference']:.0%}"]
+    h = s.get("heldout")
+    if h:
+        lines += [f"  held out, {h['samples']} samples, loss − exact floor (± SE): buggy objective "
+                  f"{h['bug_excess']:+.3f} ± {h['bug_se']:.3f} ({h['bug_excess'] / h['bug_se']:+.1f} SE) | "
+                  f"correct objective {h['correct_excess']:+.3f} ± {h['correct_se']:.3f}   ← the decisive number "
+                  "(the train-loss line above is a 10-step mean of a noisy curve)"]
     lines += [""] + [f"[{'ok' if v else 'FAIL'}] {k}" for k, v in r["checks"].items()]
     return "\n".join(lines)
 
@@ -274,7 +309,7 @@ def plot(r: dict, path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.2))
+    fig, (a, c, b) = plt.subplots(1, 3, figsize=(17, 4.2))
     names = list(r["components"])
     errs = [max(r["components"][n]["rel_err"], 1e-17) for n in names]
     a.barh(names, errs, color=["C0" if e <= r["tol"] else "C3" for e in errs])
@@ -285,6 +320,16 @@ def plot(r: dict, path) -> None:
     a.set_title("autograd vs central differences (float64)")
     a.legend(fontsize=8)
     s = r["lesson"]
+    h = s["heldout"]
+    c.bar(["buggy objective\n(PAD targets)", "correct objective\n(same model)"],
+          [h["bug_excess"], h["correct_excess"]], yerr=[3 * h["bug_se"], 3 * h["correct_se"]], capsize=6,
+          color=["C3", "C0"])
+    c.axhline(0, color="k", lw=1, label="exact floor of the held-out tokens")
+    c.set_ylabel("held-out loss − exact floor (nats/token, ±3 SE)")
+    c.set_title(f"held out ({h['samples']} samples): buggy {h['bug_excess']:+.2f} = "
+                f"{h['bug_excess'] / h['bug_se']:+.1f} SE below the floor", fontsize=9)
+    c.legend(fontsize=8)
+    c.grid(alpha=0.3, axis="y")
     ys = s["train_loss"]
     b.plot(range(1, len(ys) + 1), ys, label="reported train loss (PAD targets counted)")
     b.axhline(s["floor"], color="k", lw=1, label=f"exact floor of the data {s['floor']:.3f}")

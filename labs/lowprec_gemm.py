@@ -10,6 +10,11 @@ scale with 127 neighbours, so only the tiles that hold an outlier pay.
 Measured here: relative error of the FP8 copy of x (non-outlier and outlier elements), GEMM output
 error quantiles, dgrad and wgrad error through the real FP8 Linear (precision/fp8_linear.py); the
 non-outlier error against the outlier magnitude; then FP32 vs FP8-block training of a small model.
+
+Accumulation (the part of V3's recipe the plain emulation cannot show, since it sums in exact FP32):
+the same FP8 block GEMM through precision/fp8_gemm.limited_accumulation_gemm_nt, a narrow (~14-bit)
+accumulator over the whole K vs one promoted to FP32 every 128 elements (V3 §3.3.2), error against
+the exact product of the same FP8 operands as K grows.
 """
 from __future__ import annotations
 
@@ -18,8 +23,9 @@ import math
 import torch
 
 from labs.common import train_small
+from precision.fp8_gemm import ACC_BITS, limited_accumulation_gemm_nt
 from precision.fp8_linear import fp8_linear
-from precision.quant import fake_quantize
+from precision.quant import fake_quantize, quantize
 
 TITLE = "lowprec_gemm: BF16 vs FP8 per-tensor vs FP8 block-scaled GEMMs on outlier channels"
 FORMATS = ("bf16", "fp8_tensor", "fp8_block")
@@ -89,6 +95,24 @@ def gemm_errors(x, w, dy, outlier_K, fmt) -> dict:
             "wgrad_nonoutlier": _rel((dw.double() - dw_ref)[:, ~outlier_K], dw_ref[:, ~outlier_K])}
 
 
+PROMOTE = 128  # V3's N_C
+
+
+def accumulation_errors(seed: int, Ks: tuple[int, ...], MN: int) -> dict:
+    """Relative error (norm) of y = x·W^T from FP8 block operands, by K: narrow accumulator over the
+    whole K ("no promotion") vs promoted to FP32 every PROMOTE elements, against the exact (FP64)
+    product of the same FP8 operands — so only the accumulation differs."""
+    g = torch.Generator().manual_seed(seed + 1)
+    out = {"K": list(Ks), "none": [], "promoted": []}
+    for K in Ks:
+        a = quantize(torch.randn(MN, K, generator=g), "tile")
+        b = quantize(torch.randn(MN, K, generator=g) * K ** -0.5, "block")
+        ref = a.dequantize().double() @ b.dequantize().double().t()
+        for key, every in (("none", None), ("promoted", PROMOTE)):
+            out[key].append(_rel(limited_accumulation_gemm_nt(a, b, every).double() - ref, ref))
+    return out
+
+
 def run(seed: int, quick: bool = False) -> dict:
     M, K, N = (256, 512, 256) if quick else (1024, 2048, 1024)
     x0, w, dy, outlier_K = _operands(seed, M, K, N, n_outliers=4 if quick else 8)
@@ -109,17 +133,20 @@ def run(seed: int, quick: bool = False) -> dict:
     for r in runs.values():
         r["copy_transition_step"] = transition_step(r["train_loss_by_source"]["copy"], r["floor_by_source"]["copy"])
 
+    acc = accumulation_errors(seed, (512, 2048) if quick else (512, 1024, 2048, 4096), 32 if quick else 64)
     big = [i for i, m in enumerate(SWEEP) if m >= HEADLINE]
     checks = {
         f"block < per-tensor on non-outlier elements at outlier magnitude >= {HEADLINE:g}":
             all(sweep["fp8_block"][i] < sweep["fp8_tensor"][i] for i in big),
         "fp8 block GEMM output p99 error < per-tensor": formats["fp8_block"]["y_p99"] < formats["fp8_tensor"]["y_p99"],
         "fp8 block training stays finite": math.isfinite(runs["fp8_block"]["eval_loss"]),
+        f"narrow accumulator: error grows with K; promoting every {PROMOTE} cuts it >= 5× at the largest K":
+            acc["none"][-1] > acc["none"][0] and acc["promoted"][-1] * 5 < acc["none"][-1],
     }
     result = {"seed": seed, "quick": quick, "shape": {"M": M, "K": K, "N": N},
               "outlier_channels": outlier_K.nonzero().flatten().tolist(), "headline_magnitude": HEADLINE,
               "formats": formats, "sweep": {"magnitude": list(SWEEP), **sweep}, "training": runs,
-              "loss_gap": gap, "loss_gap_by_source": gap_by_source, "checks": checks, "ok": all(checks.values())}
+              "loss_gap": gap, "loss_gap_by_source": gap_by_source, "accumulation": acc, "checks": checks, "ok": all(checks.values())}
     result["table"] = table(result)
     return result
 
@@ -151,6 +178,12 @@ def table(r: dict) -> str:
               f"{'magnitude':<11}" + "".join(f"{f:>12}" for f in FORMATS)]
     for i, mag in enumerate(r["sweep"]["magnitude"]):
         lines.append(f"{mag:<11g}" + "".join(f"{r['sweep'][f][i]:>12.2e}" for f in FORMATS))
+    acc = r.get("accumulation")
+    if acc:
+        lines += ["", f"accumulation: FP8 block GEMM, accumulator of {ACC_BITS + 1} mantissa bits (truncating), "
+                  "relative error vs the exact product of the same FP8 operands",
+                  f"{'K':<11}{'no promotion':>14}{f'FP32 every {PROMOTE}':>16}"]
+        lines += [f"{k:<11}{n:>14.2e}{p:>16.2e}" for k, n, p in zip(acc["K"], acc["none"], acc["promoted"])]
     t = r["training"]
     src = list(t["fp32"]["eval_by_source"])
     lines += ["", f"training: {t['fp32']['steps']} steps, {t['fp32']['params'] / 1e6:.2f}M-param dense+MoE model, "
@@ -176,7 +209,9 @@ def plot(r: dict, path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    acc = r.get("accumulation")
+    fig, axes = plt.subplots(1, 3 if acc else 2, figsize=(16.5 if acc else 11, 4))
+    a, b = axes[0], axes[1]
     for fmt in FORMATS:
         a.loglog(r["sweep"]["magnitude"], r["sweep"][fmt], "o-", label=fmt)
     a.axhline(2 ** -4, color="k", ls=":", lw=1, label="E4M3 max rel. rounding 2^-4")
@@ -197,6 +232,15 @@ def plot(r: dict, path) -> None:
     b.set_title("fp32 vs fp8 block: " + ", ".join(f"{n} gap {g:+.2%}" for n, g in r["loss_gap_by_source"].items()))
     b.legend(fontsize=8)
     b.grid(alpha=0.3)
+    if acc:
+        c = axes[2]
+        c.loglog(acc["K"], acc["none"], "o-", color="C3", label="narrow accumulator, no promotion")
+        c.loglog(acc["K"], acc["promoted"], "o-", color="C0", label=f"promoted to FP32 every {PROMOTE}")
+        c.set_xlabel("contraction length K")
+        c.set_ylabel("relative error of y (same FP8 operands)")
+        c.set_title(f"accumulation: at K={acc['K'][-1]} {acc['none'][-1]:.1%} → {acc['promoted'][-1]:.2%}")
+        c.legend(fontsize=8)
+        c.grid(alpha=0.3, which="both")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

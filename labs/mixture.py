@@ -183,7 +183,9 @@ def _run(seed: int, quick: bool, fault: str | None, new_weights: tuple) -> dict:
     checks = {f"{name} → {want}": verdicts[name] == want for name, want in zip(runs, expected)}
     result = {"seed": seed, "quick": quick, "fault": fault, "steps": steps, "S": S, "window": W, "k": K,
               "floors": floors, "noise": noise, "verdicts": verdicts, "telemetry": telemetry,
-              "curves": {n: {"loss": r["train_loss"], "by_source": r["train_loss_by_source"]} for n, r in runs.items()},
+              "curves": {n: {"loss": r["train_loss"], "by_source": r["train_loss_by_source"],
+                             "mix_floor": [mixture_floor({s: r["train_tokens_by_source"][s][t] for s in floors}, floors)
+                                           for t in range(steps)]} for n, r in runs.items()},
               "seconds": {n: r["seconds"] for n, r in runs.items()}, "checks": checks,
               "ok": list(verdicts.values()) == expected}
     result["table"] = table(result)
@@ -224,6 +226,9 @@ def plot(r: dict, path) -> None:
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.2))
     for (name, c), color in zip(r["curves"].items(), ("C0", "C2", "C3")):
         a.plot(range(1, len(c["loss"]) + 1), smooth(c["loss"]), color=color, label=f"{name}: {r['verdicts'][name]}")
+        if "mix_floor" in c:  # Σ_s share_s · floor_s of each step's tokens: what the objective asks for
+            a.plot(range(1, len(c["mix_floor"]) + 1), smooth(c["mix_floor"]), color=color, ls="--", lw=0.9,
+                   label=f"{name.split(':')[0]}: mixture floor")
         for (s, ys), ls in zip(c["by_source"].items(), ("-", "--")):
             excess = [y - r["floors"][s] for y in ys]
             b.plot(range(1, len(ys) + 1), smooth(excess), color=color, ls=ls, label=f"{name.split(':')[0]} {s}")
@@ -233,7 +238,9 @@ def plot(r: dict, path) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     a.set_ylabel("total train loss (nats/token)")
-    a.set_title("total loss: both b and c jump")
+    t_b = next(v for k, v in r["telemetry"].items() if k.startswith("b"))
+    a.set_title(f"total loss (solid) and its mixture floor (dashed): b's floor moves "
+                f"{t_b['mix_before']:.2f} → {t_b['mix_after']:.2f}", fontsize=9)
     b.set_ylabel("per-source loss − exact floor")
     b.set_title("per source: only c leaves its trajectory")
     fig.tight_layout()

@@ -6,7 +6,7 @@ The objective of a step is the mean loss per valid label token of the *global* b
 
 where N_valid is counted over every micro-batch on every rank *before* any forward. Averaging a mean
 per micro-batch instead would give each token of a short micro-batch more weight than a token of a
-long one (course note 004: accumulate the loss sum and the token count, divide once).
+long one (docs/course.md §7: accumulate the loss sum and the token count, divide once).
 
 NOTE: DDP and FSDP *average* gradients over ranks (÷ world), so each rank back-propagates
 world · L_rank; the average then equals the gradient of L exactly (world is a power of two here, so

@@ -11,6 +11,14 @@ Two paths, same numbers up to the order of the FP32 sums:
 WARN: the CUDA path could not be run where it was written (no GPU). So each (A kind, B kind) pair
 checks its first CUDA result against the emulation and, on an error or a mismatch, falls back to the
 emulation for the rest of the process, with one warning. `fast_path_status()` says which happened.
+
+Limited accumulation (`limited_accumulation_gemm_nt`): the emulation above sums in exact FP32, so the
+problem DeepSeek-V3 §3.3.2 fixes cannot appear in it. H800 FP8 tensor cores keep only ~14 mantissa bits
+in their accumulator; summing a long K there loses the low bits of every addend (~2 % relative error at
+K = 4096 in V3's measurement). V3's fix: every N_C = 128 elements along K, copy the partial sum to an FP32
+register on the CUDA cores and add it there. This models both: a running accumulator truncated to
+`acc_bits` mantissa bits after every addition, promoted to an exact FP32 sum every `promote_every`
+elements (None: never promoted, the whole K in the narrow accumulator).
 """
 from __future__ import annotations
 
@@ -57,6 +65,39 @@ def emulated_gemm_nt(a: QTensor, b: QTensor) -> torch.Tensor:
     # and the scales are applied after the sum; here the dequantised values q·s are multiplied, and the
     # scales (amax/448) are not powers of two, so q·s, the products and the sums all round in FP32.
     return a.dequantize() @ b.dequantize().t()
+
+
+# NOTE: V3 §3.3.2 puts the H800 accumulator at "around 14 bits"; 13 stored bits + the implicit one.
+ACC_BITS = 13
+
+
+def truncate_mantissa(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """x with its mantissa cut to `bits` fractional bits, towards zero.
+    NOTE: truncation, not round-to-nearest: a tensor core aligns addends to the larger exponent and
+    drops the bits shifted out, so the error is a bias that grows with K rather than averaging out."""
+    m, e = torch.frexp(x)  # x = m · 2^e, 0.5 <= |m| < 1
+    return torch.ldexp(torch.trunc(m * 2.0 ** (bits + 1)) / 2.0 ** (bits + 1), e)
+
+
+def limited_accumulation_gemm_nt(a: QTensor, b: QTensor, promote_every: int | None = 128,
+                                 acc_bits: int = ACC_BITS) -> torch.Tensor:
+    """dequant(a) · dequant(b)^T with a modelled tensor-core accumulator (see the module docstring).
+
+    Products are exact (E4M3 × E4M3 fits any accumulator); each addition into the narrow accumulator
+    is truncated to `acc_bits`; every `promote_every` elements the partial sum is added to an FP32
+    total and the narrow accumulator restarts at zero. Loops over K: meant for labs and tests."""
+    x_MK, w_NK = a.dequantize(), b.dequantize()
+    K = x_MK.shape[1]
+    chunk = K if promote_every is None else promote_every
+    if chunk < 1:
+        raise ValueError(f"promote_every={promote_every}: expected a positive number of elements or None")
+    total_MN = torch.zeros(x_MK.shape[0], w_NK.shape[0], dtype=torch.float32)
+    for k0 in range(0, K, chunk):
+        acc_MN = torch.zeros_like(total_MN)
+        for k in range(k0, min(K, k0 + chunk)):
+            acc_MN = truncate_mantissa(acc_MN + torch.outer(x_MK[:, k], w_NK[:, k]), acc_bits)
+        total_MN += acc_MN  # promotion: an exact FP32 add on the CUDA cores
+    return total_MN
 
 
 def fast_path_status() -> dict[str, str]:

@@ -4,7 +4,7 @@ in the README and the precision table):
     unscale → global norm → finite check agreed by all ranks → clip → step or a counted skip
     (g ← g/S first), then the scaler update (back off on overflow, grow after a clean interval)
 
-Why this order (course note 004): the clip threshold c is meant for the true gradient. Clipping the
+Why this order (docs/course.md §3): the clip threshold c is meant for the true gradient. Clipping the
 scaled gradient S·g compares S·‖g‖ with c, i.e. clips at c/S: the coefficient comes out S times too
 small whenever S·‖g‖ > c. And the finite check must be one decision for all ranks: under FSDP each rank
 sees only its shard, so an inf on one rank must stop the step on every rank, or the replicas diverge.

@@ -1,6 +1,6 @@
 """The precision table every run prints and saves: one stated precision per quantity, and per module.
 
-"Use BF16/FP8" does not describe a run (course note 004): matmul inputs, accumulation, master
+"Use BF16/FP8" does not describe a run (docs/course.md §3): matmul inputs, accumulation, master
 weights, gradients, reductions, communication and optimizer state each have their own precision, and
 some modules stay in high precision on purpose. run_dir/precision.json is the machine-readable copy,
 run_dir/precision.md the one a person reads.

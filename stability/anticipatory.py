@@ -1,4 +1,4 @@
-"""Anticipatory routing (DeepSeek-V4; course note 004, 路由时滞与动态稳定守卫): train on expert ids that
+"""Anticipatory routing (DeepSeek-V4; docs/course.md §9): train on expert ids that
 were chosen Δt optimizer steps earlier, while hidden states and gate weights come from the current
 parameters. The guard turns it on after a rollback and off once training is stable again.
 

@@ -2,7 +2,7 @@
 
 Kinds written by the guard: trigger, skip, rollback, rollback_failed, anticipatory_on, anticipatory_off,
 recovered; by the fault injector: fault. Every event carries `step` (the optimizer step it belongs to)
-and `kind`; the rest are the fields DESIGN §4 asks for (trigger metric / value / threshold / cooldown,
+and `kind`; the rest are the fields docs/design.md §4 lists (trigger metric / value / threshold / cooldown,
 rollback checkpoint and data cursor, policy versions and delay, activation duration, recovered steps,
 expert-load and loss trajectories).
 """

@@ -1,6 +1,6 @@
 """Fault injection for stability drills: one deliberate fault, at a known step, chosen by `fault=<kind>`.
 
-Each kind plants one cause of a loss spike from course note 000 (data switch, corrupted text, label
+Each kind plants one cause of a loss spike from docs/course.md §1 (data switch, corrupted text, label
 misalignment, overlong sequences, activation outliers, a wrong gradient reduction, corrupted optimizer
 state), so the detector, guard and doctor can be shown to find it.
 

@@ -5,12 +5,12 @@
                  = rollback  veto, then restore a recent good TrainState and (MoE) turn on
                              anticipatory routing until training is quiet again (DeepSeek-V4)
 
-Two checkpoints of the step feed the detector (DESIGN §3):
+Two checkpoints of the step feed the detector (docs/design.md §3):
   before the update  loss, grad norm, non-finite loss / logits / grads   → skip or rollback can veto
   after the update   max update ratio ρ, non-finite optimizer state, replica divergence → only a
                      rollback can undo an update that was already applied (skip logs that it can't)
 
-Skip accounting (course note 000: a skip must be counted, never silent): the optimizer does not
+Skip accounting (docs/course.md §5: a skip must be counted, never silent): the optimizer does not
 step (its step count does not advance, so Adam's bias correction is unchanged); the scheduler DOES
 advance (the LR schedule follows the step clock); the batch is consumed: the data cursor and
 `tokens` move on, and the guard counts `skipped_steps` and `skipped_tokens` (in the StepRecord's
@@ -96,8 +96,8 @@ class Guard:
 
         `scaled`: an FP16 loss scaler is on — a non-finite gradient with a finite loss is then its
         routine overflow (the scaler skips and backs off), not a spike.
-        `fingerprint`: the data manifest the batch came from. A change is an input switch (course note
-        000: check LR / batch / data switches at the step): logged as a trigger at once, but never
+        `fingerprint`: the data manifest the batch came from. A change is an input switch (docs/course.md
+        §5: check LR / batch / data switches at the step): logged as a trigger at once, but never
         vetoed or rolled back — the objective changed, and no earlier state can undo that.
         """
         self.verdict = Verdict()

@@ -1,4 +1,4 @@
-"""Input-layer telemetry: what the batch itself looked like, before any forward (course note 000:
+"""Input-layer telemetry: what the batch itself looked like, before any forward (docs/course.md §1:
 the first layer of the timeline — data switches, corrupted text, label misalignment, overlong
 sequences — is where many "loss spikes" start).
 

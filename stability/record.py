@@ -1,6 +1,6 @@
 """StepRecord: one JSON line per optimizer step, the spine every other tool reads.
 
-Laid out as the course notes' four-layer timeline (input → forward → backward/update → system), all
+Laid out as the four-layer timeline of docs/course.md §1 (input → forward → backward/update → system), all
 keyed by the same `step`, cumulative `tokens` and `ckpt_id`, so the first quantity that deviated can be
 found by reading one file (runs/<run>/metrics.jsonl).
 

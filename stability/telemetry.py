@@ -1,7 +1,7 @@
 """Per-layer telemetry: activation RMS, gradient RMS, update-to-weight ratio, SwiGLU clamp hit-rate,
 non-finite flags and cross-replica checks, every `telemetry.every` optimizer steps.
 
-Course note 004: loss alone cannot tell "the global learning rate is too large" from "a few layers
+docs/course.md §8: loss alone cannot tell "the global learning rate is too large" from "a few layers
 misbehave"; per layer,
 
     act_rms_ℓ  = sqrt(Σ x² / n)          over every micro-batch of the step, every rank

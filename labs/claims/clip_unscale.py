@@ -1,4 +1,4 @@
-"""Clip before unscale changes the threshold (course note 004: unscale first, then check, then clip).
+"""Clip before unscale changes the threshold (docs/course.md §3: unscale first, then check, then clip).
 
 Under loss scaling the backward produces S·g. Clipping that at c compares S·‖g‖ with c, i.e. clips the
 true gradient at c/S, with a coefficient S times too small whenever S·‖g‖ > c. precision/step.py's

@@ -1,4 +1,4 @@
-"""A mean per micro-batch over-weights short samples; token normalisation does not (course note 004).
+"""A mean per micro-batch over-weights short samples; token normalisation does not (docs/course.md §7).
 
 The step's objective is the mean loss per valid label token of the whole batch, L = Σ ce / N. With M
 micro-batches of n_1..n_M valid tokens:

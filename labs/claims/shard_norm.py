@@ -1,4 +1,4 @@
-"""Local vs global gradient norm under sharding (both course notes): a rank's norm is not the model's.
+"""Local vs global gradient norm under sharding (docs/course.md §2): a rank's norm is not the model's.
 
     ‖g‖ = sqrt(Σ_ranks Σ_i g_i²)        g ← g · min(1, c / (‖g‖ + ε))
 

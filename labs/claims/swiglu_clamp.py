@@ -1,4 +1,4 @@
-"""The SwiGLU clamp bounds the activation and zeroes the gradient past the bound (DeepSeek-V4; DESIGN §6).
+"""The SwiGLU clamp bounds the activation and zeroes the gradient past the bound (DeepSeek-V4; docs/design.md §6).
 
     clamped:  silu(min(gate, L)) · clamp(up, −L, L)        free:  silu(gate) · up
 

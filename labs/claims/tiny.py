@@ -1,6 +1,6 @@
 """The tiny setup every claim lab shares: model, data, optimizer and train.py's step, at toy size.
 
-One step is train.py's (DESIGN §3): micro-batches → count_valid_tokens → forward_backward (token
+One step is train.py's (docs/design.md §3): micro-batches → count_valid_tokens → forward_backward (token
 normalised, optional z-loss and loss scale) → precision.optimizer_step (unscale → finite check → clip →
 step or skip) → scheduler.step → zero_grad. Nothing here re-derives what those functions do.
 """

@@ -1,4 +1,4 @@
-"""z-loss bounds the logit normaliser (PaLM; course note 000: it constrains the scale of log Z, whether
+"""z-loss bounds the logit normaliser (PaLM; docs/course.md §4: it constrains the scale of log Z, whether
 the coefficient suits a run is still an experiment).
 
 Softmax is shift-invariant, so cross-entropy never penalises log Z = logsumexp(logits) drifting: all
