@@ -6,7 +6,7 @@ import re
 
 from stability.record import StepRecord, read_records
 from stability.sinks import ConsoleSink
-from tests.helpers import TINY, run_train
+from helpers import TINY, run_train
 
 
 class _Stream(io.StringIO):
