@@ -5,7 +5,8 @@
 #   bash bench/stress_suite.sh tests/test_doctor.py    # any pytest arguments instead
 #   STRESS_HOGS=4 STRESS_MAX_S=1800 bash bench/stress_suite.sh
 #
-# STRESS_HOGS busy-loop processes (default: one per online core; not `nproc`, which obeys OMP_NUM_THREADS) start before pytest and are killed when it
+# STRESS_HOGS busy-loop processes (default: one per online core; not `nproc`, which obeys
+# OMP_NUM_THREADS) start before pytest and are killed when it
 # ends (a trap, also on Ctrl-C or a failure); each is also bounded by STRESS_MAX_S seconds of wall time
 # (default 3600), so none can outlive a killed script. Prints pytest's summary, the wall time and the
 # load average, and exits with pytest's status.
