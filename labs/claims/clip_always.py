@@ -3,8 +3,8 @@ for a long time, a stable-looking curve may mask a recipe problem").
 
 Two runs of the same tiny model with the same clip threshold (c = 1.0, precision/step.py →
 optim/clip.py): a healthy learning rate and one far too high. With AdamW the too-high run does not
-blow up — the clip caps every step and Adam's normalisation does the rest — so its loss curve goes
-down and looks fine, yet the clip coefficient is below 1 on (nearly) every step and the run ends well
+blow up — the clip caps every step and Adam's normalisation does the rest — so after an early rise its
+loss curve goes down and looks fine, yet the clip coefficient is below 1 on (nearly) every step and the run ends well
 above the healthy one. The telemetry that gives it away is the fraction of clipped steps and the
 median coefficient; the lab flags a run "clipped on > 90 % of steps".
 """
@@ -18,7 +18,10 @@ from labs.claims.tiny import BATCH, build, check_lines, figure, make_optimizer, 
 from labs.common import single_thread
 
 TITLE = "clip_always: a too-high LR under clip 1.0 looks smooth while nearly every step is clipped"
-HEALTHY_LR, HIGH_LR = 3e-3, 0.5
+# NOTE: at LR 0.5 the run settles late and slips under the clip on some steps: 84-93 % clipped over
+# seeds 0-2 (200 steps), astride the 90 % flag. At 0.7 the median gradient norm stays 3.7-8x the clip:
+# 98-100 % clipped over seeds 0-9 (200 steps), median coefficient 0.12-0.27.
+HEALTHY_LR, HIGH_LR = 3e-3, 0.7
 MAX_NORM = 1.0
 FLAG_FRACTION = 0.9
 
