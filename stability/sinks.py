@@ -5,6 +5,7 @@ Only rank 0 builds sinks; other ranks get an empty list, so the loop never asks 
 from __future__ import annotations
 
 import math
+import sys
 from pathlib import Path
 
 from tqdm.auto import tqdm
@@ -27,22 +28,34 @@ class JsonlSink:
 
 
 class ConsoleSink:
-    """A progress bar, plus one compact line every `every` steps and on every evaluation."""
+    """A progress bar on a terminal, plus one compact line every `every` steps and on every evaluation
+    or event. Off a terminal (CI, `> log`) only the plain lines: a bar there is hundreds of
+    carriage-return redraws a minute in the file."""
 
     def __init__(self, total_steps: int, every: int, floor: float | None, progress: bool):
         self.every, self.floor = every, floor
-        self.bar = tqdm(total=total_steps, desc="train", unit="step", disable=not progress, dynamic_ncols=True)
+        # NOTE: tqdm draws on stderr, so stderr's TTY-ness decides; looked up now, not at import, so a
+        # redirected stream (tests, a wrapper) is the one asked.
+        self.bar = tqdm(total=total_steps, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr,
+                        disable=not (progress and sys.stderr.isatty()))
+
+    def _line(self, text: str) -> None:
+        if self.bar.disable:  # flushed per line: a log file tailed during a run shows each line as it comes
+            print(text, flush=True)
+        else:
+            self.bar.write(text)  # above the bar, which is redrawn below it
 
     def write(self, rec: StepRecord) -> None:
-        self.bar.update(1)
-        self.bar.set_postfix(loss=f"{rec.loss:.4f}", gnorm=f"{rec.grad_norm:.3f}", refresh=False)
+        if not self.bar.disable:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{rec.loss:.4f}", gnorm=f"{rec.grad_norm:.3f}", refresh=False)
         if rec.eval is not None:
             ev = rec.eval
             gap = f" (floor {ev['floor']:.4f}, gap {ev['loss'] - ev['floor']:+.4f})" if ev.get("floor") is not None else ""
-            self.bar.write(f"eval  step {rec.step:>6} | val loss {ev['loss']:.4f}{gap}")
+            self._line(f"eval  step {rec.step:>6} | val loss {ev['loss']:.4f}{gap}")
         if self.every and (rec.step % self.every == 0 or rec.events):
             ev = f" | {'; '.join(rec.events)}" if rec.events else ""
-            self.bar.write(
+            self._line(
                 f"step {rec.step:>6} | loss {rec.loss:.4f} | lr {rec.lr:.2e} | gnorm {rec.grad_norm:.3f}"
                 f" clip {rec.clip_coef:.2f} | {rec.tokens_per_s / 1e3:.1f}k tok/s"
                 f" | {rec.time_s.get('total', math.nan) * 1e3:.0f} ms{ev}"

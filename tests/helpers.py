@@ -7,6 +7,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# A hang guard for subprocesses, never a speed limit: ~10x what the slowest child needs on an idle
+# 2-core machine, so a loaded machine (the suite under bench/stress_suite.sh) never trips it.
+HANG_S = 1800
 
 # Small enough for a few seconds of CPU per run.
 TINY = ["train.steps=6", "train.eval_every=3", "train.eval_samples=32", "train.eval_batch_size=16",
@@ -22,7 +25,7 @@ def env() -> dict:
     return e
 
 
-def run_train(run_dir: Path, *overrides: str, nproc: int = 1, timeout: float = 300) -> subprocess.CompletedProcess:
+def run_train(run_dir: Path, *overrides: str, nproc: int = 1, timeout: float = HANG_S) -> subprocess.CompletedProcess:
     args = [f"hydra.run.dir={run_dir}", *overrides]
     if nproc == 1:
         cmd = [sys.executable, "train.py", *args]

@@ -17,7 +17,7 @@ import sys
 import pytest
 import yaml
 
-from helpers import ROOT, SINGLE_PROCESS_DRILLS, S, env
+from helpers import HANG_S, ROOT, SINGLE_PROCESS_DRILLS, S, env
 from doctor.cli import doctor
 from doctor.report import SECTIONS
 
@@ -79,7 +79,7 @@ def test_healthy_run_is_healthy(runs):
 def test_cli_writes_report_and_plot(runs):
     d = runs.get("lr_spike")
     r = subprocess.run([sys.executable, "-m", "doctor", str(d)], cwd=ROOT, env=env(),
-                       capture_output=True, text=True, timeout=120)
+                       capture_output=True, text=True, timeout=HANG_S)
     assert r.returncode == 0, r.stderr
     assert "optim.lr_switch" in r.stdout
     assert (d / "report.md").is_file() and (d / "doctor_timeline.png").stat().st_size > 1000
@@ -102,7 +102,7 @@ def test_diagnosis_ignores_the_fault_answer_key(runs, tmp_path):
 
 def test_not_a_run_directory_is_a_one_line_error(tmp_path):
     r = subprocess.run([sys.executable, "-m", "doctor", str(tmp_path)], cwd=ROOT, env=env(),
-                       capture_output=True, text=True, timeout=60)
+                       capture_output=True, text=True, timeout=HANG_S)
     assert r.returncode != 0
     assert len(r.stderr.strip().splitlines()) == 1 and "metrics.jsonl" in r.stderr
 

@@ -6,14 +6,14 @@ import subprocess
 import sys
 import types
 
-from helpers import ROOT, env
+from helpers import HANG_S, ROOT, env
 from labs import LABS
 from labs import run as labs_run
 
 
 def test_lowprec_gemm_quick_run_prints_saves_and_passes(tmp_path):
     r = subprocess.run([sys.executable, "-m", "labs.run", "--experiment", "lowprec_gemm", "--seed", "7", "--quick",
-                        "--out", str(tmp_path)], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
+                        "--out", str(tmp_path)], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=HANG_S)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "fp8_block" in r.stdout and "relative loss gap" in r.stdout and "expected effect present" in r.stdout
     res = json.loads((tmp_path / "result.json").read_text())

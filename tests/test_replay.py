@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from helpers import ROOT, TINY, env, run_train
+from helpers import HANG_S, ROOT, TINY, env, run_train
 from doctor.replay import replay
 from test_drills import SMALL
 
@@ -77,13 +77,13 @@ def test_nan_drill_replay_is_finite_and_telemetry_names_the_layer(nan_drill):
 
 def test_cli_prints_the_comparison_and_errors_in_one_line(healthy):
     ok = subprocess.run([sys.executable, "-m", "doctor.replay", str(healthy), "--step", "9"], cwd=ROOT, env=env(),
-                        capture_output=True, text=True, timeout=180)
+                        capture_output=True, text=True, timeout=HANG_S)
     assert ok.returncode == 0, ok.stderr
     assert "vs logged" in ok.stdout and "|Δ| = " in ok.stdout
     out = json.loads((healthy / "replay_step_9.json").read_text())
     assert out["delta"] < 1e-6
     bad = subprocess.run([sys.executable, "-m", "doctor.replay", str(healthy), "--step", "3"], cwd=ROOT, env=env(),
-                         capture_output=True, text=True, timeout=180)
+                         capture_output=True, text=True, timeout=HANG_S)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "no complete checkpoint" in bad.stderr
 
 

@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from checkpoint import read_tensors
-from helpers import ROOT, TINY, env, run_train
+from helpers import HANG_S, ROOT, TINY, env, run_train
 from stability.record import read_records
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -23,7 +23,7 @@ CKPT3 = "checkpoints/step_000003"
 
 def verify(out, *args: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "checkpoint.verify", "--out", str(out), *args, *TINY]
-    return subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
+    return subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=HANG_S)
 
 
 def rel(a: float, b: float) -> float:

@@ -51,7 +51,10 @@ def train(seed: int, z_coef: float, steps: int) -> dict:
 
 def run(seed: int, quick: bool = False, coefs: tuple[float, ...] | None = None) -> dict:
     coefs = coefs or ((0.0, 1e-2) if quick else (0.0, 1e-3, 1e-2))
-    steps = 150 if quick else 200
+    # NOTE: quick keeps all 200 steps (it only drops z = 1e-3): z-loss pulls log Z down over the whole
+    # run, and at 150 steps the eval RMS ratio sat at 0.34-0.53 over seeds 0-6 against the 0.5 claim
+    # (seed 0 failed); at 200 it is 0.26-0.35 (bench/labs_seeds.py), a margin the claim can stand on.
+    steps = 200
     with single_thread():
         runs = [train(seed, z, steps) for z in coefs]
     base, top = runs[0], runs[-1]
