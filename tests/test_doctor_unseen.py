@@ -20,7 +20,7 @@ from bench.doctor_drills import BY_NAME, FAULTS
 from bench.doctor_score import diagnose, run_dir, score_fault, train_clean, train_fault
 from doctor.cli import doctor
 
-SAMPLE = ["noise_half", "act_x4_attn", "adam_v_div16", "resume_lost_moments"]
+SAMPLE = ["noise_half", "nan_attn", "adam_v_div16", "resume_lost_moments"]
 
 
 @pytest.fixture(scope="module")

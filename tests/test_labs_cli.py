@@ -29,7 +29,7 @@ def test_knobs_are_the_run_keywords_and_values_are_typed_like_their_defaults():
 def test_unknown_knob_or_break_is_one_line_naming_the_knobs(capsys):
     assert labs_run.main(["--experiment", "clip_always", "--set", "lr=0.5"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "--set lr" in err[0] and "high_lr=0.5" in err[0] and "max_norm=1.0" in err[0]
+    assert len(err) == 1 and "--set lr" in err[0] and "high_lr=0.7" in err[0] and "max_norm=1.0" in err[0]
     assert labs_run.main(["--experiment", "clip_always", "--set", "break=nope"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "break=nope" in err[0] and "wrong_rope_backward" in err[0]
@@ -40,14 +40,14 @@ def test_unknown_knob_or_break_is_one_line_naming_the_knobs(capsys):
 def test_list_shows_knobs_and_breaks(capsys):
     assert labs_run.main(["--list"]) == 0
     out = capsys.readouterr().out
-    assert "knobs: high_lr=0.5, max_norm=1.0" in out
+    assert "knobs: high_lr=0.7, max_norm=1.0" in out
     assert all(k in out for k in BREAKS) and all(name in out for name in LABS)
 
 
 def test_help_lists_the_knobs(capsys):
     with pytest.raises(SystemExit) as e:
         labs_run.main(["--help"])
-    assert e.value.code == 0 and "knobs: high_lr=0.5, max_norm=1.0" in capsys.readouterr().out
+    assert e.value.code == 0 and "knobs: high_lr=0.7, max_norm=1.0" in capsys.readouterr().out
 
 
 def test_a_break_is_planted_for_the_run_only():
