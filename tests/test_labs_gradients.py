@@ -11,33 +11,10 @@ import model.layers
 import model.swiglu
 from labs import gradients as G
 from labs import run as labs_run
+from labs.breaks import _ScaledGrad, _StraightThroughClamp  # the same wrong backwards `--set break=` plants
 from labs.gradcheck import fd_check
 
 REAL_ROPE, REAL_SWIGLU = model.layers.apply_rope, model.swiglu.swiglu
-
-
-class _ScaledGrad(torch.autograd.Function):
-    """Identity forward, gradient × 1.01 backward: a 1 % error no forward test would ever see."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        return 1.01 * g
-
-
-class _StraightThroughClamp(torch.autograd.Function):
-    """The classic wrong clamp: clamps forward, passes the gradient through unchanged backward."""
-
-    @staticmethod
-    def forward(ctx, x, lo, hi):
-        return x.clamp(lo, hi)
-
-    @staticmethod
-    def backward(ctx, g):
-        return g, None, None
 
 
 def _straight_through_swiglu(gate, up, limit):
