@@ -62,8 +62,8 @@ def main(cfg: DictConfig) -> None:
 
 
 def train(run: Run) -> None:
-    tc, names, dev, ckpt, guard, cb = run.train, run.dataset.source_names, run.dist.device, run.ckpt, run.guard, run.callbacks
-    model, optimizer, loader = run.model, run.optimizer, run.loader
+    tc, names, dev = run.train, run.dataset.source_names, run.dist.device
+    model, optimizer, loader, ckpt, guard, cb = run.model, run.optimizer, run.loader, run.ckpt, run.guard, run.callbacks
     step, tokens_seen = ckpt.state.step, ckpt.state.tokens  # 0 unless resumed
     in_base = InputBaseline(run.dataset)  # the running unigram histogram each batch's inputs are judged by
     while step < ckpt.last_step:  # last_step < train.steps under checkpoint.stop_after
@@ -170,9 +170,11 @@ def finish(run: Run) -> None:
     last = next(r["eval"] for r in reversed(records) if r.get("eval"))
     if run.cfg.logging.plot:
         plot_losses(records, run.run_dir / "loss.png", last["floor"])
-    floor = f" | exact floor {last['floor']:.4f} | gap {last['loss'] - last['floor']:+.4f} nats" if last["floor"] is not None else ""
+    floor = (f" | exact floor {last['floor']:.4f} | gap {last['loss'] - last['floor']:+.4f} nats"
+             if last["floor"] is not None else "")
     by_src = "  ".join(f"{n} {v:.4f}" for n, v in last["by_source"].items())
-    print(f"final eval loss {last['loss']:.4f}{floor}\n  by source: {by_src}\n  metrics: {run.run_dir / 'metrics.jsonl'}")
+    print(f"final eval loss {last['loss']:.4f}{floor}\n  by source: {by_src}\n"
+          f"  metrics: {run.run_dir / 'metrics.jsonl'}")
 
 
 if __name__ == "__main__":

@@ -85,7 +85,8 @@ def build_run(cfg: DictConfig, dist: Dist) -> Run:
     model = Transformer(model_cfg).to(dist.device)
     recipe.convert(model)  # swaps eligible Linears (FP8): before sharding and before the optimizer
     set_activation_checkpointing(model, cfg.train.activation_checkpointing)  # after convert, before wrap and compile
-    wrapped = wrap_model(model, dist=dist, **{**config["parallel"], **recipe.fsdp_dtypes()})  # before the optimizer: FSDP2 swaps the params
+    # before the optimizer: FSDP2 swaps the parameters
+    wrapped = wrap_model(model, dist=dist, **{**config["parallel"], **recipe.fsdp_dtypes()})
     if cfg.train.compile:  # fuses the elementwise ops between matmuls (norms, RoPE, SwiGLU, loss)
         wrapped = torch.compile(wrapped)
     optimizer, group_table = build_optimizer(model, OmegaConf.to_container(cfg.optim, resolve=True))
