@@ -19,6 +19,7 @@ def pair(limit=None, top_k=2, shared=True):
     cfg = MoEConfig(n_experts=6, top_k=top_k, expert_hidden=24, shared_expert=shared, router_z_coef=1e-3)
     fast = MoE(cfg, 16, limit)
     fast.init_weights(0.3, 0.3)
+    fast.experts.grouped = True  # forced: eager runs default to the loop
     ref = MoE(cfg, 16, limit)
     ref.load_state_dict(fast.state_dict())
     ref.experts.grouped = False
@@ -72,7 +73,6 @@ def test_compiled_moe_model_does_not_recompile_when_the_loads_change():
     cfg = ModelConfig(vocab_size=32, seq_len=16, d_model=16, n_layers=2, n_heads=2,
                       moe=MoEConfig(n_experts=4, top_k=2, expert_hidden=16, first_dense=1))
     model = Transformer(cfg)
-    grouped_mm_runs(torch.zeros(1))  # the eager probe, as the first eager step would do it
     compiled = torch.compile(model, backend=counting, dynamic=False)
     loads = set()
     for step in range(6):
