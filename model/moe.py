@@ -33,8 +33,9 @@ class GroupedExperts(nn.Module):
                a device tensor (cumulative counts): no host sync, static shapes, so torch.compile
                traces one graph whatever the load pattern;
       loop     the readable reference: one matmul pair per expert on its rows, split sizes as Python
-               ints (one host sync per MoE layer). Used where _grouped_mm does not run (a device or
-               dtype without the kernel) and whenever a precision recipe overrides `linear` (FP8).
+               ints (one host sync per MoE layer). Used in eager runs by default (`grouped=None`, see
+               __init__), where _grouped_mm does not run (a device or dtype without the kernel), and
+               whenever a precision recipe overrides `linear` (FP8).
     """
 
     def __init__(self, n_experts: int, d_model: int, hidden: int, limit: float | None):
@@ -100,7 +101,8 @@ _GROUPED_OK: dict[tuple[str, torch.dtype], bool] = {}
 
 def grouped_mm_runs(x: Tensor) -> bool:
     """Whether torch._grouped_mm runs forward and backward for x's device type and dtype (probed once
-    on a tiny problem, outside any compiled region; CUDA's kernel wants bf16 on recent GPUs, CPU runs fp32)."""
+    on a tiny problem, eagerly even when first asked inside a trace; CUDA's kernel wants bf16 on recent
+    GPUs, CPU runs fp32)."""
     key = (x.device.type, x.dtype)
     if key not in _GROUPED_OK:
         _probe(key, x.device, x.dtype)
