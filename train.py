@@ -20,7 +20,7 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
-from checkpoint import FinalCheckpointWithheld
+from checkpoint import FinalCheckpointWithheld, RunComplete
 
 from optim.accumulate import count_valid_tokens, forward_backward, reduce_step_sums
 from parallel import all_reduce_sum, destroy, init_distributed
@@ -44,6 +44,10 @@ def main(cfg: DictConfig) -> None:
     dist = init_distributed(cfg.device)
     try:
         run = build_run(cfg, dist)
+    except RunComplete as e:  # resume=auto after the final save: the job is done, not refused
+        print(f"ballast: {e}")
+        destroy()
+        return
     except ValueError as e:  # every config problem surfaces here as one line naming the key
         print(f"ballast: config error: {e}", file=sys.stderr)
         destroy()

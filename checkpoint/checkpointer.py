@@ -25,12 +25,18 @@ from checkpoint.saver import Saver
 from checkpoint.state import TrainState, read_blobs, versions
 from parallel.dist import broadcast_object
 from run.schema import from_mapping
+from stability.record import read_records_partial
 
 AUTO = "auto"  # resume=auto: resume when a complete checkpoint exists, else start fresh
 
 
 class FinalCheckpointWithheld(RuntimeError):
     """The last step of train.steps was vetoed by the guard: there is no healthy step left to save."""
+
+
+class RunComplete(Exception):
+    """resume=auto found this run's final checkpoint (step = train.steps): the job is done. A scheduler that
+    restarts a job killed after its final save gets exit 0 and this line, not a refusal."""
 
 
 def resume_options(resume) -> tuple[str | None, bool, list[str]]:
@@ -107,7 +113,10 @@ class Checkpointer:
         check_model(saved_shapes, self.state.tensors()[0], name)
         notes += check_data(blobs["loader"]["fingerprint"], self.state.loader.dataset.fingerprint,
                             self.allow_data_change, name)
-        check_progress(blobs["progress"]["step"], self.last_step, name)
+        step = blobs["progress"]["step"]
+        if self._fresh and step >= self.last_step:
+            raise RunComplete(self._complete_line(name, step))
+        check_progress(step, self.last_step, name)
         notes += check_versions(meta["versions"], versions())
         if meta["world"] != self.dist.world:
             fresh = f"; ranks >= {meta['world']} have no saved RNG streams" if self.dist.world > meta["world"] else ""
@@ -151,6 +160,15 @@ class Checkpointer:
             self._note(f"resume=auto: resuming from {found}")
             return publish.LATEST
         return None
+
+    def _complete_line(self, name: str, step: int) -> str:
+        """What resume=auto says when the newest checkpoint is the last one; the records may end one step
+        short when the process died between the final save and its final record (the save comes first)."""
+        metrics = self.run_dir / "metrics.jsonl"
+        recorded = [r["step"] for r in read_records_partial(metrics)[0]] if metrics.exists() else []
+        short = (f"; metrics.jsonl ends at step {max(recorded)} (the process stopped after the final save, "
+                 f"before its last record)" if recorded and max(recorded) < step else "")
+        return f"resume=auto: the run is complete: {name} is at step {step} = train.steps{short}; nothing to run"
 
     def _start_fresh(self) -> None:
         """resume=auto found nothing: what an earlier, killed attempt logged is not this run's story."""
