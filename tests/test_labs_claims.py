@@ -153,6 +153,21 @@ def test_resume_jump_fails_when_the_checkpoint_loses_the_rng(monkeypatch):
     fails(resume_jump, "correct resume")
 
 
+def test_resume_jump_optimizer_and_scheduler_arms_fail_when_their_reset_is_removed(monkeypatch):
+    """The two arms measure their own state: with the reset taken out (each resumes correctly), exactly
+    their checks fail, so the lab cannot pass on an effect it does not produce."""
+    real = resume_jump.resumed
+
+    def without_reset(seed, steps, path, dropout, variant):
+        return real(seed, steps, path, dropout, "correct" if variant.endswith("_reset") and
+                    variant != "cursor_reset" else variant)
+
+    monkeypatch.setattr(resume_jump, "resumed", without_reset)
+    r = fails(resume_jump, "optimizer reset", "scheduler reset")
+    failed = {k.split(":")[0] for k, v in r["checks"].items() if not v}
+    assert failed == {"optimizer reset", "scheduler reset"}, failed
+
+
 @pytest.mark.slow
 def test_resume_jump_fails_without_a_random_draw_in_the_step():
     fails(resume_jump, "RNG not restored", dropout=0.0)
