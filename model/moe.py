@@ -63,13 +63,17 @@ class GroupedExperts(nn.Module):
         """x_MD holds the tokens sorted by expert, counts_E[e] rows for expert e."""
         # NOTE: `linear` overridden (by a subclass or on the instance): only the loop calls it
         plain = type(self).linear is GroupedExperts.linear and "linear" not in self.__dict__
-        if self.grouped and plain and grouped_mm_runs(x_MD):
-            return self._grouped(x_MD, torch.as_tensor(counts_E, device=x_MD.device))
+        dev = x_MD.device.type
+        # NOTE: under autocast the GEMMs take the autocast dtype, as F.linear's do in the loop; CUDA's
+        # grouped kernel exists for bf16 only, so an fp32 x_MD there would always fall back to the loop.
+        dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x_MD.dtype
+        if self.grouped and plain and grouped_mm_runs(x_MD, dtype):
+            return self._grouped(x_MD.to(dtype), torch.as_tensor(counts_E, device=x_MD.device))
         return self._loop(x_MD, counts_E if isinstance(counts_E, list) else counts_E.tolist())
 
     def _grouped(self, x_MD: Tensor, counts_E: Tensor) -> Tensor:
         offs_E = counts_E.cumsum(0).to(torch.int32)  # end row of each expert's group
-        w_gate_up = self.w_gate_up.to(x_MD.dtype)  # NOTE: what F.linear does under autocast
+        w_gate_up = self.w_gate_up.to(x_MD.dtype)  # NOTE: what F.linear does under autocast (x_MD is cast)
         # NOTE: transposed views: grouped_mm computes x_m @ w_e with w_e (D, 2H); F.linear(x, W) = x @ Wᵀ
         gate_MH, up_MH = grouped_mm(x_MD, w_gate_up.transpose(1, 2), offs_E).chunk(2, dim=-1)
         h_MH = swiglu(gate_MH, up_MH, self.limit)
@@ -97,13 +101,13 @@ class GroupedExperts(nn.Module):
 _GROUPED_OK: dict[tuple[str, torch.dtype], bool] = {}
 
 
-def grouped_mm_runs(x: Tensor) -> bool:
-    """Whether torch._grouped_mm runs forward and backward for x's device type and dtype (probed once
-    on a tiny problem, eagerly even when first asked inside a trace; CUDA's kernel wants bf16 on recent
-    GPUs, CPU runs fp32)."""
-    key = (x.device.type, x.dtype)
+def grouped_mm_runs(x: Tensor, dtype: torch.dtype | None = None) -> bool:
+    """Whether torch._grouped_mm runs forward and backward for x's device type and dtype, or `dtype` (the
+    autocast one): probed once on a tiny problem, eagerly even when first asked inside a trace; CUDA's
+    kernel wants bf16 on recent GPUs, CPU runs fp32 and bf16."""
+    key = (x.device.type, dtype or x.dtype)
     if key not in _GROUPED_OK:
-        _probe(key, x.device, x.dtype)
+        _probe(key, x.device, key[1])
     return _GROUPED_OK[key]
 
 

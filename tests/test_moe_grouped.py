@@ -97,3 +97,19 @@ def test_the_probe_answers_alike_whatever_the_first_callers_grad_mode(mode, monk
     with mode():
         assert grouped_mm_runs(torch.zeros(3))
     assert moe._GROUPED_OK == {("cpu", torch.float32): True}
+
+
+def test_grouped_under_bf16_autocast_runs_bf16_gemms_and_matches_the_loop():
+    """Under autocast the grouped GEMMs take the autocast dtype, as the loop's F.linear does (CUDA's grouped
+    kernel is bf16-only: an fp32 input there would always have fallen back to the loop)."""
+    if not grouped_mm_runs(torch.zeros(1), torch.bfloat16):
+        pytest.skip("no bf16 torch._grouped_mm on CPU")
+    fast, ref = pair()
+    seen = []
+    fast.experts.register_forward_hook(lambda m, args, out: seen.append(out.dtype))
+    x = torch.randn(4, 12, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        a, b = fast(x), ref(x)
+    assert seen == [torch.bfloat16]
+    assert torch.equal(a.route_ids_Nk, b.route_ids_Nk)
+    torch.testing.assert_close(a.y.float(), b.y.float(), rtol=2e-2, atol=2e-2)
