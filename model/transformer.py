@@ -28,7 +28,11 @@ class Block(nn.Module):
         self.checkpointing = "none"  # model/checkpointing.py: none | full | selective
 
     def forward(self, x_BTD: Tensor, cos_TF: Tensor, sin_TF: Tensor, route_ids_BTk: Tensor | None,
-                valid_BT: Tensor | None = None) -> tuple[Tensor, MoEOutput | None]:
+                valid_BT: Tensor | None = None, router_only: bool = False):
+        """(x, MoEOutput or None); with router_only (an MoE block, compute_routes): the (B·T, k) ids alone.
+        NOTE: through forward even then: an FSDP2 unit gathers its parameters only around a call."""
+        if router_only:
+            return self.router_ids(x_BTD, cos_TF, sin_TF)
         return checkpointing.run(self._forward, self.checkpointing, x_BTD, cos_TF, sin_TF, route_ids_BTk, valid_BT)
 
     def _forward(self, x_BTD: Tensor, cos_TF: Tensor, sin_TF: Tensor, route_ids_BTk: Tensor | None,
@@ -153,7 +157,7 @@ class Transformer(nn.Module):
         x_BTD = self.tok_emb(tokens_BT)
         for i, block in enumerate(self.blocks[: moe[-1] + 1] if moe else ()):
             if i == moe[-1]:
-                ids_Nk = block.router_ids(x_BTD, self.rope_cos, self.rope_sin)
+                ids_Nk = block(x_BTD, self.rope_cos, self.rope_sin, None, router_only=True)
             else:
                 x_BTD, out = block(x_BTD, self.rope_cos, self.rope_sin, None)
                 ids_Nk = None if out is None else out.route_ids_Nk
