@@ -5,8 +5,9 @@ parameters. The guard turns it on after a rollback and off once training is stab
 Timing (policy version v = optimizer updates applied; step t's forward runs on version t−1):
 
     step t, after loader.next(), BEFORE the forward (parameters at version t−1):
-        1. routing-only forward (model(tokens, routes_only=True): through the wrapper, no grad) of the batch that will be
-           trained at step t+Δt  →  cached under its batch ID with route version t−1;
+        1. routing-only forward (model(tokens, routes_only=True): through the wrapper, no grad; it stops
+           at the last MoE layer's router) of the batch that will be trained at step t+Δt  →  cached
+           under its batch ID with route version t−1;
         2. step t's own batch is trained with the ids cached for it.
     The batch computed at step t is trained at step t+Δt on feature version t+Δt−1, so
         delay = feature_version − route_version = (t+Δt−1) − (t−1) = Δt.
