@@ -67,7 +67,10 @@ class GroupedExperts(nn.Module):
         # NOTE: under autocast the GEMMs take the autocast dtype, as F.linear's do in the loop; CUDA's
         # grouped kernel exists for bf16 only, so an fp32 x_MD there would always fall back to the loop.
         dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x_MD.dtype
-        if self.grouped and plain and grouped_mm_runs(x_MD, dtype):
+        # WARN: the kernel wants every row stride a multiple of 16 bytes (bf16 with D or H not a multiple of 8,
+        # fp32 not of 4 raised "strides should be multiple of 16 bytes"): such shapes take the loop
+        aligned = all(n * torch.finfo(dtype).bits % 128 == 0 for n in self.w_down.shape[1:])
+        if self.grouped and plain and aligned and grouped_mm_runs(x_MD, dtype):
             return self._grouped(x_MD.to(dtype), torch.as_tensor(counts_E, device=x_MD.device))
         return self._loop(x_MD, counts_E if isinstance(counts_E, list) else counts_E.tolist())
 

@@ -113,3 +113,20 @@ def test_grouped_under_bf16_autocast_runs_bf16_gemms_and_matches_the_loop():
     assert seen == [torch.bfloat16]
     assert torch.equal(a.route_ids_Nk, b.route_ids_Nk)
     torch.testing.assert_close(a.y.float(), b.y.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("d_model, hidden, dtype", [(10, 16, torch.float32), (16, 12, torch.bfloat16)])
+def test_rows_not_a_multiple_of_16_bytes_take_the_loop(d_model, hidden, dtype):
+    """_grouped_mm raises "strides should be multiple of 16 bytes" on such rows: they must run (the loop)."""
+    torch.manual_seed(0)
+    cfg = MoEConfig(n_experts=4, top_k=2, expert_hidden=hidden)
+    fast = MoE(cfg, d_model, None)
+    fast.init_weights(0.3, 0.3)
+    ref = MoE(cfg, d_model, None)
+    ref.load_state_dict(fast.state_dict())
+    ref.experts.grouped = False
+    x = torch.randn(3, 5, d_model)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+        a, b = fast(x), ref(x)
+    a.y.float().sum().backward()
+    assert torch.equal(a.y, b.y)
