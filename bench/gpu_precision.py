@@ -2,6 +2,7 @@
 
     pip install -e .[te]            # on the GPU machine (Transformer Engine needs CUDA to install)
     python -m bench.gpu_precision   # ~3-6 min on one H100/H200; --steps / --batch-size to change it
+    python -m bench.gpu_precision --dry-run   # a tiny model, 4 steps, bf16 and fp8_block on the CPU
 
 A 99M-parameter dense model (d_model 768, 14 layers, 12 heads, SwiGLU 2048; every matmul dim a
 multiple of 128 so block-scaled kernels apply) trains `--steps` steps on the embedded synthetic data
@@ -12,8 +13,9 @@ multiple of 128 so block-scaled kernels apply) trains `--steps` steps on the emb
     fp8_block   this repository's Fp8Linear (torch scaled_mm 1×128 / 128×128 where available,
                 emulation elsewhere), BF16 autocast for the rest
 Prints tokens/s (median step after warm-up), the final train loss (mean of the last 20 steps), the
-eval loss and each run's relative loss gap to BF16; writes bench/out/gpu_precision.json.
-WARN: written where no GPU was available; it imports on a CPU machine but has not been run.
+eval loss and each run's relative loss gap to BF16, and the issue-16 targets (FP8 >= 1.3× BF16's
+tokens/s at an eval loss within ±1 % of BF16's); writes bench/out/gpu_precision.json.
+WARN: written where no GPU was available; its --dry-run runs on a CPU, the GPU path has not been run.
 """
 from __future__ import annotations
 
@@ -43,7 +45,10 @@ RECIPES = {
 }
 
 
-def run(label: str, precision: dict, steps: int, batch_size: int, seed: int) -> dict:
+TINY_MODEL = {"d_model": 128, "n_layers": 2, "n_heads": 2, "mlp_hidden": 256, "tie_embeddings": True}
+
+
+def run(label: str, precision: dict, steps: int, batch_size: int, seed: int, dry_run: bool = False) -> dict:
     import torch
 
     from data import build_data
@@ -54,20 +59,23 @@ def run(label: str, precision: dict, steps: int, batch_size: int, seed: int) -> 
     from precision import build_recipe, optimizer_step
     from precision.fp8_gemm import fast_path_status
 
-    dev = torch.device("cuda")
-    ds = build_data(DATA)
+    dev = torch.device("cpu" if dry_run else "cuda")
+    sync = (lambda: None) if dry_run else torch.cuda.synchronize
+    ds = build_data({**DATA, "seq_len": 128, "min_doc_len": 16} if dry_run else DATA)
     torch.manual_seed(seed)
-    model = Transformer(ModelConfig.from_dict({**MODEL, "vocab_size": ds.vocab_size, "seq_len": ds.seq_len})).to(dev)
+    model = Transformer(ModelConfig.from_dict({**(TINY_MODEL if dry_run else MODEL), "vocab_size": ds.vocab_size,
+                                               "seq_len": ds.seq_len})).to(dev)
     recipe = build_recipe(precision, dev)
     recipe.convert(model)
     opt, _ = build_optimizer(model, OPTIM)
-    sched = build_scheduler(opt, OPTIM["schedule"], steps)
+    sched = build_scheduler(opt, {**OPTIM["schedule"], "warmup_steps": min(steps, OPTIM["schedule"]["warmup_steps"])},
+                            steps)
     scaler = recipe.make_scaler()
     loader = Loader(ds, batch_size)
     losses, times = [], []
     for _ in range(steps):
         micro = [mb.to(dev) for mb in loader.next().micro_batches(1)]
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         n_valid = count_valid_tokens(micro, dev)
         sums = forward_backward(model, micro, n_valid, 1e-4, 1, len(ds.source_names), autocast=recipe.autocast,
@@ -75,13 +83,13 @@ def run(label: str, precision: dict, steps: int, batch_size: int, seed: int) -> 
         optimizer_step(model.parameters(), opt, scaler, 1.0)
         sched.step()
         opt.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
+        sync()
         times.append(time.perf_counter() - t0)
         losses.append(sums.loss_sum.item() / n_valid.item())
     model.eval()
     ev_loss, ev_n = 0.0, 0
     with torch.no_grad():
-        for b in eval_batches(ds, 64, 16):
+        for b in eval_batches(ds, 8 if dry_run else 64, 4 if dry_run else 16):
             b = b.to(dev)
             with recipe.autocast():
                 out = model(b.tokens, b.labels)
@@ -90,7 +98,8 @@ def run(label: str, precision: dict, steps: int, batch_size: int, seed: int) -> 
     return {"run": label, "recipe": recipe.name, "detail": recipe.table().rows["matmul inputs"],
             "params": model.num_params(), "tokens_per_s": batch_size * ds.seq_len / step_s, "step_ms": 1e3 * step_s,
             "final_train_loss": statistics.fmean(losses[-20:]), "eval_loss": ev_loss / ev_n,
-            "floor": ds.expected_floor(), "peak_mem_gb": torch.cuda.max_memory_allocated(dev) / 2**30,
+            "floor": ds.expected_floor(),
+            "peak_mem_gb": 0.0 if dry_run else torch.cuda.max_memory_allocated(dev) / 2**30,
             "scaled_mm": fast_path_status(), "losses": losses}
 
 
@@ -101,17 +110,22 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--runs", nargs="+", default=list(RECIPES), choices=list(RECIPES))
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "gpu_precision.json")
+    p.add_argument("--dry-run", action="store_true", help="tiny model, 4 steps, bf16 and fp8_block on the CPU")
     args = p.parse_args()
     import torch
 
-    if not torch.cuda.is_available():
-        sys.exit("bench.gpu_precision: needs a CUDA GPU (H100/H200 class); none found")
-    print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | CUDA {torch.version.cuda}", flush=True)
+    if args.dry_run:
+        args.steps, args.batch_size = 4, 2
+        args.runs = [r for r in args.runs if r != "te_fp8"]  # Transformer Engine needs CUDA
+    elif not torch.cuda.is_available():
+        sys.exit("bench.gpu_precision: needs a CUDA GPU (H100/H200 class); none found (--dry-run: CPU check)")
+    else:
+        print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | CUDA {torch.version.cuda}", flush=True)
     results = []
     for label in args.runs:
         cfg = RECIPES[label]
         try:
-            results.append(run(label, cfg, args.steps, args.batch_size, args.seed))
+            results.append(run(label, cfg, args.steps, args.batch_size, args.seed, args.dry_run))
         except (ValueError, RuntimeError) as e:  # TE missing, or block scaling unsupported here
             msg = (str(e).splitlines() or [""])[0]
             if label == "te_fp8" and cfg.get("recipe") == "block" and "TE" not in msg and "pip install" not in msg:
@@ -137,6 +151,12 @@ def main() -> None:
               f"{r['final_train_loss']:>11.4f}{r['eval_loss']:>10.4f}{gap:>+9.2%}")
     if results:
         print(f"exact floor {results[0]['floor']:.4f} nats/token | scaled_mm: {results[-1]['scaled_mm']}")
+    for r in results:
+        if base and r is not base:
+            speed = r["tokens_per_s"] / base["tokens_per_s"]
+            ok = speed >= 1.3 and abs(r["gap_vs_bf16"]) <= 0.01
+            print(f"target {r['run']}: {speed:.2f}× bf16 (>= 1.3×), eval loss {r['gap_vs_bf16']:+.2%} (within ±1 %): "
+                  f"{'met' if ok else 'NOT met'}" + (" (dry run: meaningless)" if args.dry_run else ""))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=1) + "\n")
     print(f"wrote {args.out}")

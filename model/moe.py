@@ -33,9 +33,9 @@ class GroupedExperts(nn.Module):
                a device tensor (cumulative counts): no host sync, static shapes, so torch.compile
                traces one graph whatever the load pattern;
       loop     the readable reference: one matmul pair per expert on its rows, split sizes as Python
-               ints (one host sync per MoE layer). Used in eager runs by default (`grouped=None`, see
-               __init__), where _grouped_mm does not run (a device or dtype without the kernel), and
-               whenever a precision recipe overrides `linear` (FP8).
+               ints (one host sync per MoE layer). Used where _grouped_mm does not run (a device or dtype
+               without the kernel), whenever a precision recipe overrides `linear` (FP8), and with
+               `grouped = False`.
     """
 
     def __init__(self, n_experts: int, d_model: int, hidden: int, limit: float | None):
@@ -44,11 +44,10 @@ class GroupedExperts(nn.Module):
         self.w_gate_up = nn.Parameter(torch.empty(n_experts, 2 * hidden, d_model))
         self.w_down = nn.Parameter(torch.empty(n_experts, d_model, hidden))
         self.record_stats = False
-        # None: the grouped GEMM under torch.compile (the loop cannot compile to one graph), the loop in eager.
-        # WARN: eager runs keep the loop because the grouped path broke bit-identical resume of an MoE run
-        # inside an anticipatory window (expert exp_avg off by 3e-8 relative after a resume; the cause is not
-        # yet found). True / False force one path.
-        self.grouped: bool | None = None
+        # True: the grouped GEMM wherever it runs, eager and compiled; False: the loop (the reference).
+        # NOTE: the two differ in the last bit (another summation blocking), so a run must keep one path
+        # throughout: _probe's answer must not depend on the grad mode of the first call (see there).
+        self.grouped = True
         self.clamp_hits = torch.zeros((), dtype=torch.int64)
         self.clamp_total = torch.zeros((), dtype=torch.int64)
 
@@ -64,14 +63,20 @@ class GroupedExperts(nn.Module):
         """x_MD holds the tokens sorted by expert, counts_E[e] rows for expert e."""
         # NOTE: `linear` overridden (by a subclass or on the instance): only the loop calls it
         plain = type(self).linear is GroupedExperts.linear and "linear" not in self.__dict__
-        grouped = torch.compiler.is_compiling() if self.grouped is None else self.grouped
-        if grouped and plain and grouped_mm_runs(x_MD):
-            return self._grouped(x_MD, torch.as_tensor(counts_E, device=x_MD.device))
+        dev = x_MD.device.type
+        # NOTE: under autocast the GEMMs take the autocast dtype, as F.linear's do in the loop; CUDA's
+        # grouped kernel exists for bf16 only, so an fp32 x_MD there would always fall back to the loop.
+        dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x_MD.dtype
+        # WARN: the kernel wants every row stride a multiple of 16 bytes (bf16 with D or H not a multiple of 8,
+        # fp32 not of 4 raised "strides should be multiple of 16 bytes"): such shapes take the loop
+        aligned = all(n * torch.finfo(dtype).bits % 128 == 0 for n in self.w_down.shape[1:])
+        if self.grouped and plain and aligned and grouped_mm_runs(x_MD, dtype):
+            return self._grouped(x_MD.to(dtype), torch.as_tensor(counts_E, device=x_MD.device))
         return self._loop(x_MD, counts_E if isinstance(counts_E, list) else counts_E.tolist())
 
     def _grouped(self, x_MD: Tensor, counts_E: Tensor) -> Tensor:
         offs_E = counts_E.cumsum(0).to(torch.int32)  # end row of each expert's group
-        w_gate_up = self.w_gate_up.to(x_MD.dtype)  # NOTE: what F.linear does under autocast
+        w_gate_up = self.w_gate_up.to(x_MD.dtype)  # NOTE: what F.linear does under autocast (x_MD is cast)
         # NOTE: transposed views: grouped_mm computes x_m @ w_e with w_e (D, 2H); F.linear(x, W) = x @ Wᵀ
         gate_MH, up_MH = grouped_mm(x_MD, w_gate_up.transpose(1, 2), offs_E).chunk(2, dim=-1)
         h_MH = swiglu(gate_MH, up_MH, self.limit)
@@ -99,13 +104,13 @@ class GroupedExperts(nn.Module):
 _GROUPED_OK: dict[tuple[str, torch.dtype], bool] = {}
 
 
-def grouped_mm_runs(x: Tensor) -> bool:
-    """Whether torch._grouped_mm runs forward and backward for x's device type and dtype (probed once
-    on a tiny problem, eagerly even when first asked inside a trace; CUDA's kernel wants bf16 on recent
-    GPUs, CPU runs fp32)."""
-    key = (x.device.type, x.dtype)
+def grouped_mm_runs(x: Tensor, dtype: torch.dtype | None = None) -> bool:
+    """Whether torch._grouped_mm runs forward and backward for x's device type and dtype, or `dtype` (the
+    autocast one): probed once on a tiny problem, eagerly even when first asked inside a trace; CUDA's
+    kernel wants bf16 on recent GPUs, CPU runs fp32 and bf16."""
+    key = (x.device.type, dtype or x.dtype)
     if key not in _GROUPED_OK:
-        _probe(key, x.device, x.dtype)
+        _probe(key, x.device, key[1])
     return _GROUPED_OK[key]
 
 
@@ -114,10 +119,15 @@ def _probe(key, device, dtype) -> None:
     ok = hasattr(torch, "_grouped_mm")
     if ok:
         try:
-            a = torch.ones(4, 16, device=device, dtype=dtype, requires_grad=True)
-            w = torch.ones(2, 16, 16, device=device, dtype=dtype, requires_grad=True)
-            y = torch._grouped_mm(a, w, offs=torch.tensor([1, 4], device=device, dtype=torch.int32))
-            torch.autograd.grad(y, (a, w), torch.ones_like(y))
+            # WARN: grad on, whatever the caller's mode: first reached under no_grad (an eval, a routing-only
+            # forward after a resume), the backward probe failed and the process ran the loop from then on,
+            # while the run it resumed had run grouped — a resume that was not bit-identical (1-ulp
+            # differences in the expert gradients, then in exp_avg).
+            with torch.inference_mode(False), torch.enable_grad():
+                a = torch.ones(4, 16, device=device, dtype=dtype, requires_grad=True)
+                w = torch.ones(2, 16, 16, device=device, dtype=dtype, requires_grad=True)
+                y = torch._grouped_mm(a, w, offs=torch.tensor([1, 4], device=device, dtype=torch.int32))
+                torch.autograd.grad(y, (a, w), torch.ones_like(y))
         except (RuntimeError, NotImplementedError, TypeError):
             ok = False
     _GROUPED_OK[key] = ok
@@ -151,6 +161,16 @@ class MoE(nn.Module):
     def scores(self, logits_NE: Tensor) -> Tensor:
         return logits_NE.softmax(-1) if self.cfg.score == "softmax" else logits_NE.sigmoid()
 
+    def top_ids(self, scores_NE: Tensor) -> Tensor:
+        """(N, k) int64 expert ids. The bias moves which experts win, never how much they weigh
+        (DeepSeek-V3 §2.1.2)."""
+        return torch.topk(scores_NE.detach() + self.bias_E, self.top_k, dim=-1).indices
+
+    def select(self, x: Tensor) -> Tensor:
+        """(N, k) the expert ids forward() would choose for x (..., D): the router alone, no expert runs
+        (the routing-only forward's last MoE layer)."""
+        return self.top_ids(self.scores(self.router_logits(x.reshape(-1, x.shape[-1]))))
+
     def forward(self, x: Tensor, route_ids_Nk: Tensor | None = None, valid_N: Tensor | None = None) -> MoEOutput:
         """x: (..., D). route_ids_Nk, when given, replaces top-k selection (anticipatory routing).
 
@@ -165,8 +185,7 @@ class MoE(nn.Module):
         scores_NE = self.scores(logits_NE)
 
         if route_ids_Nk is None:
-            # The bias moves which experts win, never how much they weigh (DeepSeek-V3 §2.1.2).
-            route_ids_Nk = torch.topk(scores_NE.detach() + self.bias_E, k, dim=-1).indices
+            route_ids_Nk = self.top_ids(scores_NE)
         elif route_ids_Nk.shape != (N, k):
             raise ValueError(f"route_ids shape {tuple(route_ids_Nk.shape)} != (N, model.moe.top_k) = {(N, k)}")
         else:

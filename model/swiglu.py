@@ -22,7 +22,9 @@ def clamp_hits(gate: Tensor, up: Tensor, limit: float | None) -> Tensor:
     """Detached count of elements the clamp changes (gate > L or |up| > L); 0 when off."""
     if limit is None:
         return torch.zeros((), dtype=torch.int64, device=gate.device)
-    return ((gate.detach() > limit) | (up.detach().abs() > limit)).sum()
+    # NOTE: gate > L or |up| > L  ⟺  max(gate, |up|) > L: three passes over the activations instead of five
+    # (a third off the clamp statistics, the largest part of every-step telemetry on the quickstart)
+    return torch.count_nonzero(torch.maximum(gate.detach(), up.detach().abs()).gt_(limit))
 
 
 class SwiGLU(nn.Module):

@@ -28,7 +28,11 @@ class Block(nn.Module):
         self.checkpointing = "none"  # model/checkpointing.py: none | full | selective
 
     def forward(self, x_BTD: Tensor, cos_TF: Tensor, sin_TF: Tensor, route_ids_BTk: Tensor | None,
-                valid_BT: Tensor | None = None) -> tuple[Tensor, MoEOutput | None]:
+                valid_BT: Tensor | None = None, router_only: bool = False):
+        """(x, MoEOutput or None); with router_only (an MoE block, compute_routes): the (B·T, k) ids alone.
+        NOTE: through forward even then: an FSDP2 unit gathers its parameters only around a call."""
+        if router_only:
+            return self.router_ids(x_BTD, cos_TF, sin_TF)
         return checkpointing.run(self._forward, self.checkpointing, x_BTD, cos_TF, sin_TF, route_ids_BTk, valid_BT)
 
     def _forward(self, x_BTD: Tensor, cos_TF: Tensor, sin_TF: Tensor, route_ids_BTk: Tensor | None,
@@ -40,6 +44,11 @@ class Block(nn.Module):
             moe = self.mlp(h_BTD, ids_Nk, None if valid_BT is None else rearrange(valid_BT, "b t -> (b t)"))
             return x_BTD + moe.y, moe
         return x_BTD + self.mlp(h_BTD), None
+
+    def router_ids(self, x_BTD: Tensor, cos_TF: Tensor, sin_TF: Tensor) -> Tensor:
+        """(B·T, k) the ids this MoE block's forward would choose, and nothing after its router runs."""
+        x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), cos_TF, sin_TF)  # NOTE: _forward's ops, op for op
+        return self.mlp.select(self.mlp_norm(x_BTD))
 
 
 class Transformer(nn.Module):
@@ -133,13 +142,28 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def compute_routes(self, tokens_BT: Tensor) -> dict[int, Tensor]:
-        """The routing-only forward: top-k expert ids (B, T, k) chosen at each MoE layer.
+        """The routing-only forward: top-k expert ids (B, T, k) chosen at each MoE layer, the same ids
+        forward() would choose (the same ops on the same rows; tests/test_model.py).
 
+        It stops at the last MoE layer's router: that layer's experts, the blocks after it, the final
+        norm and the LM head decide no route, so they never run (bench/anticipatory_overhead.py).
         WARN: on an FSDP2-sharded model call model(tokens, routes_only=True) instead: called directly
         this reads the sharded DTensors (aten.embedding got mixed torch.Tensor and DTensor)."""
-        _, moe_outs = self._trunk(tokens_BT, None)
-        B = tokens_BT.shape[0]
-        return {i: rearrange(m.route_ids_Nk, "(b t) k -> b t k", b=B) for i, m in moe_outs.items()}
+        B, T = tokens_BT.shape
+        if T > self.cfg.seq_len:
+            raise ValueError(f"input length {T} > model.seq_len={self.cfg.seq_len}")
+        moe = [i for i, _ in self.moe_layers()]
+        routes: dict[int, Tensor] = {}
+        x_BTD = self.tok_emb(tokens_BT)
+        for i, block in enumerate(self.blocks[: moe[-1] + 1] if moe else ()):
+            if i == moe[-1]:
+                ids_Nk = block(x_BTD, self.rope_cos, self.rope_sin, None, router_only=True)
+            else:
+                x_BTD, out = block(x_BTD, self.rope_cos, self.rope_sin, None)
+                ids_Nk = None if out is None else out.route_ids_Nk
+            if ids_Nk is not None:
+                routes[i] = rearrange(ids_Nk, "(b t) k -> b t k", b=B)
+        return routes
 
     def moe_layers(self) -> list[tuple[int, MoE]]:
         return [(i, b.mlp) for i, b in enumerate(self.blocks) if isinstance(b.mlp, MoE)]

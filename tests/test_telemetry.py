@@ -363,3 +363,29 @@ def test_ddp_and_fsdp_match_one_process_and_replica_spread_catches_a_lost_reduct
         assert all(o["replica"] == {"param_sum_spread": 0.0, "grad_norm_spread": 0.0} for o in ddp[:STEPS])
         assert ddp[STEPS]["replica"]["grad_norm_spread"] > 0 and ddp[STEPS]["replica"]["param_sum_spread"] > 0
         assert all(o["replica"] == {} for o in got["fsdp"]["outs"])  # shards differ by design: no spread
+
+
+def test_state_summary_equals_fp64_norms_of_the_moments():
+    """stability/step_state.py takes FP32 fused norms (cheap enough for every step); the doctor compares
+    them across a resume, so they must equal the exact FP64 norms to FP32 precision, per group."""
+    from stability.step_state import state_summary
+
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig.from_dict({**MODEL, "vocab_size": 8, "seq_len": 16}))
+    opt, _ = build_optimizer(model, {"name": "adamw", "lr": 1e-2})
+    for _ in range(2):
+        model(torch.randint(0, 8, (2, 16)), torch.randint(0, 8, (2, 16))).loss_sum.backward()
+        opt.step()
+        opt.zero_grad()
+    for _, m in model.moe_layers():
+        m.bias_E.uniform_(-1, 1)
+    got = state_summary(opt, model)
+    expect = {}
+    for i, g in enumerate(opt.param_groups):
+        for slot, short in (("exp_avg", "m"), ("exp_avg_sq", "v")):
+            sq = sum(opt.state[p][slot].double().square().sum().item() for p in g["params"])
+            expect[f"{short}/{g.get('name', f'group{i}')}"] = math.sqrt(sq)
+    expect.update({f"moe_bias/{i}": m.bias_E.double().norm().item() for i, m in model.moe_layers()})
+    assert got.keys() == expect.keys() and len(expect) == 2 * len(opt.param_groups) + 2
+    for k, v in expect.items():
+        assert v > 0 and abs(got[k] - v) <= 1e-6 * v, (k, got[k], v)
