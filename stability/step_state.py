@@ -36,8 +36,10 @@ def state_summary(optimizer: torch.optim.Optimizer, model) -> dict[str, float]:
                   if p in optimizer.state and slot in optimizer.state[p]]
             ts = [t for t in ts if t.numel()]
             keys.append(f"{short}/{name}")
-            sq.append(torch.stack([t.double().square().sum() for t in ts]).sum() if ts else
-                      torch.zeros((), dtype=torch.float64))
+            # NOTE: _foreach_norm in float64, not t.double().square().sum(): that copied every moment to a
+            # float64 temporary each step (~1.6M elements for shakespeare_char; 2-20 ms of a 40-70 ms step)
+            sq.append(torch.stack([n.to(ts[0].device) for n in torch._foreach_norm(ts, 2, dtype=torch.float64)])
+                      .square().sum() if ts else torch.zeros((), dtype=torch.float64))
     moe = model.moe_layers() if hasattr(model, "moe_layers") else []
     for layer, m in moe:
         keys.append(f"moe_bias/{layer}")
