@@ -98,7 +98,7 @@ class Batches:
 def make_step(model, opt, batches: Batches, forward=None):
     """One iteration of nanoGPT's loop on CPU: set the lr, forward, backward, clip, step, zero_grad, and
     the loss read its README command logs every iteration (log_interval=1)."""
-    forward = forward or model
+    forward = model if forward is None else forward
     it = [0]
 
     def step() -> float:
