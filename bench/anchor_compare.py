@@ -37,19 +37,24 @@ class AnchorSink:
         self.anchor_step, self.warmup = anchor_step, warmup
         self.ours: list[float] = []
         self.anchor: list[float] = []
+        self.ours_cpu: list[float] = []
+        self.anchor_cpu: list[float] = []
         self.t_end: float | None = None
+        self.c_end: float | None = None
 
     def write(self, rec) -> None:
-        now = time.perf_counter()
+        now, cnow = time.perf_counter(), time.process_time()
         keep = rec.step > self.warmup and rec.eval is None
         if keep and self.t_end is not None:
             self.ours.append(now - self.t_end)
-        t0 = time.perf_counter()
+            self.ours_cpu.append(cnow - self.c_end)
+        t0, c0 = time.perf_counter(), time.process_time()
         self.anchor_step()
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.process_time()
         if keep:
             self.anchor.append(t1 - t0)
-        self.t_end = time.perf_counter()
+            self.anchor_cpu.append(c1 - c0)
+        self.t_end, self.c_end = time.perf_counter(), time.process_time()
 
     def close(self) -> None:
         pass
@@ -127,6 +132,11 @@ def main() -> None:
         m = statistics.median(xs)
         rounds = " ".join(f"{r * 1e3:.1f}" for r in medians_by_round(xs, args.rounds))
         print(f"{name:8s} median {m * 1e3:6.1f} ms/step  {tokens / m / 1e3:5.2f}k tokens/s  by round: {rounds}")
+    oc, ac = statistics.median(sink.ours_cpu[:k]), statistics.median(sink.anchor_cpu[:k])
+    # NOTE: process CPU time: with threads=1 it is the step's own compute, which other jobs on a shared
+    # machine move far less than wall time (with more threads it also counts their spinning)
+    print(f"CPU time per step: ballast {oc * 1e3:.1f} ms | nanoGPT {ac * 1e3:.1f} ms | ballast speed / nanoGPT "
+          f"speed {ac / oc:.3f}")
     pair = statistics.median(a / o for o, a in zip(ours, anchor))
     by_round = [a / o for o, a in zip(medians_by_round(ours, args.rounds), medians_by_round(anchor, args.rounds))]
     print(f"ballast speed / nanoGPT speed: {statistics.median(anchor) / statistics.median(ours):.3f} "
