@@ -327,4 +327,3 @@ def test_moe_loads_count_only_valid_label_positions():
     ids = model.compute_routes(tokens)[1]  # (B, T, k), the same parameters: the same choices
     assert out.moe_load[1].sum().item() == 2 * int(valid.sum()) == 2 * out.n_valid.item()
     assert torch.equal(out.moe_load[1], torch.bincount(ids[valid].flatten(), minlength=4).float())
-
