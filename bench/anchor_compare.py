@@ -1,110 +1,146 @@
-"""ballast's shakespeare_char step against the anchor's model, interleaved in one process.
+"""ballast's whole training-loop step against nanoGPT's own step, interleaved in one process.
 
-    python -m bench.anchor_compare [--steps 300] [overrides...]      # e.g. train.compile=false
+    NANOGPT_DIR=/path/to/nanoGPT python -m bench.anchor_compare [--steps 200] [--compile] [overrides...]
+    NANOGPT_DIR=... python -m bench.anchor_compare +experiment=speedrun threads=1
 
-The issue's anchor (nanoGPT, 4 layers × 4 heads × width 128, context 64, batch 12, CPU, eager) was timed
-on these machines at 62.7 ms/step; this machine's speed drifts by ±15 % from hour to hour, so a figure
-from another moment is no yardstick. Here a GPT-2-style model of that configuration (LayerNorm without
-bias, learned positions, GELU MLP of width 4·d, tied head, SDPA causal attention; foreach AdamW and
-clip_grad_norm_, as nanoGPT runs on CPU) alternates step by step with ballast's step (the experiment's
-model, optimizer groups, global-norm clip; compiled when train.compile is on), on the same batches.
-Both see the same machine at the same moments; the medians and their ratio are the comparison.
-Not measured here: train.py's bookkeeping (StepRecord, guard, input stats) — bench/shakespeare_char.sh.
+The anchor is nanoGPT itself (bench/nanogpt.py: its model.py and configure_optimizers from the checkout,
+its README's CPU configuration, its batch draw from its train.bin). ballast runs train.py's real loop
+(`train(run)`, run/build.py: StepRecord, telemetry, guard and sinks at the experiment's settings; default
++experiment=shakespeare_char); after each ballast step one nanoGPT step runs inside a last sink, so the
+two alternate step by step and see the machine at the same moments. ballast's step is the wall time
+between the end of one nanoGPT step and the next record reaching the sink: the whole loop iteration,
+bookkeeping and the other sinks included. Steps that evaluate and the first `--warmup` (the compile when
+on) are left out of both medians. --compile compiles both models (train.compile=true for ballast).
 """
 from __future__ import annotations
 
 import argparse
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from einops import rearrange
-from omegaconf import OmegaConf
-from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bench.config import build_train_step, compose_config  # noqa: E402
-from data import build_data  # noqa: E402
-from data.loader import Loader  # noqa: E402
+from bench import nanogpt  # noqa: E402
+
+DATA = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
 
 
-class AnchorBlock(nn.Module):
-    def __init__(self, d: int, heads: int):
-        super().__init__()
-        self.heads = heads
-        self.ln_attn, self.ln_mlp = nn.LayerNorm(d, bias=False), nn.LayerNorm(d, bias=False)
-        self.qkv, self.out = nn.Linear(d, 3 * d, bias=False), nn.Linear(d, d, bias=False)
-        self.fc, self.proj = nn.Linear(d, 4 * d, bias=False), nn.Linear(4 * d, d, bias=False)
+class AnchorSink:
+    """The last sink: times the ballast iteration that just ended, then runs and times one anchor step."""
 
-    def forward(self, x_BTD):
-        q, k, v = rearrange(self.qkv(self.ln_attn(x_BTD)), "b t (three h d) -> three b h t d", three=3, h=self.heads)
-        y_BHTd = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x_BTD = x_BTD + self.out(rearrange(y_BHTd, "b h t d -> b t (h d)"))
-        return x_BTD + self.proj(F.gelu(self.fc(self.ln_mlp(x_BTD))))
+    def __init__(self, anchor_step, warmup: int):
+        self.anchor_step, self.warmup = anchor_step, warmup
+        self.ours: list[float] = []
+        self.anchor: list[float] = []
+        self.ours_cpu: list[float] = []
+        self.anchor_cpu: list[float] = []
+        self.t_end: float | None = None
+        self.c_end: float | None = None
+
+    def write(self, rec) -> None:
+        now, cnow = time.perf_counter(), time.process_time()
+        keep = rec.step > self.warmup and rec.eval is None
+        if keep and self.t_end is not None:
+            self.ours.append(now - self.t_end)
+            self.ours_cpu.append(cnow - self.c_end)
+        t0, c0 = time.perf_counter(), time.process_time()
+        self.anchor_step()
+        t1, c1 = time.perf_counter(), time.process_time()
+        if keep:
+            self.anchor.append(t1 - t0)
+            self.anchor_cpu.append(c1 - c0)
+        self.t_end, self.c_end = time.perf_counter(), time.process_time()
+
+    def close(self) -> None:
+        pass
 
 
-class AnchorGPT(nn.Module):
-    def __init__(self, vocab: int, seq_len: int, d: int, layers: int, heads: int):
-        super().__init__()
-        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(seq_len, d)
-        self.blocks = nn.ModuleList(AnchorBlock(d, heads) for _ in range(layers))
-        self.ln_f, self.head = nn.LayerNorm(d, bias=False), nn.Linear(d, vocab, bias=False)
-        self.head.weight = self.tok.weight
-        for p in self.parameters():
-            if p.dim() == 2:
-                nn.init.normal_(p, std=0.02)
+def build_ballast_run(overrides: list[str], run_dir: Path):
+    """A Run exactly as train.py's main() builds it (run/build.py), from Hydra overrides."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import open_dict
 
-    def forward(self, tokens_BT, labels_BT):
-        x = self.tok(tokens_BT) + self.pos(torch.arange(tokens_BT.shape[1]))
-        for block in self.blocks:
-            x = block(x)
-        logits = self.head(self.ln_f(x))
-        return F.cross_entropy(rearrange(logits, "b t v -> (b t) v"), rearrange(labels_BT, "b t -> (b t)"))
+    from parallel import init_distributed
+    from run.build import build_run
+    from run.config import register
+
+    register()
+    with initialize_config_dir(str(ROOT / "conf"), version_base=None):
+        cfg = compose("config", overrides=[*overrides, f"hydra.run.dir={run_dir}"], return_hydra_config=True)
+    with open_dict(cfg):
+        cfg.hydra.runtime.output_dir = str(run_dir)
+    HydraConfig.instance().set_config(cfg)
+    with open_dict(cfg):
+        del cfg["hydra"]
+    return build_run(cfg, init_distributed(cfg.device))
+
+
+def medians_by_round(xs: list[float], rounds: int) -> list[float]:
+    n = len(xs) // rounds
+    return [statistics.median(xs[i * n:(i + 1) * n]) for i in range(rounds)]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("overrides", nargs="*")
+    ap.add_argument("--steps", type=int, default=200, help="interleaved steps (each side)")
+    ap.add_argument("--warmup", type=int, default=15, help="first steps left out (the compile when on)")
+    ap.add_argument("--rounds", type=int, default=4, help="consecutive blocks the medians are also given for")
+    ap.add_argument("--compile", action="store_true", help="compile both models")
+    ap.add_argument("--nanogpt", default=None, help="nanoGPT checkout (default $NANOGPT_DIR)")
+    ap.add_argument("overrides", nargs="*", help="Hydra overrides for ballast (default +experiment=shakespeare_char)")
     args = ap.parse_args()
-    cfg = compose_config(["+experiment=shakespeare_char", f"data.path={ROOT.parent / 'shared/data/tinyshakespeare.txt'}",
-                          *args.overrides])
-    step_ours, positions = build_train_step(cfg)
-    ds = build_data(OmegaConf.to_container(cfg.data, resolve=True))
-    mc, tc = cfg.model, cfg.train
-    anchor = AnchorGPT(ds.vocab_size, ds.seq_len, mc.d_model, mc.n_layers, mc.n_heads)
-    matrices = [p for p in anchor.parameters() if p.dim() >= 2]
-    vectors = [p for p in anchor.parameters() if p.dim() < 2]
-    anchor_opt = torch.optim.AdamW([{"params": matrices, "weight_decay": cfg.optim.weight_decay},
-                                    {"params": vectors, "weight_decay": 0.0}], lr=cfg.optim.lr,
-                                   betas=tuple(cfg.optim.betas))
-    anchor_loader = Loader(ds, tc.batch_size)
+    root = nanogpt.nanogpt_dir(args.nanogpt)
+    over = list(args.overrides)
+    if not any(o.startswith("+experiment=") for o in over):
+        over.insert(0, "+experiment=shakespeare_char")
+    if not any(o.startswith("data.path=") for o in over):
+        over.append(f"data.path={DATA}")
+    steps = args.steps + args.warmup
+    # NOTE: stop_after, not train.steps: the run keeps the experiment's schedule (lr, warm-up) step for step
+    over += [f"checkpoint.stop_after={steps}", "train.eval_every=1000000", "logging.wandb=disabled",
+             "logging.progress=false", "logging.plot=false", "logging.log_every=0", "train.eval_samples=240",
+             "train.eval_batch_size=240",
+             f"train.compile={str(args.compile).lower()}"]
+    from train import train  # noqa: E402  (train.py's loop)
 
-    def anchor_step():
-        b = anchor_loader.next()
-        anchor(b.tokens, b.labels).backward()
-        torch.nn.utils.clip_grad_norm_(anchor.parameters(), tc.max_grad_norm)
-        anchor_opt.step()
-        anchor_opt.zero_grad(set_to_none=True)
-
-    for _ in range(15):  # warm-up, and the cold compile when on
-        step_ours()
-        anchor_step()
-    times = {"ballast": [], "anchor": []}
-    for _ in range(args.steps):
-        for name, fn in (("ballast", step_ours), ("anchor", anchor_step)):
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
-    med = {k: statistics.median(v) for k, v in times.items()}
-    for name in ("ballast", "anchor"):
-        print(f"{name:8s} median {med[name] * 1e3:6.1f} ms/step  {positions / med[name] / 1e3:5.2f}k tokens/s")
-    print(f"ballast (compile={bool(tc.compile)}) / anchor step time: {med['ballast'] / med['anchor']:.3f}, "
-          f"{args.steps} interleaved steps, {torch.get_num_threads()} threads")
+    with tempfile.TemporaryDirectory(prefix="anchor_compare-") as tmp:
+        run = build_ballast_run(over, Path(tmp) / "run")
+        model, opt = nanogpt.build(root, run.dataset.vocab_size)
+        fwd = torch.compile(model) if args.compile else model
+        sink = AnchorSink(nanogpt.make_step(model, opt, nanogpt.Batches(root), fwd), args.warmup)
+        run.sinks.append(sink)
+        try:
+            train(run)
+        finally:
+            run.close()
+    ours, anchor = sink.ours, sink.anchor
+    k = min(len(ours), len(anchor))
+    ours, anchor = ours[:k], anchor[:k]
+    n_ours = run.model.num_params()
+    n_anchor = sum(p.numel() for p in model.parameters())
+    tokens = nanogpt.CPU_COMMAND["batch_size"] * nanogpt.CPU_COMMAND["block_size"]
+    print(f"parameters: ballast {n_ours:,} | nanoGPT {n_anchor:,} (tied wte and wpe included) | "
+          f"ratio {n_ours / n_anchor:.3f}")
+    print(f"{k} interleaved steps each, {torch.get_num_threads()} threads, compile={args.compile}")
+    for name, xs in (("ballast", ours), ("nanoGPT", anchor)):
+        m = statistics.median(xs)
+        rounds = " ".join(f"{r * 1e3:.1f}" for r in medians_by_round(xs, args.rounds))
+        print(f"{name:8s} median {m * 1e3:6.1f} ms/step  {tokens / m / 1e3:5.2f}k tokens/s  by round: {rounds}")
+    oc, ac = statistics.median(sink.ours_cpu[:k]), statistics.median(sink.anchor_cpu[:k])
+    # NOTE: process CPU time: with threads=1 it is the step's own compute, which other jobs on a shared
+    # machine move far less than wall time (with more threads it also counts their spinning)
+    print(f"CPU time per step: ballast {oc * 1e3:.1f} ms | nanoGPT {ac * 1e3:.1f} ms | ballast speed / nanoGPT "
+          f"speed {ac / oc:.3f}")
+    pair = statistics.median(a / o for o, a in zip(ours, anchor))
+    by_round = [a / o for o, a in zip(medians_by_round(ours, args.rounds), medians_by_round(anchor, args.rounds))]
+    print(f"ballast speed / nanoGPT speed: {statistics.median(anchor) / statistics.median(ours):.3f} "
+          f"(median of per-step pairs {pair:.3f}; by round {' '.join(f'{r:.3f}' for r in by_round)})")
 
 
 if __name__ == "__main__":

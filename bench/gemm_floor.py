@@ -10,6 +10,7 @@ model's configuration, so the isolated sum is a floor no change to the code arou
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import time
@@ -22,23 +23,25 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench.config import build_train_step, compose_config  # noqa: E402
 
+DTYPES = {"float": torch.float32, "c10::BFloat16": torch.bfloat16, "BFloat16": torch.bfloat16}
 DEFAULT = ["+experiment=shakespeare_char", f"data.path={ROOT.parent / 'shared/data/tinyshakespeare.txt'}"]
 
 
 def operands(name: str, shapes: list[list[int]]) -> tuple[list[int], list[int]]:
-    """(A, B) of C = A @ B: addmm's are its 2nd and 3rd inputs (the 1st is the added bias/accumulator)."""
-    return (shapes[1], shapes[2]) if name == "aten::addmm" else (shapes[0], shapes[1])
+    """(A, B) of C = A @ B: (b)addbmm's are its 2nd and 3rd inputs (the 1st is the added bias/accumulator)."""
+    return (shapes[1], shapes[2]) if name in ("aten::addmm", "aten::baddbmm") else (shapes[0], shapes[1])
 
 
-def isolated_us(shapes: list[tuple[tuple[int, ...], tuple[int, ...]]], reps: int = 200) -> list[float]:
-    """Median µs of each C = A @ B alone; the shapes take turns, so a drift of the machine's speed
-    during the measurement spreads over all of them instead of landing on one."""
-    pairs = [(torch.randn(a), torch.randn(b)) for a, b in shapes]
+def isolated_us(shapes: list[tuple[tuple[int, ...], tuple[int, ...], str]], reps: int = 200) -> list[float]:
+    """Median µs of each C = A @ B alone (in the step's dtype: Muon's NS5 may run in bfloat16); the shapes
+    take turns, so a drift of the machine's speed during the measurement spreads over all of them instead
+    of landing on one."""
+    pairs = [(torch.randn(a).to(DTYPES[dt]), torch.randn(b).to(DTYPES[dt])) for a, b, dt in shapes]
     times: list[list[float]] = [[] for _ in pairs]
     for rep in range(reps + 20):
         for i, (a, b) in enumerate(pairs):
             t0 = time.perf_counter()
-            torch.mm(a, b)
+            torch.matmul(a, b)
             if rep >= 20:  # the first rounds warm caches and MKL's buffers
                 times[i].append(time.perf_counter() - t0)
     return [statistics.median(t) * 1e6 for t in times]
@@ -52,6 +55,13 @@ def main() -> None:
     step, _ = build_train_step(compose_config(args.overrides or DEFAULT))
     for _ in range(15):  # warm-up, and the compile when on
         step()
+    t0, c0 = time.perf_counter(), time.process_time()
+    for _ in range(args.steps):
+        step()
+    plain_ms = (time.perf_counter() - t0) / args.steps * 1e3
+    # NOTE: process CPU time too: with threads=1 it is the step's compute, which a busy shared machine
+    # inflates far less than wall time (the isolated GEMM medians below are short enough to dodge it)
+    cpu_ms = (time.process_time() - c0) / args.steps * 1e3
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
         t0 = time.perf_counter()
         for _ in range(args.steps):
@@ -59,25 +69,30 @@ def main() -> None:
         step_ms = (time.perf_counter() - t0) / args.steps * 1e3
     in_step = defaultdict(list)
     for e in prof.events():
-        if e.name in ("aten::mm", "aten::addmm") and e.input_shapes:  # no bmm: attention is SDPA
+        # bmm: Muon's batched Newton-Schulz (attention is SDPA, not bmm)
+        if e.name in ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm") and e.input_shapes:
             a, b = operands(e.name, e.input_shapes)
-            in_step[(tuple(a), tuple(b))].append(e.cpu_time_total)
+            dt = (getattr(e, "input_dtypes", None) or ["float"] * 3)[1 if e.name in ("aten::addmm", "aten::baddbmm") else 0]
+            in_step[(tuple(a), tuple(b), dt)].append(e.cpu_time_total)
     print(f"step {step_ms:.1f} ms under the profiler; per GEMM shape (M×K @ K×N), per step:")
     print(f"{'shape':>22s} {'calls':>5s} {'in step':>9s} {'GF/s':>6s} {'isolated':>9s} {'GF/s':>6s}")
     tot_step = tot_iso = tot_flop = 0.0
     rows = sorted(in_step.items(), key=lambda kv: -sum(kv[1]))
-    for ((a, b), us), iso in zip(rows, isolated_us([shape for shape, _ in rows])):
+    for ((a, b, dt), us), iso in zip(rows, isolated_us([shape for shape, _ in rows])):
         calls = len(us) / args.steps
-        flop = 2 * a[0] * a[1] * b[1]
+        flop = 2 * math.prod(a) * b[-1]  # (…, M, K) @ (…, K, N)
         med = statistics.median(us)
         tot_step += med * calls
         tot_iso += iso * calls
         tot_flop += flop * calls
-        print(f"{a[0]:>6d}×{a[1]:<5d}@ {b[0]}×{b[1]:<5d} {calls:5.1f} {med:7.0f}µs {flop / med / 1e3:6.1f} "
+        lead = f"{a[0]}×" if len(a) == 3 else ""
+        print(f"{lead + str(a[-2]):>6s}×{a[-1]:<5d}@ {b[-2]}×{b[-1]:<5d} {calls:5.1f} {med:7.0f}µs {flop / med / 1e3:6.1f} "
               f"{iso:7.0f}µs {flop / iso / 1e3:6.1f}")
     print(f"GEMMs per step: {tot_flop / 1e9:.2f} GFLOP; {tot_step / 1e3:.1f} ms in the step "
           f"({tot_flop / tot_step / 1e3:.0f} GF/s), {tot_iso / 1e3:.1f} ms in isolation ({tot_flop / tot_iso / 1e3:.0f} GF/s); "
           f"{torch.get_num_threads()} threads")
+    print(f"step {plain_ms:.1f} ms unprofiled ({cpu_ms:.1f} ms of CPU) = {plain_ms / (tot_iso / 1e3):.2f}x "
+          f"({cpu_ms / (tot_iso / 1e3):.2f}x in CPU time) its GEMM floor ({tot_iso / 1e3:.1f} ms)")
 
 
 if __name__ == "__main__":

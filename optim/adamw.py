@@ -49,7 +49,7 @@ def build_optimizer(model: nn.Module, cfg: Mapping) -> tuple[torch.optim.Optimiz
         groups, table = split_groups(model, groups, table, list(mc.adamw))
         opt = Muon(groups, lr=float(cfg.lr), betas=betas, eps=eps, weight_decay=float(cfg.weight_decay),
                    row_splits=fused_row_splits(model), momentum=float(mc.momentum), nesterov=bool(mc.nesterov),
-                   ns_steps=int(mc.ns_steps), rms_scale=float(mc.rms_scale))
+                   ns_steps=int(mc.ns_steps), rms_scale=float(mc.rms_scale), ns_dtype=str(mc.ns_dtype))
         return opt, table
     table = [{**row, "optimizer": "adamw"} for row in table]
     fused = _fused_supported(params)

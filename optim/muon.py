@@ -37,27 +37,74 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
+NS_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def newton_schulz5(G: Tensor, steps: int = 5, eps: float = 1e-7) -> Tensor:
-    """Approximate orthogonal factor of each trailing matrix of G (..., m, n), in float32."""
+def newton_schulz5(G: Tensor, steps: int = 5, eps: float = 1e-7, dtype: torch.dtype = torch.float32) -> Tensor:
+    """Approximate orthogonal factor of each trailing matrix of G (..., m, n), computed in `dtype`
+    (float32, or bfloat16 as Jordan's reference runs it), returned in float32."""
+    return _ns5(G, steps, eps, dtype).float()
+
+
+def _ns5(G: Tensor, steps: int, eps: float, dtype: torch.dtype) -> Tensor:
+    """newton_schulz5 in `dtype`, left in it."""
     a, b, c = NS_COEFFS
-    X = G.float()
+    X = G.to(dtype)
     transposed = X.shape[-2] > X.shape[-1]
     if transposed:  # NOTE: iterate on the wide side: A = X·Xᵀ is then the smaller Gram matrix
         X = X.mT
     X = X / (torch.linalg.matrix_norm(X, keepdim=True) + eps)  # σ_max ≤ ‖X‖_F = 1: inside NS's basin
+    lead = X.shape[:-2]
+    X = X.reshape(-1, *X.shape[-2:])
     for _ in range(steps):
-        A = X @ X.mT
-        X = a * X + (b * A + c * A @ A) @ X
+        A = torch.bmm(X, X.mT)
+        # NOTE: baddbmm folds the scalings into the GEMMs: b·A + c·A·A, then a·X + B·X, with no element-wise
+        # pass between them (those passes cost as much as the matmuls for 128-wide matrices on a CPU)
+        B = torch.baddbmm(A, A, A, beta=b, alpha=c)
+        X = torch.baddbmm(X, B, X, beta=a, alpha=1.0)
+    X = X.reshape(*lead, *X.shape[-2:])
     return X.mT if transposed else X
 
 
-def orthogonalise(U: Tensor, row_splits: list[int] | None, steps: int, rms_scale: float) -> Tensor:
+def orthogonalise(U: Tensor, row_splits: list[int] | None, steps: int, rms_scale: float,
+                  dtype: torch.dtype = torch.float32) -> Tensor:
     """s·√max(m, n)·NS5(U_part) for each row block of U (..., rows, n), concatenated back."""
-    parts = U.split(row_splits, dim=-2) if row_splits else (U,)
-    outs = [newton_schulz5(P, steps) * (rms_scale * math.sqrt(max(P.shape[-2], P.shape[-1]))) for P in parts]
-    return torch.cat(outs, dim=-2).to(U.dtype)
+    return orthogonalise_many([U], [row_splits], steps, rms_scale, dtype)[0]
+
+
+def orthogonalise_many(Us: list[Tensor], row_splits: list[list[int] | None], steps: int, rms_scale: float,
+                       dtype: torch.dtype = torch.float32) -> list[Tensor]:
+    """orthogonalise() of each U, with the parts of equal shape run as ONE batched NS5."""
+    return [torch.cat([o.float() * (rms_scale * s) for _, o, s in parts], dim=-2).to(U.dtype)
+            for U, parts in zip(Us, orthogonal_parts(Us, row_splits, steps, dtype))]
+
+
+def orthogonal_parts(Us: list[Tensor], row_splits: list[list[int] | None], steps: int,
+                     dtype: torch.dtype = torch.float32) -> list[list[tuple[int, Tensor, float]]]:
+    """For each U, its row blocks as (first row, NS5(block) in `dtype`, √max(m, n)); equal shapes batched.
+
+    NOTE: a small model's hidden matrices are many small GEMMs (128 × 128: q, k, v, proj of every layer);
+    one batched matmul over all of them runs several times faster on a CPU than a loop of small ones.
+    Tall parts are transposed first, so a (320, 128) gate and a (128, 320) down projection share a batch.
+    Each trailing matrix keeps its own Frobenius normalisation: batching changes no matrix's result
+    beyond the matmul's summation order. The blocks are returned unscaled and uncast, so the caller can
+    fold s·√max(m, n) into the update's alpha and add each block to its rows without a concatenation.
+    """
+    parts = [list(U.split(rs, dim=-2)) if rs else [U] for U, rs in zip(Us, row_splits)]
+    starts = [[sum(rs[:j]) for j in range(len(rs))] if rs else [0] for rs in row_splits]
+    by_shape: dict[tuple, list[tuple[int, int]]] = {}
+    for i, ps in enumerate(parts):
+        for j, P in enumerate(ps):
+            wide = P.mT if P.shape[-2] > P.shape[-1] else P
+            by_shape.setdefault(tuple(wide.shape), []).append((i, j))
+    outs: list[list] = [[None] * len(ps) for ps in parts]
+    for shape, where in by_shape.items():
+        tall = [parts[i][j].shape[-2] > parts[i][j].shape[-1] for i, j in where]
+        O = _ns5(torch.stack([parts[i][j].mT if t else parts[i][j] for (i, j), t in zip(where, tall)]), steps,
+                 1e-7, dtype)
+        for (i, j), t, o in zip(where, tall, O.unbind(0)):
+            outs[i][j] = (starts[i][j], o.mT if t else o, math.sqrt(max(shape[-2:])))
+    return outs
 
 
 def _local(t: Tensor) -> Tensor:
@@ -74,9 +121,10 @@ class Muon(torch.optim.Optimizer):
 
     def __init__(self, groups: list[dict], lr: float, momentum: float = 0.95, nesterov: bool = True,
                  ns_steps: int = 5, rms_scale: float = 0.2, betas=(0.9, 0.95), eps: float = 1e-8,
-                 weight_decay: float = 0.0, row_splits: dict[int, list[int]] | None = None):
+                 weight_decay: float = 0.0, row_splits: dict[int, list[int]] | None = None,
+                 ns_dtype: str = "float32"):
         defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps, rms_scale=rms_scale,
-                        betas=betas, eps=eps, weight_decay=weight_decay, optimizer="adamw")
+                        betas=betas, eps=eps, weight_decay=weight_decay, optimizer="adamw", ns_dtype=ns_dtype)
         super().__init__(groups, defaults)
         # NOTE: keyed by the parameter's identity, not saved: derived from the model, like the groups.
         self.row_splits = row_splits or {}
@@ -96,27 +144,37 @@ class Muon(torch.optim.Optimizer):
 
     def _muon(self, group: dict) -> None:
         lr, wd, mu = group["lr"], group["weight_decay"], group["momentum"]
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            g = p.grad
-            state = self.state[p]
-            if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(g)
-            buf = state["momentum_buffer"]
+        steps, scale, dtype = group["ns_steps"], group["rms_scale"], NS_DTYPES[group.get("ns_dtype", "float32")]
+        params = [p for p in group["params"] if p.grad is not None]
+        for p in params:
+            if "momentum_buffer" not in self.state[p]:
+                self.state[p]["momentum_buffer"] = torch.zeros_like(p.grad)
+        sharded = [p for p in params if isinstance(p.grad, DTensor)]
+        for p in sharded:
+            g, buf = p.grad, self.state[p]["momentum_buffer"]
             buf.mul_(mu).add_(g)
             U = g.add(buf, alpha=mu) if group["nesterov"] else buf
-            splits = self.row_splits.get(id(p))
-            if isinstance(U, DTensor):
-                # FSDP2: the full matrix for NS5, then this rank's rows of the result (every rank holds the
-                # same full O, so no communication is needed to take the shard back: src_data_rank=None).
-                O = orthogonalise(U.full_tensor(), splits, group["ns_steps"], group["rms_scale"])
-                O = distribute_tensor(O, U.device_mesh, U.placements, src_data_rank=None)
-            else:
-                O = orthogonalise(U, splits, group["ns_steps"], group["rms_scale"])
+            # FSDP2: the full matrix for NS5, then this rank's rows of the result (every rank holds the
+            # same full O, so no communication is needed to take the shard back: src_data_rank=None).
+            O = orthogonalise(U.full_tensor(), self.row_splits.get(id(p)), steps, scale, dtype)
+            O = distribute_tensor(O, U.device_mesh, U.placements, src_data_rank=None)
             pl = _local(p)
             pl.mul_(1.0 - lr * wd)
             pl.add_(_local(O), alpha=-lr)
+        plain = [p for p in params if not isinstance(p.grad, DTensor)]
+        if not plain:
+            return
+        # NOTE: the replicated matrices in foreach ops and one batched NS5 per shape: at 128 wide the
+        # per-tensor Python and kernel launches cost as much as the arithmetic
+        grads, bufs = [p.grad for p in plain], [self.state[p]["momentum_buffer"] for p in plain]
+        torch._foreach_mul_(bufs, mu)
+        torch._foreach_add_(bufs, grads)
+        Us = torch._foreach_add(grads, bufs, alpha=mu) if group["nesterov"] else bufs
+        parts = orthogonal_parts(Us, [self.row_splits.get(id(p)) for p in plain], steps, dtype)
+        torch._foreach_mul_(plain, 1.0 - lr * wd)
+        for p, blocks in zip(plain, parts):
+            for start, o, root in blocks:  # W[rows] −= lr · s·√max(m, n) · NS5(U[rows])
+                p.narrow(-2, start, o.shape[-2]).add_(o, alpha=-lr * scale * root)
 
     def _adamw(self, group: dict) -> None:
         lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]

@@ -30,7 +30,7 @@ def test_default_and_every_experiment_compose():
     cfg = compose()
     assert isinstance(cfg, Config) and cfg.run_name == "quickstart" and cfg.model.moe.every == 2
     for name in EXPERIMENTS:
-        extra = ["data.path=input.txt"] if name == "shakespeare_char" else []  # its one required value
+        extra = ["data.path=input.txt"] if name in ("shakespeare_char", "speedrun") else []  # its one required value
         cfg = compose(f"+experiment={name}", *extra)
         assert cfg.run_name == name
 
