@@ -9,8 +9,14 @@ grid point; prints one row each and the worst case.
 Columns: `forms` = first step where the copy source's train loss, averaged over 10 steps, is below the
 midpoint between log(alphabet) (no head) and its floor (head formed), or "-" if never; `copy gap` and
 `gap` = final eval loss of the copy source / of the whole mixture minus its exact floor on the same
-evaluation tokens. A row passes when both gaps are <= --tol (0.05 nats). --jobs (default 2) runs at
-a time; each run gets `threads` intra-op threads.
+evaluation tokens; `eval` = final eval loss; `wall s` = the run's wall time, start-up included. A row
+passes when both gaps are <= --tol (0.05 nats). --jobs (default 2) runs at a time; each run gets
+`threads` intra-op threads. With --keep DIR, a point whose DIR/<point>/row.json exists is read, not
+trained again: a grid stopped half-way resumes.
+
+NOTE: on a machine busier than its cores, set OMP_WAIT_POLICY=PASSIVE for the 2-thread points: OpenMP's
+spinning barrier then slows a step 20x (measured at load average ~12 on 2 cores); the numbers do not
+depend on the wait policy.
 """
 from __future__ import annotations
 
@@ -73,11 +79,14 @@ def copy_floor(run_dir: Path) -> tuple[float, float]:
     return (f_S[names.index("copy")] / n_S[names.index("copy")]).item(), (f_S.sum() / n_S.sum()).item()
 
 
-def one(point: dict, steps: int, noise: float, extra: list[str], root: Path) -> dict:
+def one(point: dict, steps: int | None, noise: float, extra: list[str], root: Path) -> dict:
+    """Train one grid point (or reuse its row.json under a kept directory) and summarise it."""
     seed, data_seed, threads = point["seed"], point["data_seed"], point["threads"]
     run_dir = root / f"s{seed}-d{data_seed}-t{threads}-n{noise:g}"
+    if (run_dir / "row.json").exists():  # --keep DIR twice: the grid resumes where it stopped
+        return json.loads((run_dir / "row.json").read_text())
     overrides = [f"hydra.run.dir={run_dir}", f"seed={seed}", f"data.seed={data_seed}", f"threads={threads}",
-                 f"train.steps={steps}", *QUIET, *extra]
+                 *([f"train.steps={steps}"] if steps else []), *QUIET, *extra]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "WANDB_MODE": "disabled"}
     t0 = time.perf_counter()
     r = subprocess.run([sys.executable, "-m", "bench.quickstart_grid", "--child", "--noise", str(noise), "--", *overrides],
@@ -85,6 +94,13 @@ def one(point: dict, steps: int, noise: float, extra: list[str], root: Path) -> 
     wall = time.perf_counter() - t0
     if r.returncode != 0:
         return {**point, "error": r.stderr.strip().splitlines()[-1] if r.stderr.strip() else f"exit {r.returncode}"}
+    row = summarize(run_dir, point, wall)
+    (run_dir / "row.json").write_text(json.dumps(row))
+    return row
+
+
+def summarize(run_dir: Path, point: dict, wall: float) -> dict:
+    """One row of the grid from a finished run directory."""
     import yaml
 
     (run_dir / "config.json").write_text(json.dumps(yaml.safe_load((run_dir / "config.yaml").read_text())))
@@ -98,9 +114,27 @@ def one(point: dict, steps: int, noise: float, extra: list[str], root: Path) -> 
                   if sum(train_copy[i - 9:i + 1]) / 10 < mid), None)
     last = next(r_["eval"] for r_ in reversed(recs) if r_.get("eval"))
     spikes = [r_["step"] for r_ in recs if r_["grad_norm"] > 10]
-    return {**point, "forms": forms, "copy_gap": last["by_source"]["copy"] - copy_f, "gap": last["loss"] - floor,
-            "max_gnorm": max(r_["grad_norm"] for r_ in recs), "gnorm_gt10_steps": spikes[:5], "wall_s": wall,
+    return {**point, "forms": forms, "steps": recs[-1]["step"], "copy_gap": last["by_source"]["copy"] - copy_f,
+            "gap": last["loss"] - floor, "eval": last["loss"], "max_gnorm": max(r_["grad_norm"] for r_ in recs),
+            "gnorm_gt10_steps": spikes[:5], "wall_s": wall,
             "ms_per_step": 1e3 * sum(r_["time_s"]["total"] for r_ in recs) / len(recs)}
+
+
+def passes(row: dict, tol: float = 0.05) -> bool:
+    """The quickstart's claim on one run: both the copy source and the mixture end within tol of their floor."""
+    return "error" not in row and row["copy_gap"] <= tol and row["gap"] <= tol
+
+
+def run_grid(points: list[dict], steps: int | None, noise: float, extra: list[str], root: Path, jobs: int = 2,
+             show=None) -> list[dict]:
+    """one() over the points, `jobs` at a time, in order; show(row) as each comes."""
+    rows = []
+    with ThreadPoolExecutor(jobs) as pool:
+        for row in pool.map(lambda pt: one(pt, steps, noise, extra, root), points):
+            rows.append(row)
+            if show:
+                show(row)
+    return rows
 
 
 def main() -> None:
@@ -109,11 +143,11 @@ def main() -> None:
     p.add_argument("--seeds", nargs="*", type=int, default=[0, 1, 2, 3, 4])
     p.add_argument("--data-seeds", nargs="*", type=int, default=[1234, 99])
     p.add_argument("--threads", nargs="*", type=int, default=[1, 2])
-    p.add_argument("--steps", type=int, default=400)
+    p.add_argument("--steps", type=int, default=None, help="train.steps (default: the recipe's own)")
     p.add_argument("--noise", type=float, default=0.0, help="relative noise on the initial weights")
     p.add_argument("--tol", type=float, default=0.05)
     p.add_argument("--jobs", type=int, default=2)
-    p.add_argument("--keep", type=Path, help="keep the run directories here")
+    p.add_argument("--keep", type=Path, help="keep the run directories here (a point with a row.json is reused)")
     p.add_argument("overrides", nargs="*", help="after --: train.py overrides (the recipe to test)")
     args = p.parse_args()
     if args.child:
@@ -121,10 +155,10 @@ def main() -> None:
     root = args.keep or Path(tempfile.mkdtemp(prefix="quickstart_grid-"))
     points = [{"seed": s, "data_seed": d, "threads": t}
               for s, d, t in itertools.product(args.seeds, args.data_seeds, args.threads)]
-    print(f"{len(points)} runs of {args.steps} steps, noise {args.noise:g}, recipe overrides: "
+    print(f"{len(points)} runs of {args.steps or 'the recipe'} steps, noise {args.noise:g}, recipe overrides: "
           f"{' '.join(args.overrides) or '(the default)'}; dirs under {root}", flush=True)
-    print(f"{'seed':>5}{'data':>6}{'thr':>4}{'forms':>7}{'copy gap':>10}{'gap':>9}{'max ‖g‖':>9}"
-          f"{'ms/step':>9}  spikes (‖g‖ > 10)", flush=True)
+    print(f"{'seed':>5}{'data':>6}{'thr':>4}{'forms':>7}{'eval':>8}{'copy gap':>10}{'gap':>9}{'max ‖g‖':>9}"
+          f"{'ms/step':>9}{'wall s':>8}  spikes (‖g‖ > 10)", flush=True)
     rows = []
 
     def show(row: dict) -> None:
@@ -132,17 +166,15 @@ def main() -> None:
         if "error" in row:
             print(f"{row['seed']:>5}{row['data_seed']:>6}{row['threads']:>4}  ERROR {row['error']}", flush=True)
             return
-        ok = row["copy_gap"] <= args.tol and row["gap"] <= args.tol
-        print(f"{row['seed']:>5}{row['data_seed']:>6}{row['threads']:>4}{row['forms'] or '-':>7}"
+        ok = passes(row, args.tol)
+        print(f"{row['seed']:>5}{row['data_seed']:>6}{row['threads']:>4}{row['forms'] or '-':>7}{row['eval']:>8.4f}"
               f"{row['copy_gap']:>+10.4f}{row['gap']:>+9.4f}{row['max_gnorm']:>9.1f}{row['ms_per_step']:>9.0f}"
-              f"  {row['gnorm_gt10_steps']}{'' if ok else '  FAIL'}", flush=True)
+              f"{row['wall_s']:>8.0f}  {row['gnorm_gt10_steps']}{'' if ok else '  FAIL'}", flush=True)
 
-    with ThreadPoolExecutor(args.jobs) as pool:
-        for row in pool.map(lambda pt: one(pt, args.steps, args.noise, args.overrides, root), points):
-            show(row)
+    run_grid(points, args.steps, args.noise, args.overrides, root, args.jobs, show)
     good = [r for r in rows if "error" not in r]
     if good:
-        passed = sum(r["copy_gap"] <= args.tol and r["gap"] <= args.tol for r in good)
+        passed = sum(passes(r, args.tol) for r in good)
         formed = [r["forms"] for r in good if r["forms"]]
         print(f"\n{passed}/{len(rows)} pass (copy gap and gap <= {args.tol}); copy gap "
               f"{min(r['copy_gap'] for r in good):+.4f}..{max(r['copy_gap'] for r in good):+.4f}, gap "

@@ -41,8 +41,15 @@ S = 80
 SMALL = ["train.eval_every=1000", "train.eval_samples=32", "train.eval_batch_size=16", "train.batch_size=8",
          "logging.wandb=disabled", "logging.progress=false", "logging.plot=false", "data.seq_len=32",
          "data.min_doc_len=4", "model.d_model=32", "model.n_heads=2", "model.n_layers=2", "threads=1",
-         "optim.schedule.warmup_steps=10", "guard.detector.warmup=40"]
-DRILL = [f"fault.step={S}", "train.steps=400", f"checkpoint.stop_after={S + 4}", *SMALL]
+         "optim.schedule.warmup_steps=10", "guard.detector.warmup=40",
+         # NOTE: equal weights, not the quickstart's 0.75 copy: with 3 copy documents in 4 this tiny model is
+         # still near-uniform at step S (the markov source barely learned), so shuffled labels move no loss;
+         # the doctor's tests were calibrated on these runs too.
+         "data.sources.0.weight=0.5", "data.sources.1.weight=0.5"]
+# NOTE: lr 3e-3 (the quickstart's): the full-size drills run at 1e-3 to stay quiet before their fault, but
+# this tiny model is quiet at 3e-3 (its healthy twin has no trigger) and at 1e-3 its copy head's first
+# spike lands at step ~52, before S.
+DRILL = [f"fault.step={S}", "train.steps=400", f"checkpoint.stop_after={S + 4}", "optim.lr=3e-3", *SMALL]
 SINGLE_PROCESS_DRILLS = ["nan_activation", "labels_shuffle", "repeat_token", "overlong_doc", "lr_spike",
                          "optim_state", "mixture_switch"]
 

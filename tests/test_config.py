@@ -38,7 +38,7 @@ def test_default_and_every_experiment_compose():
 def test_options_set_only_what_they_change_and_defaults_come_from_the_schema():
     cfg = compose("+experiment=drill_lr_spike")
     # the fault file sets kind, step, factor, steps; the experiment moves the step; the rest are defaults
-    assert (cfg.fault.kind, cfg.fault.step, cfg.fault.factor, cfg.fault.steps) == ("lr_spike", 120, 50.0, 3)
+    assert (cfg.fault.kind, cfg.fault.step, cfg.fault.factor, cfg.fault.steps) == ("lr_spike", 80, 50.0, 3)
     assert cfg.guard.action == "rollback" and cfg.guard.detector.window == 30 and cfg.guard.rollback.keep == 4
     assert set(cfg.guard.detector.metrics) == {"loss", "loss_by_source", "grad_norm", "update_ratio_max"}
     text = compose("data=text", "data.path=input.txt")
@@ -107,7 +107,7 @@ def test_fault_kind_none_ignores_the_other_keys():
     drill = compose("+experiment=drill_lr_spike")
     twin = compose("+experiment=drill_lr_spike", "fault.kind=none", "fault.factor=-3")
     assert twin.fault.kind == "none" and twin.fault.resolved() == {"kind": "none"}
-    assert drill.fault.resolved() == {"kind": "lr_spike", "step": 120, "factor": 50.0, "steps": 3}
+    assert drill.fault.resolved() == {"kind": "lr_spike", "step": 80, "factor": 50.0, "steps": 3}
 
 
 def test_a_component_mapping_goes_through_the_same_schema():
