@@ -60,16 +60,16 @@ def train_fault(f: Fault, root: Path) -> Path:
     return d
 
 
-def train_clean(seed: int, root: Path, resume: bool = False, busy: bool = False) -> Path:
+def train_clean(seed: int, root: Path, resume: bool = False, busy: bool = False, stop: int = STOP) -> Path:
     d = root / f"clean_seed{seed}"
     extra = [f"seed={seed}", f"data.seed={1000 + seed}"]
     hog = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if busy else None
     try:
         if resume:  # a clean resume must not look like a resume fault
             _launch(None, d, [*extra, f"checkpoint.stop_after={S - 1}"])
-            _launch(None, d, [*extra, f"checkpoint.stop_after={STOP}", "resume=latest"])
+            _launch(None, d, [*extra, f"checkpoint.stop_after={stop}", "resume=latest"])
         else:
-            _launch(None, d, [*extra, f"checkpoint.stop_after={STOP}"])
+            _launch(None, d, [*extra, f"checkpoint.stop_after={stop}"])
     finally:
         if hog is not None:
             hog.kill()
