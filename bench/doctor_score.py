@@ -54,7 +54,7 @@ def train_fault(f: Fault, root: Path) -> Path:
     d = run_dir(root, f)
     if f.resume:  # a clean first process up to S - 1, then a resume with the fault planted on load
         _launch(None, d, [f"checkpoint.stop_after={S - 1}"])
-        _launch(f.name, d, [f"checkpoint.stop_after={STOP}", "resume=latest"])
+        _launch(f.name, d, [f"checkpoint.stop_after={STOP}", "resume=latest", *f.resume_args])
     else:
         _launch(f.name, d, [f"checkpoint.stop_after={STOP}"], nproc=f.nproc)
     return d

@@ -129,6 +129,9 @@ def classify(ctx: Context, first: Deviation) -> Diagnosis:
         why = (f"the first steps after the resume at step {at_resume} ({(rec.get('resume') or {}).get('from', 'a checkpoint')})"
                f" left the run's own baseline: {first.quantity}"
                + (f" ({first.layer_name})" if first.layer_name else "") + ": the resumed state is not the saved one")
+    elif q.startswith("fingerprint/"):
+        cls, main = "state.config_change", None
+        why = f"the run's config changed without a resume declaring it: {first.describe()}"
     elif q.startswith("continuity."):
         cls, main = "data.continuity", "corrupted input batch"
         why = f"the data cursor broke its order at step {t0}: {first.describe()}"

@@ -32,7 +32,7 @@ import numpy as np
 import yaml
 
 from stability.events import read_events
-from stability.record import RECORD_VERSION, V2_FIELDS, read_records, read_records_partial
+from stability.record import RECORD_VERSION, V2_FIELDS, V3_FIELDS, read_records, read_records_partial
 
 LAYERS = ("input", "forward", "backward/update", "system")
 INPUT, FORWARD, BACKWARD, SYSTEM = LAYERS
@@ -93,8 +93,9 @@ def load_run(run_dir) -> Run:
     notes = [note] if note else []
     old = sorted({r.get("version", 1) for r in records if r.get("version", 1) < RECORD_VERSION})
     if old:
-        notes.append(f"{path}: record version {old[0]} < {RECORD_VERSION}: no {', '.join(V2_FIELDS)}, "
-                     f"inputs.entropy/kl_running/rare_frac or time_s.cpu; their checks are skipped")
+        lacks = ([*V2_FIELDS, "inputs.entropy/kl_running/rare_frac", "time_s.cpu"] if old[0] < 2 else []) + list(V3_FIELDS)
+        notes.append(f"{path}: record version {old[0]} < {RECORD_VERSION}: no {', '.join(lacks)}; "
+                     f"their checks are skipped")
     events = read_events(run_dir / "events.jsonl")
     cfg_path = run_dir / "config.yaml"
     config = yaml.safe_load(cfg_path.read_text()) if cfg_path.is_file() else {}
@@ -156,7 +157,11 @@ def timeline(records: list[dict], config: dict) -> dict[str, Series]:
         s.values[step] = float(value)
 
     schedule = lr_schedule(config)
-    for r in records:
+    # NOTE: config.yaml is the last process's: LR records from before a declared config change (a resume with
+    # resume.allow_config_change, e.g. a longer train.steps) followed another schedule, and are not compared
+    declared = max((i for i, r in enumerate(records) if any(str(e).startswith("resume: config changed")
+                                                            for e in r.get("events", []))), default=0)
+    for i_rec, r in enumerate(records):
         t = r["step"]
         # input: what the batch was, before any forward
         inp = r.get("inputs", {})
@@ -192,7 +197,7 @@ def timeline(records: list[dict], config: dict) -> dict[str, Series]:
         put("nonfinite.loss", Spec(FORWARD, exact=0.0), t, float(bool(nf.get("loss"))))
         put("loss", Spec(FORWARD, rel_floor=0.01, guard=True), t, r.get("loss"))
         # backward / update: the LR the update used, gradients, then the update itself
-        if schedule is not None and r.get("lr") is not None:
+        if schedule is not None and r.get("lr") is not None and i_rec >= declared:
             expect = schedule(t)
             put("lr/schedule", Spec(BACKWARD, "both", exact=1.0, rel_floor=1e-6), t,
                 r["lr"] / expect if expect else math.nan)
