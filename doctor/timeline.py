@@ -136,6 +136,8 @@ class Series:
     order: int                                   # position within its timeline layer (model order)
     values: dict[int, float] = field(default_factory=dict)  # step -> value
     layer_name: str | None = None                # the model layer of a per-layer quantity
+    cache: dict = field(default_factory=dict, repr=False)  # scores() by guard settings: a run with several
+                                                           # incidents is scored once, searched from each
 
 
 def timeline(records: list[dict], config: dict) -> dict[str, Series]:
@@ -233,12 +235,24 @@ def _schedule_module():
     (torch, DTensor); the schedule is plain arithmetic."""
     import importlib.util
     import sys
+    def load(name: str, file: str):
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "optim" / file)
+        m = sys.modules[name] = importlib.util.module_from_spec(spec)  # dataclasses look their module up
+        spec.loader.exec_module(m)
+        return m
     mod = sys.modules.get("_doctor_schedule")
     if mod is None:
-        spec = importlib.util.spec_from_file_location("_doctor_schedule", Path(__file__).resolve().parents[1]
-                                                      / "optim" / "schedule.py")
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
+        # WARN: schedule.py imports optim.config (its schema), and `import optim.config` would run the package's
+        # __init__ (torch: ~20 s under load); the schema file is loaded on its own and stands in for it
+        # only while schedule.py executes
+        own = "optim.config" not in sys.modules
+        if own:
+            sys.modules["optim.config"] = load("_doctor_optim_config", "config.py")
+        try:
+            mod = load("_doctor_schedule", "schedule.py")
+        finally:
+            if own:
+                del sys.modules["optim.config"]
         sys.modules["_doctor_schedule"] = mod
     return mod
 
@@ -248,12 +262,13 @@ def lr_schedule(config: dict):
 
     The record's lr is the LR of the update of step t, i.e. the scheduler's factor at index t − 1
     (optim/schedule.py counts optimizer steps from 0)."""
-    lr_factor = _schedule_module().lr_factor
+    mod = _schedule_module()
     optim, steps = config.get("optim"), config.get("train", {}).get("steps")
     if not optim or not steps or "lr" not in optim:
         return None
-    sched = optim.get("schedule", {})
-    return lambda t: float(optim["lr"]) * lr_factor(t - 1, int(steps), sched)
+    # NOTE: the schedule's phases parsed once (lr_factor validates its config on every call: 25 ms a step)
+    phases = mod._phases(optim.get("schedule", {}), int(steps))
+    return lambda t: float(optim["lr"]) * mod._factor(t - 1, *phases)
 
 
 # ---- deviations ---------------------------------------------------------------------------------------
@@ -451,7 +466,9 @@ def first_deviation(name: str, s: Series, start: int, threshold: float = THRESHO
         i = int(np.argmax(off))
         return Deviation(name, spec.layer, s.order, int(steps[i]), float(x[i]), spec.exact, math.inf,
                          s.layer_name, "exact") if off[i] else None
-    sc = scores(s, guard, name)
+    sc = s.cache.get(guard)
+    if sc is None:
+        sc = s.cache[guard] = scores(s, guard, name)
     steps, x, nf, med = sc.steps, sc.x, sc.nf, sc.med
     scored = steps[:nf] >= start
     cands = []
