@@ -18,7 +18,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from doctor.rules import diagnose  # noqa: E402
-from doctor.timeline import guard_test, load_run, scoring_start, scores, thresholds, timeline  # noqa: E402
+from doctor.scores import guard_test, scores, thresholds  # noqa: E402
+from doctor.timeline import load_run, scoring_start, timeline  # noqa: E402
 
 
 def run_dirs(paths: list[str]) -> list[Path]:

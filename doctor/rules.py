@@ -21,8 +21,8 @@ from doctor.checks import (Check, Context, check_finite, check_input, check_lr, 
                                      check_mixture, check_replica, check_resume, check_update, corruption_kind,
                                      nonfinite_layer, resume_step, transient)
 from doctor.invariants import continuity, resumed, system_change
-from doctor.timeline import (WINDOW, Deviation, Run, deviations, earliest, guard_test, load_run,
-                             scoring_start, timeline)
+from doctor.scores import deviations, guard_test
+from doctor.timeline import WINDOW, Deviation, Run, earliest, load_run, scoring_start, timeline
 
 # symptom-table rows: (symptom, what to check first, what it is easily mistaken for)
 SYMPTOMS = {

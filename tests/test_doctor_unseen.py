@@ -210,7 +210,8 @@ def test_guard_never_more_sensitive_than_the_doctor(tmp_path):
     fired = next(r["step"] for r in recs if det.observe(r["step"], {"loss": r["loss"]}))
     rep = doctor(d, plots=False)
     assert fired == 70 and rep["earliest"]["step"] == 70, (fired, rep["summary"])
-    from doctor.timeline import timeline, first_deviation, guard_test
+    from doctor.scores import first_deviation, guard_test
+    from doctor.timeline import timeline
     s = timeline(recs, cfg)["loss"]
     d_loss = first_deviation("loss", s, 41, guard=guard_test(cfg))
     assert d_loss.step == 70 and d_loss.kind == "guard", d_loss
