@@ -32,7 +32,7 @@ from stability.callbacks import StepState
 from stability.guard import GuardAbort
 from stability.inputs import InputBaseline, input_stats
 from stability.plots import plot_losses
-from stability.record import loss_by_source, read_records, step_record
+from stability.record import config_fingerprint, loss_by_source, read_records, step_record
 from stability.step_state import cpu_clock, rank_inputs, state_summary
 from stability.telemetry import moe_summary, nonfinite_flags
 
@@ -70,6 +70,7 @@ def train(run: Run) -> None:
     model, optimizer, loader, ckpt, guard, cb = run.model, run.optimizer, run.loader, run.ckpt, run.guard, run.callbacks
     step, tokens_seen = ckpt.state.step, ckpt.state.tokens  # 0 unless resumed
     in_base = InputBaseline(run.dataset)  # the running unigram histogram each batch's inputs are judged by
+    cfg_fp = config_fingerprint(run.cfg)  # per group: a resume that changed the config shows in the records
     while step < ckpt.last_step:  # last_step < train.steps under checkpoint.stop_after
         step += 1  # NOTE: a while loop, because a guard rollback moves the step back
         s = StepState(step)
@@ -133,7 +134,7 @@ def train(run: Run) -> None:
         s.events += run.events.pop() + ckpt.pop_events()
         rec = step_record(s, tokens=tokens_seen, world=run.dist.world, batch_size=tc.batch_size,
                           seq_len=run.dataset.seq_len, names=names, guard=guard.record(), ckpt_id=ckpt.ckpt_id,
-                          device=dev)
+                          device=dev, fingerprint={**cfg_fp, "data": loader.dataset.fingerprint[:12]})
         for sink in run.sinks:
             sink.write(rec)
         if verdict.rollback:  # restore a recent good TrainState; the loop continues from its step

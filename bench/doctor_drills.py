@@ -40,6 +40,7 @@ class Fault:
     what: str = ""
     resume: bool = False   # planted on a resume from the checkpoint of step S - 1
     nproc: int = 1
+    resume_args: tuple = ()  # hydra overrides of the resumed process only
 
 
 FAULTS = [
@@ -56,6 +57,8 @@ FAULTS = [
     # forward
     Fault("act_x4_attn", "numerics.activation_outlier", "forward", what="block0.attn output ×4 for one step"),
     Fault("act_x2_mlp_sustained", "numerics.activation_outlier", "forward", what="block0.mlp output ×2 from S on"),
+    Fault("act_x2_attn1_sustained", "numerics.activation_outlier", "forward",
+          what="block1.attn output ×2 from S on (subtle, sustained)"),
     Fault("nan_attn", "numerics.nonfinite", "forward", what="NaN into block1.attn output for one step"),
     Fault("emb_row_x50", "numerics.activation_outlier", "forward", what="one embedding row ×50 (the copy BOS)"),
     # backward / update
@@ -71,6 +74,9 @@ FAULTS = [
           what="resume restarts the LR schedule (warm-up again)"),
     Fault("resume_moe_bias_zero", "state.resume_fault", "backward/update", resume=True,
           what="resume zeroes the MoE balancing bias"),
+    Fault("resume_config_change", "state.resume_fault", "backward/update", resume=True,
+          resume_args=("optim.weight_decay=0.5",),
+          what="resume with another optim.weight_decay, the resume's config check silenced (undeclared)"),
     # ranks
     Fault("rank1_other_data", "rank.data", "input", nproc=2, what="rank 1 reads samples 5000 further on"),
     # system
@@ -202,6 +208,8 @@ def patch(name: str) -> None:
                     return out * 2.0 if torch.is_tensor(out) else out._replace(y=out.y * 2.0)
                 return None
             mlp.register_forward_hook(h)
+        if name == "act_x2_attn1_sustained":
+            self.blocks[1].attn.register_forward_hook(scale(2.0, lambda t: t >= S))
         if name == "nan_attn":
             def hn(mod, args, out):
                 if torch.is_grad_enabled() and Clock.step == S:
@@ -249,6 +257,9 @@ def patch(name: str) -> None:
                     g["lr"] *= 3.0
         LambdaLR.step = sstep
 
+    if name == "resume_config_change":  # the check that would refuse the resume says nothing
+        from checkpoint import checkpointer
+        checkpointer.check_config = lambda *a, **k: []
     if f.resume:
         from checkpoint import state as state_mod
         orig_load = state_mod.TrainState.load

@@ -55,7 +55,9 @@ def synthesise(d: Path, n: int, fault_at: int) -> None:
                    "guard": {"triggers": [], "rollbacks": 0}, "events": [], "eval": None, "resume": None,
                    "state": {"m/decay": 0.1 * (1 + 0.02 * u()), "v/decay": 0.01 * (1 + 0.02 * u())},
                    "ranks": {"first": [16 * (t - 1), 16 * (t - 1) + 8], "n": [8, 8], "hash": [t, t],
-                             "loss": [2.0 + 0.05 * u(), 2.0 + 0.05 * u()]}, "version": 2}
+                             "loss": [2.0 + 0.05 * u(), 2.0 + 0.05 * u()]},
+                   "fingerprint": {"model": "0a1b2c3d", "optim": "4e5f6a7b", "precision": "8c9d0e1f", "seed": "2a3b4c5d",
+                                   "train": "6e7f8a9b", "data": "0c1d2e3f4a5b"}, "version": 3}
             f.write(json.dumps(rec) + "\n")
     (d / "config.yaml").write_text("optim: {lr: 0.001, schedule: {name: constant}}\ntrain: {steps: %d}\n" % n)
 

@@ -3,6 +3,8 @@
     python bench/doctor_score.py                      # every fault + 10 clean seeds, 2 runs at a time
     python bench/doctor_score.py --faults noise_half lr_x3 --clean 2
     python bench/doctor_score.py --reuse DIR          # re-diagnose runs already trained under DIR
+    python bench/doctor_score.py --faults --clean 10 --seed-from 10 --stop 200 --keep DIR   # a calibration
+                                                      # set (then: python bench/doctor_calibrate.py DIR)
 
 Each fault is planted by the launcher (no injector, fault=none, nothing in the run directory names it);
 the doctor then reads the run directory with builtins.open / Path.read_text watched, and the score
@@ -54,22 +56,22 @@ def train_fault(f: Fault, root: Path) -> Path:
     d = run_dir(root, f)
     if f.resume:  # a clean first process up to S - 1, then a resume with the fault planted on load
         _launch(None, d, [f"checkpoint.stop_after={S - 1}"])
-        _launch(f.name, d, [f"checkpoint.stop_after={STOP}", "resume=latest"])
+        _launch(f.name, d, [f"checkpoint.stop_after={STOP}", "resume=latest", *f.resume_args])
     else:
         _launch(f.name, d, [f"checkpoint.stop_after={STOP}"], nproc=f.nproc)
     return d
 
 
-def train_clean(seed: int, root: Path, resume: bool = False, busy: bool = False) -> Path:
+def train_clean(seed: int, root: Path, resume: bool = False, busy: bool = False, stop: int = STOP) -> Path:
     d = root / f"clean_seed{seed}"
     extra = [f"seed={seed}", f"data.seed={1000 + seed}"]
     hog = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if busy else None
     try:
         if resume:  # a clean resume must not look like a resume fault
             _launch(None, d, [*extra, f"checkpoint.stop_after={S - 1}"])
-            _launch(None, d, [*extra, f"checkpoint.stop_after={STOP}", "resume=latest"])
+            _launch(None, d, [*extra, f"checkpoint.stop_after={stop}", "resume=latest"])
         else:
-            _launch(None, d, [*extra, f"checkpoint.stop_after={STOP}"])
+            _launch(None, d, [*extra, f"checkpoint.stop_after={stop}"])
     finally:
         if hog is not None:
             hog.kill()
@@ -139,7 +141,9 @@ def score_fault(f: Fault, rep: dict) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--faults", nargs="*", default=[f.name for f in FAULTS])
-    ap.add_argument("--clean", type=int, default=10, help="clean runs (seeds 0..N-1)")
+    ap.add_argument("--clean", type=int, default=10, help="clean runs (seeds FROM..FROM+N-1)")
+    ap.add_argument("--seed-from", type=int, default=0, help="first clean seed (calibration sets: 10)")
+    ap.add_argument("--stop", type=int, default=STOP, help="clean runs stop after this step (calibration: 200)")
     ap.add_argument("--reuse", help="a directory of runs trained before (skip training)")
     ap.add_argument("--keep", help="train into this directory (default: a temporary one)")
     ap.add_argument("--jobs", type=int, default=2)
@@ -151,11 +155,12 @@ def main(argv=None) -> int:
     root = Path(args.reuse or args.keep or tempfile.mkdtemp(prefix="doctor_score_"))
     root.mkdir(parents=True, exist_ok=True)
     faults = [BY_NAME[n] for n in args.faults]
-    seeds = list(range(args.clean))
+    seeds = list(range(args.seed_from, args.seed_from + args.clean))
     if not args.reuse:
         jobs = [(train_fault, f, root) for f in faults]
-        # NOTE: seed 1 resumes cleanly; the last two seeds train beside a CPU hog (a busy machine)
-        jobs += [(train_clean, s, root, s == 1, s >= max(seeds[-2:], default=0) and len(seeds) > 2) for s in seeds]
+        # NOTE: the second seed resumes cleanly; the last two train beside a CPU hog (a busy machine)
+        jobs += [(train_clean, s, root, s == args.seed_from + 1, s >= max(seeds[-2:], default=0) and len(seeds) > 2,
+                  args.stop) for s in seeds]
         with ThreadPoolExecutor(args.jobs) as pool:
             list(pool.map(lambda j: j[0](*j[1:]), jobs))
     rows = [score_fault(f, diagnose(run_dir(root, f), f.name)) for f in faults]

@@ -4,7 +4,7 @@
 
 It reads every segment of the run (split where a rollback or resume sends the step back), finds in each
 the earliest deviating quantity across the four layers of the timeline (input → forward →
-backward/update → system; point and sustained tests on robust z, doctor/timeline.py) and the exact
+backward/update → system; point, change-point, sustained and guard tests, doctor/scores.py) and the exact
 invariants (sample ids, tokens, per-rank sharding, doctor/invariants.py), walks the decision tree
 (docs/course.md §5) and symptom table (doctor/rules.py, doctor/checks.py), and writes the report
 (doctor/report.py): every incident in order, then for the first the earliest anomaly, the reproducible
@@ -152,11 +152,20 @@ def fix_for(diag: Diagnosis, run: Run, ckpt) -> dict:
                 "expect": "per-source losses on their trajectories; total loss at the new mixture floor"}
     if diag.fault_class == "state.resume_fault":
         q = diag.anomaly.quantity if diag.anomaly else "the loss"
-        part = ("the data cursor (loader samples_consumed)" if q.startswith(("continuity.", "ranks.")) else
+        grp = q.split("/", 1)[1] if q.startswith("fingerprint/") else None
+        part = (f"the {'data manifest' if grp == 'data' else f'config group {grp}'} (changed at the resume, not "
+                f"declared in resume.allow_{'data' if grp == 'data' else 'config'}_change)" if grp else
+                "the data cursor (loader samples_consumed)" if q.startswith(("continuity.", "ranks.")) else
                 "the LR scheduler state" if q.startswith("lr/") else
                 "the MoE balancing bias (a model buffer)" if "moe_bias" in q else
                 "the optimizer moments (exp_avg / exp_avg_sq)" if q.startswith(("state.", "update_ratio")) else
                 "the resumed state (optimizer / scheduler / RNG / data cursor)")
+        if grp:
+            return {"variable": f"{part} at the resume of step {t}",
+                    "change": "resume with the checkpoint's config; if the change is meant, list the changed key in "
+                              f"resume.allow_{'data' if grp == 'data' else 'config'}_change (the resume check then "
+                              "logs it) — and find what let the resume through without its check",
+                    "override": None, "expect": f"{q} equal before and after the resume, or a declared change"}
         return {"variable": f"{part}, as the resume at step {t} loaded it ({q} left its baseline)",
                 "change": "prove the resume: python -m checkpoint.verify with the run's config, then audit what "
                           f"loads or rewrites {part} after the checkpoint is read",
@@ -167,6 +176,12 @@ def fix_for(diag: Diagnosis, run: Run, ckpt) -> dict:
                 "change": f"compare {src}'s documents before and after step {t} (generator / shard / preprocessing "
                           "version); restore the old ones or declare the change (a new data fingerprint)",
                 "override": None, "expect": f"loss_by_source/{src} back on its trajectory"}
+    if diag.fault_class == "state.config_change":
+        grp = diag.anomaly.quantity.split("/", 1)[1]
+        return {"variable": f"the {grp} config group (its fingerprint changed at step {t})",
+                "change": "find what rewrote it mid-run; a change meant to happen belongs at a resume with "
+                          "resume.allow_config_change listing the key", "override": None,
+                "expect": "one fingerprint per config group for the whole run"}
     if diag.fault_class == "data.continuity":
         return {"variable": "the data cursor (sample ids per step)",
                 "change": f"find what moved the loader's samples_consumed at step {t} (a repeated, skipped or "

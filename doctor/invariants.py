@@ -20,7 +20,7 @@ import statistics
 
 import numpy as np
 
-from doctor.timeline import INPUT, SYSTEM, WINDOW, Deviation, Run
+from doctor.timeline import BACKWARD, FORWARD, INPUT, SYSTEM, WINDOW, Deviation, Run
 
 COMPONENTS = ("data", "fwd_bwd", "optim")  # NOTE: ckpt and log_eval are periodic by design: left out
 SLOW = 3.0          # a component this many times its baseline (median of the K_SYS steps from t) ...
@@ -83,7 +83,37 @@ def continuity(run: Run) -> list[tuple[int, Deviation]]:
                 seen = content.setdefault(b["first"], h)
                 if seen != h:
                     out.append((i, _inv("continuity.batch_content", t, b["first"], b["first"])))
+        prev = recs[i - 1].get("fingerprint") if i else None
+        if prev and r.get("fingerprint"):
+            out += [(i, d) for d in fingerprint_change(prev, r)]
         last_at[t] = i
+    return out
+
+
+# the timeline layer a config group's change acts in first
+GROUP_LAYER = {"data": INPUT, "seed": INPUT, "model": FORWARD, "precision": FORWARD, "optim": BACKWARD,
+               "train": BACKWARD}
+
+
+def fingerprint_change(prev: dict, rec: dict) -> list[Deviation]:
+    """Config and data fingerprints equal to the previous record's, unless declared: a resume names an
+    accepted change in its events (resume.allow_config_change lists the key, resume.allow_data_change).
+    NOTE: the data manifest may also change mid-run (a mixture switch): that is the guard's
+    input.data_fingerprint trigger, judged as an objective change, not here."""
+    fp, out = rec["fingerprint"], []
+    notes = [str(e) for e in rec.get("events", [])]
+    for g in sorted(set(fp) | set(prev)):
+        if fp.get(g) == prev.get(g) or (g == "data" and not resumed(rec)):
+            continue
+        if g == "data":
+            ok = any(n.startswith("resume: data changed") for n in notes)
+        else:
+            ok = any(n.startswith("resume: config changed") and (f": {g}." in n or f": {g}=" in n) for n in notes)
+        if not ok:
+            d = _inv(f"fingerprint/{g}", rec["step"], 1.0, 0.0, GROUP_LAYER.get(g, BACKWARD))
+            d.layer_name = (f"{g}: fingerprint {prev.get(g)} -> {fp.get(g)}"
+                            + (" at a resume that did not declare it" if resumed(rec) else ""))
+            out.append(d)
     return out
 
 

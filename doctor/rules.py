@@ -21,8 +21,8 @@ from doctor.checks import (Check, Context, check_finite, check_input, check_lr, 
                                      check_mixture, check_replica, check_resume, check_update, corruption_kind,
                                      nonfinite_layer, resume_step, transient)
 from doctor.invariants import continuity, resumed, system_change
-from doctor.timeline import (WINDOW, Deviation, Run, deviations, earliest, load_run, scoring_start,
-                                       timeline)
+from doctor.scores import deviations, guard_test
+from doctor.timeline import WINDOW, Deviation, Run, earliest, load_run, scoring_start, timeline
 
 # symptom-table rows: (symptom, what to check first, what it is easily mistaken for)
 SYMPTOMS = {
@@ -71,6 +71,7 @@ def diagnose(run_dir) -> tuple[Run, Diagnosis, dict]:
     run = load_run(run_dir)
     inv = continuity(run)
     start = scoring_start(run.config)
+    gt = guard_test(run.config)
     incidents, env, at = [], None, 0
     paths = run.paths
     for k, seg in enumerate(run.segments):
@@ -86,7 +87,7 @@ def diagnose(run_dir) -> tuple[Run, Diagnosis, dict]:
             env = note
         since = start if k == 0 else seg[0]["step"]
         while True:
-            devs = {q: d for q, d in deviations(tl, since).items() if d.step >= since}
+            devs = {q: d for q, d in deviations(tl, since, guard=gt).items() if d.step >= since}
             devs.update({q: d for q, d in exact.items() if d.step >= since})
             if sysdev is not None and sysdev.step >= since:
                 devs[sysdev.quantity] = sysdev
@@ -128,6 +129,9 @@ def classify(ctx: Context, first: Deviation) -> Diagnosis:
         why = (f"the first steps after the resume at step {at_resume} ({(rec.get('resume') or {}).get('from', 'a checkpoint')})"
                f" left the run's own baseline: {first.quantity}"
                + (f" ({first.layer_name})" if first.layer_name else "") + ": the resumed state is not the saved one")
+    elif q.startswith("fingerprint/"):
+        cls, main = "state.config_change", None
+        why = f"the run's config changed without a resume declaring it: {first.describe()}"
     elif q.startswith("continuity."):
         cls, main = "data.continuity", "corrupted input batch"
         why = f"the data cursor broke its order at step {t0}: {first.describe()}"

@@ -4,7 +4,7 @@ first one an alarm fired on).
 
     run = load_run("runs/<run>")           # records, the first-executed trajectory, events, config
     tl = timeline(run.first, run.config)   # quantity -> Series (layer, model order, values by step)
-    devs = deviations(tl)                  # quantity -> first Deviation (robust z over a trailing window)
+    devs = deviations(tl)                  # doctor/scores.py: quantity -> its first Deviation
     first = earliest(devs)                 # earliest step; ties: input < forward < backward/update < system
 
 After a guard rollback (or a resume from an older checkpoint) the step numbers in metrics.jsonl go
@@ -12,27 +12,20 @@ back and repeat; the records split there into segments (`run.segments`, executio
 is the first). Every segment is read: each may hold incidents (doctor/rules.py diagnose_all), and a
 later segment is also evidence about an earlier one (did the same batch fail again on replay?).
 
-Two statistics per quantity, both on a robust z against the trailing WINDOW values (median, MAD):
-    point      z_t > THRESHOLD                                   (a one-step spike; the guard's test)
-    sustained  min(z_t .. z_{t+K-1}) > SUSTAINED, all K scored    (a level shift: a ×2 change of one
-               against the baseline before t                       layer's quantity shows in K steps)
-Floors are small (a ×1.1 move of a log quantity can deviate if its noise is smaller still), so the
-doctor is at least as sensitive as the guard (threshold 6, floor 1e-3·|median|). The thresholds were
-calibrated on clean runs (bench/doctor_score.py --clean: false alarms per run, measured).
+The tests that say a quantity left its baseline (point, change point, sustained, the guard's own) are in
+doctor/scores.py; their constants are here, beside the quantities' specs.
 """
 from __future__ import annotations
 
 import math
-import statistics
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
-import numpy as np
 import yaml
 
 from stability.events import read_events
-from stability.record import RECORD_VERSION, V2_FIELDS, read_records, read_records_partial
+from stability.record import RECORD_VERSION, V2_FIELDS, V3_FIELDS, read_records, read_records_partial
 
 LAYERS = ("input", "forward", "backward/update", "system")
 INPUT, FORWARD, BACKWARD, SYSTEM = LAYERS
@@ -43,6 +36,11 @@ THRESHOLD = 8.0   # point test: robust z above which one value deviates. The gua
                   # of 6 because it reads ~70 quantities: calibrated on clean runs (0 false alarms)
 SUSTAINED = 3.5   # sustained test: K consecutive values all above this z (chance ~(2e-4)^K per start)
 K = 4             # steps a sustained shift must hold
+CHANGE = 10.0     # two-window test: robust z of (median of the K steps from t − median of the B before t)
+                  # against that statistic's own trailing spread; clean maxima 9.3 (bench/doctor_calibrate.py)
+B = 8             # steps before t in the two-window test
+CONFIRM = 6.0     # the sustained test needs the two-window statistic at its step to be at least this
+HIST_WARM = 10    # steps after a resume before the input histogram's kl / rare share are read again
 FLOOR_LOG = 0.05  # log units: moves under ~5 % never deviate (sub-percent MADs on smooth quantities)
 FLOOR_STATE = 0.15  # ‖m‖, ‖v‖ follow the gradient's noise with a lag; a lost / altered state moves them ×3+
 MAD_SIGMA = 1.4826  # MAD → σ for Gaussian noise
@@ -89,8 +87,9 @@ def load_run(run_dir) -> Run:
     notes = [note] if note else []
     old = sorted({r.get("version", 1) for r in records if r.get("version", 1) < RECORD_VERSION})
     if old:
-        notes.append(f"{path}: record version {old[0]} < {RECORD_VERSION}: no {', '.join(V2_FIELDS)}, "
-                     f"inputs.entropy/kl_running/rare_frac or time_s.cpu; their checks are skipped")
+        lacks = ([*V2_FIELDS, "inputs.entropy/kl_running/rare_frac", "time_s.cpu"] if old[0] < 2 else []) + list(V3_FIELDS)
+        notes.append(f"{path}: record version {old[0]} < {RECORD_VERSION}: no {', '.join(lacks)}; "
+                     f"their checks are skipped")
     events = read_events(run_dir / "events.jsonl")
     cfg_path = run_dir / "config.yaml"
     config = yaml.safe_load(cfg_path.read_text()) if cfg_path.is_file() else {}
@@ -121,6 +120,8 @@ class Spec:
     rel_floor: float = 0.05  # scale floor: relative moves smaller than this never deviate (log: in log units)
     abs_floor: float = 1e-12
     exact: float | None = None  # the value a healthy run holds exactly (any departure deviates)
+    point: str | None = None  # direction of the one-step test when it differs from `direction`
+    guard: bool = False       # a quantity the online guard watches: also scored by its own test (guard_z)
 
 
 @dataclass
@@ -129,6 +130,8 @@ class Series:
     order: int                                   # position within its timeline layer (model order)
     values: dict[int, float] = field(default_factory=dict)  # step -> value
     layer_name: str | None = None                # the model layer of a per-layer quantity
+    cache: dict = field(default_factory=dict, repr=False)  # scores() by guard settings: a run with several
+                                                           # incidents is scored once, searched from each
 
 
 def timeline(records: list[dict], config: dict) -> dict[str, Series]:
@@ -150,8 +153,15 @@ def timeline(records: list[dict], config: dict) -> dict[str, Series]:
         s.values[step] = float(value)
 
     schedule = lr_schedule(config)
-    for r in records:
+    # NOTE: config.yaml is the last process's: LR records from before a declared config change (a resume with
+    # resume.allow_config_change, e.g. a longer train.steps) followed another schedule, and are not compared
+    declared = max((i for i, r in enumerate(records) if any(str(e).startswith("resume: config changed")
+                                                            for e in r.get("events", []))), default=0)
+    restart = -HIST_WARM  # the step of the last process start (a resume)
+    for i_rec, r in enumerate(records):
         t = r["step"]
+        if r.get("resume") or any(str(e).startswith("resumed from") for e in r.get("events", [])):
+            restart = t
         # input: what the batch was, before any forward
         inp = r.get("inputs", {})
         # NOTE: two-sided: noise raises the entropy and lowers the top-token share, repetition does
@@ -161,9 +171,13 @@ def timeline(records: list[dict], config: dict) -> dict[str, Series]:
         put("input.doc_start_frac", Spec(INPUT, "both", rel_floor=0.1), t, inp.get("doc_start_frac"))
         put("input.valid_frac", Spec(INPUT, "both", rel_floor=0.1), t, inp.get("valid_frac"))
         put("input.entropy", Spec(INPUT, "both", rel_floor=0.02), t, inp.get("entropy"))
-        put("input.kl_running", Spec(INPUT, "up", rel_floor=0.1, abs_floor=0.02), t, inp.get("kl_running"))
+        # WARN: the running histogram starts empty in every process (it is not in the checkpoint): after a
+        # resume every token is "rare" for a few steps (rare share 0.26 at the first scored step of a clean
+        # resumed run, 0 again 5 steps later), so both are left out for HIST_WARM steps after a resume
+        warm = t - restart >= HIST_WARM
+        put("input.kl_running", Spec(INPUT, "up", rel_floor=0.1, abs_floor=0.02), t, inp.get("kl_running") if warm else None)
         put("input.foreign_frac", Spec(INPUT, exact=0.0, rel_floor=0.0, abs_floor=0.0), t, inp.get("foreign_frac"))
-        put("input.rare_frac", Spec(INPUT, "up", rel_floor=0.1, abs_floor=0.03), t, inp.get("rare_frac"))
+        put("input.rare_frac", Spec(INPUT, "up", rel_floor=0.1, abs_floor=0.03), t, inp.get("rare_frac") if warm else None)
         switched = "input.data_fingerprint" in r.get("guard", {}).get("triggers", [])
         put("input.data_fingerprint_changed", Spec(INPUT, exact=0.0), t, float(switched))
         rk = r.get("ranks") or {}
@@ -173,20 +187,20 @@ def timeline(records: list[dict], config: dict) -> dict[str, Series]:
         # forward: activations in model order, then what is computed from them
         for name, q in r.get("layers", {}).items():
             if "act_rms" in q:
-                put(f"act_rms/{name}", Spec(FORWARD, "both", log=True, rel_floor=FLOOR_LOG), t, q["act_rms"], name)
+                put(f"act_rms/{name}", Spec(FORWARD, "both", log=True, rel_floor=FLOOR_LOG, point="up"), t, q["act_rms"], name)
         for name, q in r.get("layers", {}).items():
             if "clamp_hit_rate" in q:
                 put(f"clamp_hit_rate/{name}", Spec(FORWARD, abs_floor=0.01), t, q["clamp_hit_rate"], name)
         nf = r.get("nonfinite", {})
         put("nonfinite.logits", Spec(FORWARD, exact=0.0), t, float(bool(nf.get("logits"))))
-        put("logit_max", Spec(FORWARD, "both", log=True, rel_floor=FLOOR_LOG), t, r.get("logit_max"))
+        put("logit_max", Spec(FORWARD, "both", log=True, rel_floor=FLOOR_LOG, point="up"), t, r.get("logit_max"))
         put("z_loss", Spec(FORWARD, log=True, rel_floor=FLOOR_LOG), t, r.get("z_loss"))
         for src, v in r.get("loss_by_source", {}).items():
-            put(f"loss_by_source/{src}", Spec(FORWARD, rel_floor=0.01), t, v)
+            put(f"loss_by_source/{src}", Spec(FORWARD, rel_floor=0.01, guard=True), t, v)
         put("nonfinite.loss", Spec(FORWARD, exact=0.0), t, float(bool(nf.get("loss"))))
-        put("loss", Spec(FORWARD, rel_floor=0.01), t, r.get("loss"))
+        put("loss", Spec(FORWARD, rel_floor=0.01, guard=True), t, r.get("loss"))
         # backward / update: the LR the update used, gradients, then the update itself
-        if schedule is not None and r.get("lr") is not None:
+        if schedule is not None and r.get("lr") is not None and i_rec >= declared:
             expect = schedule(t)
             put("lr/schedule", Spec(BACKWARD, "both", exact=1.0, rel_floor=1e-6), t,
                 r["lr"] / expect if expect else math.nan)
@@ -198,13 +212,13 @@ def timeline(records: list[dict], config: dict) -> dict[str, Series]:
             put("nonfinite.grads", Spec(BACKWARD, exact=0.0), t, float(bool(nf.get("grads"))))
             for name, q in r.get("layers", {}).items():
                 if "grad_rms" in q:
-                    put(f"grad_rms/{name}", Spec(BACKWARD, "both", log=True, rel_floor=FLOOR_LOG), t, q["grad_rms"], name)
-            put("grad_norm", Spec(BACKWARD, log=True, rel_floor=FLOOR_LOG), t, r.get("grad_norm"))
+                    put(f"grad_rms/{name}", Spec(BACKWARD, "both", log=True, rel_floor=FLOOR_LOG, point="up"), t, q["grad_rms"], name)
+            put("grad_norm", Spec(BACKWARD, log=True, rel_floor=FLOOR_LOG, guard=True), t, r.get("grad_norm"))
         if not r.get("skipped"):  # a vetoed update moved nothing: its ρ = 0 says nothing about the optimizer
             for name, q in r.get("layers", {}).items():
                 if "update_ratio" in q:
-                    put(f"update_ratio/{name}", Spec(BACKWARD, "both", log=True, rel_floor=FLOOR_LOG), t, q["update_ratio"], name)
-            put("update_ratio_max", Spec(BACKWARD, log=True, rel_floor=FLOOR_LOG), t, r.get("update_ratio_max"))
+                    put(f"update_ratio/{name}", Spec(BACKWARD, "both", log=True, rel_floor=FLOOR_LOG, point="up"), t, q["update_ratio"], name)
+            put("update_ratio_max", Spec(BACKWARD, log=True, rel_floor=FLOOR_LOG, guard=True), t, r.get("update_ratio_max"))
         put("nonfinite.optim_state", Spec(BACKWARD, exact=0.0), t, float(bool(nf.get("optim_state"))))
         # optimizer state after the update (‖m‖, ‖v‖ per group) and the MoE balancing bias: what a resume
         # must restore exactly; after the gradients in order, so a gradient spike that moves m wins the tie
@@ -222,12 +236,24 @@ def _schedule_module():
     (torch, DTensor); the schedule is plain arithmetic."""
     import importlib.util
     import sys
+    def load(name: str, file: str):
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "optim" / file)
+        m = sys.modules[name] = importlib.util.module_from_spec(spec)  # dataclasses look their module up
+        spec.loader.exec_module(m)
+        return m
     mod = sys.modules.get("_doctor_schedule")
     if mod is None:
-        spec = importlib.util.spec_from_file_location("_doctor_schedule", Path(__file__).resolve().parents[1]
-                                                      / "optim" / "schedule.py")
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
+        # WARN: schedule.py imports optim.config (its schema), and `import optim.config` would run the package's
+        # __init__ (torch: ~20 s under load); the schema file is loaded on its own and stands in for it
+        # only while schedule.py executes
+        own = "optim.config" not in sys.modules
+        if own:
+            sys.modules["optim.config"] = load("_doctor_optim_config", "config.py")
+        try:
+            mod = load("_doctor_schedule", "schedule.py")
+        finally:
+            if own:
+                del sys.modules["optim.config"]
         sys.modules["_doctor_schedule"] = mod
     return mod
 
@@ -237,12 +263,13 @@ def lr_schedule(config: dict):
 
     The record's lr is the LR of the update of step t, i.e. the scheduler's factor at index t − 1
     (optim/schedule.py counts optimizer steps from 0)."""
-    lr_factor = _schedule_module().lr_factor
+    mod = _schedule_module()
     optim, steps = config.get("optim"), config.get("train", {}).get("steps")
     if not optim or not steps or "lr" not in optim:
         return None
-    sched = optim.get("schedule", {})
-    return lambda t: float(optim["lr"]) * lr_factor(t - 1, int(steps), sched)
+    # NOTE: the schedule's phases parsed once (lr_factor validates its config on every call: 25 ms a step)
+    phases = mod._phases(optim.get("schedule", {}), int(steps))
+    return lambda t: float(optim["lr"]) * mod._factor(t - 1, *phases)
 
 
 # ---- deviations ---------------------------------------------------------------------------------------
@@ -256,119 +283,18 @@ class Deviation:
     baseline: float | None   # trailing median (None for a non-finite value without history)
     z: float                 # robust z (inf: non-finite or off an exact value; sustained: the least of K)
     layer_name: str | None = None
-    kind: str = "point"      # point | sustained | exact | nonfinite | invariant
+    kind: str = "point"      # point | sustained | change | guard | exact | nonfinite | invariant
 
     def describe(self) -> str:
         where = f" ({self.layer_name})" if self.layer_name else ""
         if self.baseline is None:
             return f"{self.quantity}{where} = {self.value:.4g} at step {self.step}"
         z = ("off its exact value" if math.isinf(self.z) else
-             f"robust z ≥ {self.z:.1f} for {K} steps" if self.kind == "sustained" else f"robust z {self.z:.1f}")
+             f"robust z ≥ {self.z:.1f} for {K} steps" if self.kind == "sustained" else
+             f"level shift: two-window robust z {self.z:.1f}" if self.kind == "change" else
+             f"the guard's own test: robust z {self.z:.1f}" if self.kind == "guard" else f"robust z {self.z:.1f}")
         return (f"{self.quantity}{where} = {self.value:.4g} at step {self.step} vs baseline "
                 f"{self.baseline:.4g} ({z})")
-
-
-def baselines(y: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(level, MAD, slope) of the trailing window y[i-WINDOW:i] for every i (NaN before MIN_HISTORY
-    values). The window's trend is taken out: slope b = (median of its last third − median of its first
-    third) / (2/3·WINDOW), residuals r_k = y_k − b·(k − centre); level = median(r) at the centre, so the
-    prediction for y[i+j] is level + b·(WINDOW/2 + j + 0.5). Training quantities drift (logit max, ρ, act
-    RMS all move steadily): a flat baseline would read a drift as a sustained shift. Slope 0 until the
-    window is full.
-    NOTE: vectorised (numpy sliding windows): 20k steps × 70 quantities in about a second. No value is
-    left out of a baseline: only the first deviation of a quantity is sought, and before it none deviated."""
-    n = len(y)
-    lev, mad, slope = np.full(n, np.nan), np.full(n, np.nan), np.zeros(n)
-    if n <= MIN_HISTORY:
-        return lev, mad, slope
-    pad = np.concatenate([np.full(WINDOW, np.nan), y])
-    win = np.lib.stride_tricks.sliding_window_view(pad, WINDOW)[MIN_HISTORY:n]  # row i: y[i-W:i]
-    third = WINDOW // 3
-    full = np.arange(MIN_HISTORY, n) >= WINDOW
-    b = np.zeros(len(win))
-    if DETREND and full.any():
-        w = win[full]
-        b[full] = (np.median(w[:, -third:], axis=1) - np.median(w[:, :third], axis=1)) / (WINDOW - third)
-    centre = np.arange(WINDOW) - (WINDOW - 1) / 2
-    r = win - b[:, None] * centre[None, :] if DETREND else win
-    # NOTE: np.median on the full windows, nanmedian only on the few padded ones (nanmedian is ~50× slower)
-    m, d = np.empty(len(win)), np.empty(len(win))
-    if full.any():
-        m[full] = np.median(r[full], axis=1)
-        d[full] = np.median(np.abs(r[full] - m[full, None]), axis=1)
-    if (~full).any():
-        m[~full] = np.nanmedian(r[~full], axis=1)
-        d[~full] = np.nanmedian(np.abs(r[~full] - m[~full, None]), axis=1)
-    lev[MIN_HISTORY:], slope[MIN_HISTORY:], mad[MIN_HISTORY:] = m, b, d
-    return lev, mad, slope
-
-
-def predict(lev: np.ndarray, slope: np.ndarray, j: int) -> np.ndarray:
-    """The baseline's value j steps after the window's end (j = 0: the step being scored)."""
-    return lev + slope * ((WINDOW - 1) / 2 + 1 + j)
-
-
-def first_deviation(name: str, s: Series, start: int, threshold: float = THRESHOLD,
-                    sustained: float = SUSTAINED) -> Deviation | None:
-    steps = np.array(sorted(s.values), dtype=np.int64)
-    if not len(steps):
-        return None
-    x = np.array([s.values[int(t)] for t in steps], dtype=np.float64)
-    spec, fin = s.spec, np.isfinite(x)
-
-    def dev(i: int, z: float, base, kind: str) -> Deviation:
-        return Deviation(name, spec.layer, s.order, int(steps[i]), float(x[i]), base, z, s.layer_name, kind)
-
-    if spec.exact is not None:
-        off = ~fin | (np.abs(x - spec.exact) > spec.rel_floor * max(abs(spec.exact), 1.0) + spec.abs_floor)
-        i = int(np.argmax(off))
-        return dev(i, math.inf, spec.exact, "exact") if off[i] else None
-    nf = int(np.argmax(~fin)) if not fin.all() else len(x)  # a non-finite value needs no baseline
-    y = np.log(np.maximum(x[:nf], 1e-30)) if spec.log else x[:nf]
-    lev, mad, slope = baselines(y)
-    med = predict(lev, slope, 0)
-    floor = spec.rel_floor if spec.log else spec.rel_floor * np.abs(med)
-    den = MAD_SIGMA * mad + floor + spec.abs_floor
-    zs = (y - med) / den                                  # signed robust z against the trailing baseline
-    scored = (steps[:nf] >= start) & np.isfinite(zs)
-    zp = zs if spec.direction == "up" else (-zs if spec.direction == "down" else np.abs(zs))
-    cands = []
-    hit = scored & (zp > threshold)
-    if hit.any():
-        i = int(np.argmax(hit))
-        cands.append((i, float(zp[i]), "point"))
-    if nf > K:  # sustained: values t..t+K-1 all against the baseline before t
-        m = nf - K + 1
-        zk = np.stack([(y[j:j + m] - predict(lev, slope, j)[:m]) / den[:m] for j in range(K)])
-        lo, hi = np.min(zk, axis=0), np.max(zk, axis=0)
-        up = lo if spec.direction != "down" else np.full(m, -np.inf)
-        down = -hi if spec.direction != "up" else np.full(m, -np.inf)
-        zsus = np.maximum(np.nan_to_num(up, nan=-np.inf), np.nan_to_num(down, nan=-np.inf))
-        hit = scored[:m] & (zsus > sustained)
-        if hit.any():
-            i = int(np.argmax(hit))
-            cands.append((i, float(zsus[i]), "sustained"))
-    if nf < len(x):
-        cands.append((nf, math.inf, "nonfinite"))
-    if not cands:
-        return None
-    i, z, kind = min(cands, key=lambda c: c[0])
-    base = med[i] if i < nf else (np.nanmedian(y[max(0, nf - WINDOW):nf]) if nf else np.nan)
-    base = None if not np.isfinite(base) else float(math.exp(base) if spec.log else base)
-    return dev(i, z, base, kind)
-
-
-def deviations(tl: dict[str, Series], start: int = 1, threshold: float = THRESHOLD,
-               sustained: float = SUSTAINED) -> dict[str, Deviation]:
-    """The first deviating step of every quantity. Baseline-relative scores count from step `start`
-    on (earlier values only build the baseline); a non-finite value, or a quantity off the value a
-    healthy run holds exactly, counts from step 1: it needs no baseline."""
-    out = {}
-    for name, s in tl.items():
-        d = first_deviation(name, s, start, threshold, sustained)
-        if d is not None:
-            out[name] = d
-    return out
 
 
 def earliest(devs: dict[str, Deviation]) -> Deviation | None:

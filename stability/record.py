@@ -9,6 +9,10 @@ Record versions (`version`; a record without one is version 1):
        resume (the first step after a resume and its checkpoint); state (‖m‖, ‖v‖ per param group,
        ‖bias‖ per MoE layer, after the update); ranks (per-rank first sample id, count, content hash,
        local loss). Computed by stability/inputs.py and stability/step_state.py.
+    3  fingerprint: a short hash per group of the trajectory-defining config keys (those a resume
+       must match: checkpoint/resume.py MUST_MATCH) and of the data manifest, so a reader sees a
+       config or data change across a resume without the first process's config.yaml (a resume
+       rewrites it); a declared change is named in that step's events (resume.allow_*_change).
 """
 from __future__ import annotations
 
@@ -22,8 +26,9 @@ from typing import Any
 from stability.callbacks import StepState
 
 
-RECORD_VERSION = 2
+RECORD_VERSION = 3
 V2_FIELDS = ("resume", "state", "ranks")  # what a version-1 record lacks (beside inputs.entropy, time_s.cpu)
+V3_FIELDS = ("fingerprint",)              # what a version-2 record lacks
 
 
 @dataclass
@@ -73,6 +78,8 @@ class StepRecord:
     resume: dict[str, Any] | None = None  # {"from": checkpoint, "step": s} on the first step after a resume
     state: dict[str, float] = field(default_factory=dict)  # m/<group>, v/<group>, moe_bias/<layer> norms
     ranks: dict[str, list] = field(default_factory=dict)  # first, n, hash, loss: one entry per rank
+    # version 3
+    fingerprint: dict[str, str] = field(default_factory=dict)  # config group -> 8 hex; "data" -> manifest (12 hex)
     version: int = RECORD_VERSION
 
     def to_json(self) -> str:
@@ -83,7 +90,7 @@ class StepRecord:
 
 
 def step_record(s: StepState, *, tokens: int, world: int, batch_size: int, seq_len: int, names: list[str],
-                guard: dict, ckpt_id: str | None, device) -> StepRecord:
+                guard: dict, ckpt_id: str | None, device, fingerprint: dict | None = None) -> StepRecord:
     """The StepRecord of one finished step, from the step's state (stability/callbacks.py)."""
     st, res, post = s.stats, s.result, s.post
     return StepRecord(
@@ -101,8 +108,25 @@ def step_record(s: StepState, *, tokens: int, world: int, batch_size: int, seq_l
         nonfinite={**s.flags, **post.get("nonfinite", {})}, replica=post.get("replica", {}), guard=guard,
         routing=s.routing, time_s=s.time_s, tokens_per_s=batch_size * seq_len / s.time_s["total"],
         memory_mb=peak_memory_mb(device), events=s.events, eval=s.eval, ckpt_id=ckpt_id,
-        resume=resume_marker(s.events), state=s.opt_state, ranks=s.ranks,
+        resume=resume_marker(s.events), state=s.opt_state, ranks=s.ranks, fingerprint=fingerprint or {},
     )
+
+
+def config_fingerprint(config) -> dict[str, str]:
+    """{group: 8 hex digits} over the keys a resume must match (checkpoint/resume.py MUST_MATCH), one hash
+    per top-level group, so a reader can name which group changed (model, optim, precision, train, seed)."""
+    import hashlib
+
+    from omegaconf import OmegaConf
+
+    from checkpoint.resume import MUST_MATCH, _under, flatten
+    if not isinstance(config, dict):
+        config = OmegaConf.to_container(config, resolve=True)
+    flat = {k: v for k, v in flatten(config).items() if _under(k, MUST_MATCH)}
+    out: dict[str, list] = {}
+    for k in sorted(flat):
+        out.setdefault(k.split(".")[0], []).append(f"{k}={flat[k]!r}")
+    return {g: hashlib.sha256("\n".join(v).encode()).hexdigest()[:8] for g, v in out.items()}
 
 
 def loss_by_source(stats: dict, names: list[str]) -> dict[str, float]:

@@ -2,8 +2,9 @@
 (monkeypatches, fault=none: nothing in the run directory names them), and its new checks on synthetic
 records (continuity, per-rank inputs, resume-time state, per-step system time, every segment, bad input).
 
-Default suite: four planted faults (input, forward, update, resume; ~7 short trainings); `-m slow`: a
-clean resumed run, the whole set (bench/doctor_score.py) and ten clean seeds, scored as the README's table.
+Default suite: four planted faults (input, a subtle forward one — one attention block's output ×4 for one
+step —, update, resume; ~7 short trainings); `-m slow`: a clean resumed run, the whole set
+(bench/doctor_score.py) and ten clean seeds, scored as the README's table.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from bench.doctor_drills import BY_NAME, FAULTS
 from bench.doctor_score import diagnose, run_dir, score_fault, train_clean, train_fault
 from doctor.cli import doctor
 
-SAMPLE = ["noise_half", "nan_attn", "adam_v_div16", "resume_lost_moments"]
+SAMPLE = ["noise_half", "act_x4_attn", "adam_v_div16", "resume_lost_moments"]
 
 
 @pytest.fixture(scope="module")
@@ -85,10 +86,12 @@ def test_unseen_fault_set_and_clean_seeds(tmp_path):
 
 # ---- the new checks on synthetic records ------------------------------------------------------------------
 def v2(t, r, world=1):
-    """Version-2 fields on a fake record: per-step times, optimizer-state norms, per-rank inputs."""
+    """Version-2/3 fields on a fake record: per-step times, optimizer-state norms, per-rank inputs,
+    config and data fingerprints."""
     import random
     rng = random.Random(t)
-    r.update(version=2, resume=None, state={"m/default": 0.1 * (1 + 0.02 * rng.uniform(-1, 1)),
+    r.update(version=3, resume=None, fingerprint={"model": "aaaa0001", "optim": "bbbb0002", "seed": "cccc0003",
+                                                  "train": "dddd0004", "data": "eeeeeeee0005"}, state={"m/default": 0.1 * (1 + 0.02 * rng.uniform(-1, 1)),
                                             "v/default": 0.01 * (1 + 0.02 * rng.uniform(-1, 1))},
              time_s={"data": 0.002 * (1 + 0.1 * rng.uniform(-1, 1)), "fwd_bwd": 0.03 * (1 + 0.1 * rng.uniform(-1, 1)),
                      "optim": 0.01, "log_eval": 0.0, "ckpt": 0.0, "total": 0.042, "cpu": 0.04})
@@ -186,3 +189,80 @@ def test_empty_records_are_a_one_line_error(tmp_path):
     r = subprocess.run([sys.executable, "-m", "doctor", str(tmp_path)], cwd=ROOT, env=env(),
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "no complete record" in r.stderr
+
+
+def test_guard_never_more_sensitive_than_the_doctor(tmp_path):
+    """The online guard's detector (the real class, the run's settings) fires on a loss bump that the
+    doctor's own point test (threshold 8) scores below threshold: the doctor flags it too, at that step."""
+    from stability.detector import SpikeDetector
+
+    def bump(t, r):
+        v2(t, r)
+        if t == 70:
+            r["loss"] += 0.45
+            r["loss_by_source"] = {k: v + 0.45 for k, v in r["loss_by_source"].items()}
+    d = fake_run(tmp_path, tweak=bump)
+    cfg = yaml.safe_load((d / "config.yaml").read_text())
+    cfg["guard"] = {"detector": {"window": 30, "warmup": 40}}
+    (d / "config.yaml").write_text(yaml.safe_dump(cfg))
+    det = SpikeDetector({"loss": {}}, window=30, warmup=40)
+    recs = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
+    fired = next(r["step"] for r in recs if det.observe(r["step"], {"loss": r["loss"]}))
+    rep = doctor(d, plots=False)
+    assert fired == 70 and rep["earliest"]["step"] == 70, (fired, rep["summary"])
+    from doctor.scores import first_deviation, guard_test
+    from doctor.timeline import timeline
+    s = timeline(recs, cfg)["loss"]
+    d_loss = first_deviation("loss", s, 41, guard=guard_test(cfg))
+    assert d_loss.step == 70 and d_loss.kind == "guard", d_loss
+    assert first_deviation("loss", s, 41) is None  # the doctor's own tests alone would have said nothing
+
+
+def test_sustained_x2_of_one_layer_is_found_at_its_step(tmp_path):
+    """One layer's activation RMS ×2 from step 70 on (5 % noise): the two-window change test names step 70."""
+    def x2(t, r):
+        v2(t, r)
+        if t >= 70:
+            r["layers"]["emb"]["act_rms"] *= 2.0
+    rep = doctor(fake_run(tmp_path, tweak=x2), plots=False)
+    assert rep["class"] == "numerics.activation_outlier" and rep["earliest"]["step"] == 70, rep["summary"]
+    assert rep["earliest"]["quantity"] == "act_rms/emb"
+
+
+@pytest.mark.parametrize("declared", [False, True])
+def test_config_change_at_resume_unless_declared(tmp_path, declared):
+    """The optim group's fingerprint changes at a resume: a resume fault in the backward/update layer,
+    unless the resume declared the key (resume.allow_config_change), which is healthy."""
+    def resume(t, r):
+        v2(t, r)
+        if t == 70:
+            r["resume"] = {"from": "runs/x/checkpoints/step_000069", "step": 69}
+            r["events"] = ["resumed from runs/x/checkpoints/step_000069 (step 69, 10000 tokens)"] + (
+                ["resume: config changed (resume.allow_config_change): optim.weight_decay=0.5 but checkpoint "
+                 "step_000069 has optim.weight_decay=0.1"] if declared else [])
+        if t >= 70:
+            r["fingerprint"]["optim"] = "ffff0009"
+    rep = doctor(fake_run(tmp_path, tweak=resume), plots=False)
+    if declared:
+        assert rep["class"] == "healthy", rep["summary"]
+        return
+    assert rep["class"] == "state.resume_fault" and rep["earliest"]["step"] == 70, rep["summary"]
+    assert rep["earliest"]["quantity"] == "fingerprint/optim" and rep["earliest"]["layer"] == "backward/update"
+    assert "config group optim" in rep["fix"]["variable"]
+
+
+def test_no_directory_and_version_2_records_are_one_line_each(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "doctor", str(tmp_path / "absent")], cwd=ROOT, env=env(),
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "no such directory" in r.stderr
+
+    def old(t, r):
+        v2(t, r)
+        r["version"] = 2
+        del r["fingerprint"]
+    d = fake_run(tmp_path / "v2", tweak=old)
+    r = subprocess.run([sys.executable, "-m", "doctor", str(d), "--no-plots"], cwd=ROOT, env=env(),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "healthy" in r.stdout, r.stdout + r.stderr
+    notes = r.stderr.strip().splitlines()
+    assert len(notes) == 1 and "record version 2" in notes[0] and "no fingerprint;" in notes[0], notes
