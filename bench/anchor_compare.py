@@ -15,6 +15,7 @@ on) are left out of both medians. --compile compiles both models (train.compile=
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -27,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench import nanogpt  # noqa: E402
 
-DATA = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
+DATA = os.environ.get("TINYSHAKESPEARE", "tinyshakespeare.txt")  # README: Running
 
 
 class AnchorSink:

@@ -10,6 +10,7 @@ model's configuration, so the isolated sum is a floor no change to the code arou
 from __future__ import annotations
 
 import argparse
+import os
 import math
 import statistics
 import sys
@@ -24,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 from bench.config import build_train_step, compose_config  # noqa: E402
 
 DTYPES = {"float": torch.float32, "c10::BFloat16": torch.bfloat16, "BFloat16": torch.bfloat16}
-DEFAULT = ["+experiment=shakespeare_char", f"data.path={ROOT.parent / 'shared/data/tinyshakespeare.txt'}"]
+DEFAULT = ["+experiment=shakespeare_char", f"data.path={os.environ.get('TINYSHAKESPEARE', 'tinyshakespeare.txt')}"]
 
 
 def operands(name: str, shapes: list[list[int]]) -> tuple[list[int], list[int]]:

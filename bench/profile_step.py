@@ -1,6 +1,6 @@
 """Where does a training step's time go? torch.profiler over a few steps of any experiment.
 
-    python -m bench.profile_step +experiment=shakespeare_char data.path=../shared/data/tinyshakespeare.txt
+    python -m bench.profile_step +experiment=shakespeare_char data.path=$TINYSHAKESPEARE
 
 Builds the same objects train.py builds (same config; compiled when train.compile is on), warms up, then
 profiles `--steps` steps of forward/backward + clip + AdamW and prints the operators by self CPU time.

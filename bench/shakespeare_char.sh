@@ -5,7 +5,7 @@
 #   bash bench/shakespeare_char.sh [path/to/tinyshakespeare.txt] [extra overrides...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-data=${1:-../shared/data/tinyshakespeare.txt}
+data=${1:-${TINYSHAKESPEARE:?set TINYSHAKESPEARE to the path of tinyshakespeare.txt (README: Running), or pass the path}}
 shift || true
 dir=runs/bench-shakespeare-$(date +%Y%m%d-%H%M%S)
 python train.py +experiment=shakespeare_char "data.path=$data" "hydra.run.dir=$dir" logging.wandb=disabled \

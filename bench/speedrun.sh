@@ -9,7 +9,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${NANOGPT_DIR:?set NANOGPT_DIR to a karpathy/nanoGPT checkout}"
-data=$(realpath "${DATA:-../shared/data/tinyshakespeare.txt}")
+data=$(realpath "${DATA:-${TINYSHAKESPEARE:?set TINYSHAKESPEARE to the path of tinyshakespeare.txt (README: Running)}}")
 threads=${THREADS:-1}
 rounds=${1:-2}
 shift || true
