@@ -67,7 +67,7 @@ def test_anticipatory_lab_compares_on_and_off_and_fails_without_the_mechanism(tm
     assert r["ok"], r["table"]
     on, off = r["arms"]["on"], r["arms"]["off"]
     assert on["delays_served"] and max(on["delays_served"]) == r["delay"] and off["on_steps"] == 0
-    assert "V4's claim at this scale" in r["table"]
+    assert "V4's claimed recovery benefit at this scale" in r["table"]
     anticipatory.plot(r, tmp_path / "a.png")
     assert (tmp_path / "a.png").stat().st_size > 5000
     r = anticipatory.run(7, quick=True, enabled=False)  # both arms off: nothing stale was served
