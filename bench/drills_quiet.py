@@ -19,11 +19,11 @@ import os
 import subprocess
 import sys
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from bench.quickstart_grid import QUIET, map_jobs
+
 ROOT = Path(__file__).resolve().parents[1]
-QUIET = ["logging.progress=false", "logging.wandb=disabled", "logging.plot=false"]
 DRILLS = sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("drill_*.yaml")) + ["moe_spike_drill"]
 TWO_PROCESSES = {"drill_missing_reduce"}
 
@@ -61,13 +61,7 @@ def run_grid(drills: list[str], seeds: list[int], threads: list[int], extra: lis
              jobs: int = 2, show=None) -> list[dict]:
     points = list(itertools.product(drills, seeds, threads))
     steps = {d: fault_step(d, extra) for d in drills}  # NOTE: here, not in the threads: Hydra's compose is global state
-    rows = []
-    with ThreadPoolExecutor(jobs) as pool:
-        for row in pool.map(lambda p: one(*p, extra, root, steps[p[0]]), points):
-            rows.append(row)
-            if show:
-                show(row)
-    return rows
+    return map_jobs(lambda p: one(*p, extra, root, steps[p[0]]), points, jobs, show)
 
 
 def main() -> None:

@@ -125,16 +125,20 @@ def passes(row: dict, tol: float = 0.05) -> bool:
     return "error" not in row and row["copy_gap"] <= tol and row["gap"] <= tol
 
 
-def run_grid(points: list[dict], steps: int | None, noise: float, extra: list[str], root: Path, jobs: int = 2,
-             show=None) -> list[dict]:
-    """one() over the points, `jobs` at a time, in order; show(row) as each comes."""
+def map_jobs(fn, items, jobs: int, show=None) -> list:
+    """fn over the items, `jobs` at a time (each a train.py subprocess), in order; show(row) as each comes."""
     rows = []
     with ThreadPoolExecutor(jobs) as pool:
-        for row in pool.map(lambda pt: one(pt, steps, noise, extra, root), points):
+        for row in pool.map(fn, items):
             rows.append(row)
             if show:
                 show(row)
     return rows
+
+
+def run_grid(points: list[dict], steps: int | None, noise: float, extra: list[str], root: Path, jobs: int = 2,
+             show=None) -> list[dict]:
+    return map_jobs(lambda pt: one(pt, steps, noise, extra, root), points, jobs, show)
 
 
 def main() -> None:
