@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from stability.callbacks import Callback, StepState
 from run.schema import from_mapping
@@ -58,6 +59,7 @@ class AnticipatoryRouting(Callback):
             raise ValueError("guard.anticipatory: the model has no MoE layer to route (model.moe=null)")
         self.model, self.loader, self.micro_batches = model, loader, micro_batches
         self.forward = forward if forward is not None else model
+        self._has_dtensor: bool | None = None  # asked at the first routing forward (parameters sharded by then)
         self.delay, self.device = delay, torch.device(device)
         self.autocast = autocast if autocast is not None else contextlib.nullcontext
         self.active = False
@@ -111,13 +113,20 @@ class AnticipatoryRouting(Callback):
         s.routing = self.info(s.step)
         s.time_s["route"] = time.perf_counter() - t0
 
+    def _sharded(self) -> bool:
+        if self._has_dtensor is None:
+            self._has_dtensor = any(isinstance(p, DTensor) for p in self.model.parameters())
+        return self._has_dtensor
+
     def _route(self, j: int, step: int) -> _Entry:
         """Routes of the batch trained at step+j (peek(j−1): next() of step `step` already ran)."""
         batch = self.loader.peek(j - 1)
         # NOTE: inference_mode (no version counters, no autograd metadata: ~5 % off the routing forward on
         # a CPU) on the bare model only: a DDP / FSDP2 wrapper keeps state across forwards (FSDP2's
-        # unsharded parameters) that a later grad-mode forward must be able to use, so no_grad there.
-        grad_off = torch.inference_mode if self.forward is self.model else torch.no_grad
+        # all-gather buffers) that a later grad-mode forward updates in place, so no_grad there.
+        # WARN: fully_shard wraps the model in place (forward is model), so sharded parameters say it: a
+        # resumed FSDP2 run whose first all-gather came under inference_mode failed its next training step.
+        grad_off = torch.inference_mode if self.forward is self.model and not self._sharded() else torch.no_grad
         routes = []
         with grad_off():
             for mb in batch.micro_batches(self.micro_batches):  # the split train.py uses
