@@ -58,7 +58,7 @@ class AnchorSink:
         self.t_end, self.c_end = time.perf_counter(), time.process_time()
 
     def close(self) -> None:
-        pass
+        """The sink protocol's close: the timings live in memory, nothing to flush."""
 
 
 def build_ballast_run(overrides: list[str], run_dir: Path):
