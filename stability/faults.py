@@ -256,8 +256,14 @@ class FaultInjector:
             if self.rank == self.cfg["rank"]:
                 local = buf.clone()  # the gradient of world·L_rank: this rank's estimate, unaveraged
         # WARN: the faulty rank still joins the all_reduce, or every other rank waits for it forever.
-        fut = tdist.all_reduce(buf.div_(self.world), async_op=True).get_future()
-        return fut.then(lambda f: f.value()[0] if local is None else local)
+        # WARN: synchronous, and a future completed here: a Python callback chained with fut.then() is
+        # released on gloo's worker thread, which then needs the GIL, while the main thread, holding it,
+        # joins that thread in ~ProcessGroupGloo when the DDP module dies — a deadlock at exit, seen
+        # about one run in three (stack: Reducer dealloc -> ProcessGroupGloo dtor -> thread join).
+        tdist.all_reduce(buf.div_(self.world))
+        fut = torch.futures.Future()
+        fut.set_result(buf if local is None else local)
+        return fut
 
     def _build_switched(self, data_cfg: dict):
         data, w = DataConfig.from_dict(data_cfg), self.cfg["weights"]  # the run's data, defaults filled in

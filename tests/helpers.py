@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -16,6 +17,24 @@ TINY = ["train.steps=6", "train.eval_every=3", "train.eval_samples=32", "train.e
         "train.batch_size=8", "train.micro_batches=2", "logging.wandb=disabled", "logging.progress=false",
         "logging.plot=true", "data.seq_len=32", "data.min_doc_len=4", "model.d_model=32", "model.n_heads=2",
         "model.n_layers=2", "threads=1", "optim.schedule.warmup_steps=2"]
+
+
+def spawn(fn, args: tuple, nprocs: int = 2, timeout: float = HANG_S) -> None:
+    """torch.multiprocessing.spawn(fn, args, nprocs), except that a hang fails the test instead of the suite.
+
+    NOTE: join=True has no timeout, and a worker stuck in a collective or at exit (a deadlocked
+    process-group destructor) would stall the whole run; the guard is HANG_S, never a speed limit."""
+    import pytest
+    import torch.multiprocessing as mp
+
+    ctx = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout
+    while not ctx.join(timeout=1.0):  # re-raises a worker's exception with its traceback
+        if time.monotonic() > deadline:
+            alive = [i for i, p in enumerate(ctx.processes) if p.is_alive()]
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail(f"{fn.__name__}: ranks {alive} of {nprocs} still running after {timeout:.0f} s (a hang)")
 
 
 def env() -> dict:

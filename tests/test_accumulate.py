@@ -5,7 +5,6 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from data import build_data
 from data.batch import IGNORE_INDEX, Batch
@@ -13,6 +12,7 @@ from data.loader import Loader
 from model import ModelConfig, Transformer
 from optim import build_optimizer, clip_grad_norm
 from optim.accumulate import count_valid_tokens, forward_backward
+from helpers import spawn
 
 DATA = {"kind": "synthetic", "seq_len": 32, "min_doc_len": 16, "seed": 3,
         "sources": [{"name": "markov", "kind": "markov", "weight": 0.6, "alphabet": 16, "order": 2, "support": 3,
@@ -105,7 +105,7 @@ def test_ddp_parameters_match_single_process(tmp_path):
     from parallel import Dist
 
     single = run_steps(Dist(0, 1, 0, torch.device("cpu"), None), steps=4, micro=2)
-    mp.spawn(_ddp_worker, args=(2, str(tmp_path / "out"), 4, str(tmp_path / "store")), nprocs=2, join=True)
+    spawn(_ddp_worker, args=(2, str(tmp_path / "out"), 4, str(tmp_path / "store")))
     for rank in range(2):
         got = torch.load(tmp_path / f"out.{rank}")
         assert got["norms"] == pytest.approx(single["norms"], rel=1e-5)

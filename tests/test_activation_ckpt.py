@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from data import build_data
 from data.loader import Loader
@@ -14,6 +13,7 @@ from optim import build_optimizer
 from optim.accumulate import count_valid_tokens, forward_backward
 from parallel import Dist, wrap_model
 from stability.telemetry import Telemetry
+from helpers import spawn
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -103,7 +103,7 @@ def _worker(rank, world, store, out):
 
 @pytest.mark.distributed
 def test_gradients_equal_under_ddp_and_fsdp(tmp_path):
-    mp.spawn(_worker, args=(2, str(tmp_path / "store"), str(tmp_path / "out")), nprocs=2, join=True)
+    spawn(_worker, args=(2, str(tmp_path / "store"), str(tmp_path / "out")))
     for rank in range(2):
         got = torch.load(tmp_path / f"out.{rank}")
         for par in ("ddp", "fsdp"):

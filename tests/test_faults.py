@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from omegaconf import OmegaConf
 
 from data import IGNORE_INDEX, PAD_ID, build_data
@@ -19,6 +18,7 @@ from optim import build_optimizer
 from optim.accumulate import count_valid_tokens, forward_backward
 from parallel import Dist, wrap_model
 from stability.faults import FaultInjector
+from helpers import spawn
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = {"kind": "synthetic", "seq_len": 16, "min_doc_len": 4, "seed": 5,
@@ -309,7 +309,7 @@ def _ddp_worker(rank, world, store, out):
 
 @pytest.mark.distributed
 def test_missing_reduce_rank1_keeps_its_local_gradient_at_step_s_only(tmp_path):
-    mp.spawn(_ddp_worker, args=(2, str(tmp_path / "store"), str(tmp_path / "out")), nprocs=2, join=True)
+    spawn(_ddp_worker, args=(2, str(tmp_path / "store"), str(tmp_path / "out")))
     r0, r1 = (torch.load(tmp_path / f"out.{r}") for r in (0, 1))
     assert "DistributedDataParallel" in r0["not_ddp"]
     for i, step in enumerate((1, 2, 3)):

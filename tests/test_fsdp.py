@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from data import build_data
 from data.loader import Loader
@@ -15,6 +14,7 @@ from model import ModelConfig, Transformer
 from optim import build_optimizer, clip_grad_norm
 from optim.accumulate import count_valid_tokens, forward_backward
 from parallel import Dist, wrap_model
+from helpers import spawn
 
 DATA = {"kind": "synthetic", "seq_len": 16, "min_doc_len": 4, "seed": 5,
         "sources": [{"name": "markov", "kind": "markov", "weight": 0.5, "alphabet": 8, "order": 1, "support": 2},
@@ -75,7 +75,7 @@ def test_fsdp_two_processes_match_one_process_with_accumulation(tmp_path):
         single = run(Dist(0, 1, 0, torch.device("cpu"), None), micro=4)  # same 2 samples per micro-batch
     finally:
         torch.set_num_threads(n)
-    mp.spawn(_worker, args=(2, str(tmp_path / "store"), str(tmp_path / "out")), nprocs=2, join=True)
+    spawn(_worker, args=(2, str(tmp_path / "store"), str(tmp_path / "out")))
     for rank in range(2):
         got = torch.load(tmp_path / f"out.{rank}")
         assert all(got["sharded"]), "every gradient must be a Shard(0) DTensor"

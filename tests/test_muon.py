@@ -10,7 +10,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import fully_shard
@@ -19,6 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 from model import ModelConfig, MoEConfig, Transformer
 from optim import build_optimizer, format_table
 from optim.muon import newton_schulz5
+from helpers import spawn
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
               pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
@@ -235,7 +235,7 @@ def _ddp_worker(rank, world, init_file, out):
 @pytest.mark.distributed
 def test_ddp_and_fsdp2_two_processes_equal_one(tmp_path):
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_ddp_worker, args=(2, os.path.join(tmp, "init"), tmp_path / "ddp.pt"), nprocs=2, join=True)
+        spawn(_ddp_worker, args=(2, os.path.join(tmp, "init"), tmp_path / "ddp.pt"))
     got = torch.load(tmp_path / "ddp.pt")
     model = tiny_moe()
     opt, _ = build_optimizer(model, muon_cfg())

@@ -9,7 +9,6 @@ import tempfile
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard
@@ -17,6 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from optim import (build_optimizer, build_param_groups, build_scheduler, clip_grad_norm, format_table,
                    lr_factor)
+from helpers import spawn
 
 NO_DECAY = {"name": "no_decay", "kinds": ["bias", "norm", "embedding", "router", "expert_bias"],
             "weight_decay": 0.0}
@@ -433,4 +433,4 @@ def _dist_worker(rank, world, init_file):
 def test_clip_grad_norm_sharded_and_replicated_two_ranks():
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "init")
-        mp.spawn(_dist_worker, args=(2, init_file), nprocs=2, join=True)
+        spawn(_dist_worker, args=(2, init_file))

@@ -4,7 +4,6 @@ embedding, norms and router included — and the table must say so instead of "f
 from __future__ import annotations
 
 import torch
-import torch.multiprocessing as mp
 from torch import nn
 
 from model import ModelConfig, MoEConfig, Transformer
@@ -12,6 +11,7 @@ from model.moe import MoE
 from parallel.dist import Dist
 from parallel.wrap import is_sharded, wrap_model
 from precision import build_recipe
+from helpers import spawn
 
 SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 
@@ -55,7 +55,7 @@ def _worker(rank, world, store, out):
 
 def test_bf16_table_equals_the_observed_dtypes(tmp_path):
     single = observe("none", Dist(0, 1, 0, torch.device("cpu"), None))
-    mp.spawn(_worker, args=(2, str(tmp_path / "store"), str(tmp_path / "out")), nprocs=2, join=True)
+    spawn(_worker, args=(2, str(tmp_path / "store"), str(tmp_path / "out")))
     runs = {"1proc": single, **torch.load(tmp_path / "out.0")}
     for where, (stated, seen, activations) in runs.items():
         assert set(seen) == set(stated) and len(seen) >= 6, (where, seen, stated)  # emb, 4 block norms + final, router

@@ -7,7 +7,6 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from data import build_data
 from model import ModelConfig, Transformer
@@ -15,6 +14,7 @@ from optim import build_optimizer, clip_grad_norm
 from optim.accumulate import count_valid_tokens, forward_backward
 from optim.scaler import DynamicLossScaler
 from precision import build_recipe, optimizer_step
+from helpers import spawn
 
 DATA = {"kind": "synthetic", "seq_len": 16, "min_doc_len": 8, "seed": 5,
         "sources": [{"name": "markov", "kind": "markov", "weight": 1.0, "alphabet": 16, "order": 1, "support": 3,
@@ -137,7 +137,7 @@ def _agree_worker(rank, world, store, out):
 
 @pytest.mark.distributed
 def test_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path):
-    mp.spawn(_agree_worker, args=(2, str(tmp_path / "store"), str(tmp_path / "out")), nprocs=2, join=True)
+    spawn(_agree_worker, args=(2, str(tmp_path / "store"), str(tmp_path / "out")))
     r0, r1 = (torch.load(tmp_path / f"out.{r}") for r in range(2))
     assert [x[:2] for x in r0] == [x[:2] for x in r1] == [(True, 16.0), (False, 8.0)]
     assert torch.equal(r0[0][2], r1[0][2]) and torch.equal(r0[1][2], r1[1][2])

@@ -11,7 +11,6 @@ import math
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from data import build_data
 from data.loader import Loader
@@ -22,6 +21,7 @@ from optim.scaler import DynamicLossScaler
 from parallel import Dist, wrap_model
 from precision import optimizer_step
 from stability.telemetry import Telemetry, first_nonfinite, moe_summary, nonfinite_flags
+from helpers import spawn
 
 DATA = {"kind": "synthetic", "seq_len": 16, "min_doc_len": 4, "seed": 5,
         "sources": [{"name": "markov", "kind": "markov", "weight": 0.5, "alphabet": 8, "order": 1, "support": 2},
@@ -347,7 +347,7 @@ def _worker(rank, world, store, out):
 def test_ddp_and_fsdp_match_one_process_and_replica_spread_catches_a_lost_reduction(tmp_path):
     # 4 micro-batches of 2 samples = the 2 ranks × 2 micro-batches of the same global batch
     single = run_steps(Dist(0, 1, 0, torch.device("cpu"), None), "none", micro=4)["outs"]
-    mp.spawn(_worker, args=(2, str(tmp_path / "store"), str(tmp_path / "out")), nprocs=2, join=True)
+    spawn(_worker, args=(2, str(tmp_path / "store"), str(tmp_path / "out")))
     for rank in range(2):
         got = torch.load(tmp_path / f"out.{rank}")
         for mode in ("ddp", "fsdp"):
