@@ -91,12 +91,14 @@ def two_window(y: np.ndarray, floor, abs_floor: float, b: int = B, k: int = K, w
 @dataclass(frozen=True)
 class GuardTest:
     """The online guard's detector (stability/detector.py) at the run's settings: window, threshold, floor
-    rel_floor·|median|, no score before min_history values. Before its first trigger no value was left out
-    of its history, so its first trigger is this vectorised test's first hit."""
+    rel_floor·|median| (a log quantity: spread at least log_floor), no score before min_history values.
+    Before its first trigger no value was left out of its history, so its first trigger is this vectorised
+    test's first hit."""
     window: int = 50
     threshold: float = 6.0
     min_history: int = 20
     rel_floor: float = 1e-3
+    log_floor: float = 0.2
     directions: tuple = ()   # (metric family, "up" | "both")
 
     def direction(self, name: str) -> str | None:
@@ -112,7 +114,8 @@ def guard_test(config: dict) -> GuardTest:
     metrics = det.get("metrics") or {"loss": {}, "loss_by_source": {}, "grad_norm": {"log": True},
                                      "update_ratio_max": {"log": True}}
     return GuardTest(int(det.get("window", 50)), float(det.get("threshold", 6.0)), int(det.get("min_history", 20)),
-                     1e-3, tuple((m, (spec or {}).get("direction", "up")) for m, spec in metrics.items()))
+                     1e-3, float(det.get("log_floor", 0.2)),
+                     tuple((m, (spec or {}).get("direction", "up")) for m, spec in metrics.items()))
 
 
 @dataclass
@@ -172,7 +175,9 @@ def scores(s: Series, guard: GuardTest | None = None, name: str = "") -> Scores 
     direction = guard.direction(name) if guard and spec.guard else None
     if direction and nf > guard.min_history:  # the guard's own test: never less sensitive than the guard
         glev, gmad, _ = baselines(y, guard.window, guard.min_history)
-        z["guard"] = signed((y - glev) / (MAD_SIGMA * gmad + guard.rel_floor * np.abs(glev) + 1e-12), direction)
+        gden = (np.maximum(MAD_SIGMA * gmad, guard.log_floor) if spec.log
+                else MAD_SIGMA * gmad + guard.rel_floor * np.abs(glev)) + 1e-12
+        z["guard"] = signed((y - glev) / gden, direction)
     return Scores(steps, x, nf, med, z)
 
 

@@ -3,12 +3,14 @@
 For each watched metric x (loss, grad norm, max update ratio ...) the detector keeps the last `window`
 *accepted* values and scores a new one by its robust z-score
 
-    z = (x − median) / (1.4826 · MAD + floor),   floor = rel_floor · |median| + 1e-12
+    z = (x − median) / (1.4826 · MAD + rel_floor · |median| + 1e-12)        on x
+    z = (y − median) / max(1.4826 · MAD, log_floor)                          on y = log x (a `log` metric)
 
 (1.4826 · MAD estimates σ for Gaussian noise, and unlike a mean/std it is not dragged by the spike it
 is meant to catch). A value with z > threshold ("up") or |z| > threshold ("both") is a spike. Metrics
 marked `log` are scored on log(x): grad norms and update ratios are scale-free, a ×10 jump matters
-the same at 0.1 as at 10.
+the same at 0.1 as at 10, and their floor is in log units: rel_floor · |median of log x| would depend on
+the unit (a median near 1 has log 0, so no floor at all), and a calm stretch then made a ×2.5 blip a spike.
 
   - no z-score until `min_history` values were accepted (a detector with 3 points cries wolf), nor
     before step `warmup`: the first steps of training are a transient (loss, grad norm and ρ fall by
@@ -55,13 +57,14 @@ class Trigger:
 
 class SpikeDetector:
     def __init__(self, metrics: dict, window: int = 50, threshold: float = 6.0, min_history: int = 20,
-                 cooldown: int = 10, warmup: int = 0, rel_floor: float = 1e-3):
+                 cooldown: int = 10, warmup: int = 0, rel_floor: float = 1e-3, log_floor: float = 0.2):
         # the schema checks the settings (stability/config.py)
         cfg = DetectorConfig.from_dict({"metrics": metrics, "window": window, "threshold": threshold,
-                                        "min_history": min_history, "cooldown": cooldown, "warmup": warmup})
+                                        "min_history": min_history, "cooldown": cooldown, "warmup": warmup,
+                                        "log_floor": log_floor})
         self.metrics = {n: {"direction": m.direction, "log": m.log} for n, m in cfg.metrics.items()}
         self.window, self.threshold, self.min_history = window, threshold, min_history
-        self.cooldown, self.warmup, self.rel_floor = cooldown, warmup, rel_floor
+        self.cooldown, self.warmup, self.rel_floor, self.log_floor = cooldown, warmup, rel_floor, log_floor
         self.history: dict[str, deque] = {m: deque(maxlen=window) for m in self.metrics}
         self.quiet_until: dict[str, int] = {m: 0 for m in self.metrics}  # cooldown ends before this step
         self.fired = 0  # triggers acted on, over the whole run
@@ -73,6 +76,8 @@ class SpikeDetector:
             return None
         med = statistics.median(hist)
         mad = statistics.median(abs(h - med) for h in hist)
+        if self.metrics[name.split("/")[0]]["log"]:
+            return med, (x - med) / max(1.4826 * mad, self.log_floor, 1e-12)
         return med, (x - med) / (1.4826 * mad + self.rel_floor * abs(med) + 1e-12)
 
     def observe(self, step: int, values: dict[str, float]) -> list[Trigger]:

@@ -67,7 +67,7 @@ class Guard:
         cfg = GuardConfig.from_dict(cfg)  # the schema checks keys, types and ranges (stability/config.py)
         d = cfg.detector
         self.detector = SpikeDetector({n: vars(m) for n, m in d.metrics.items()}, d.window, d.threshold,
-                                      d.min_history, d.cooldown, d.warmup)
+                                      d.min_history, d.cooldown, d.warmup, log_floor=d.log_floor)
         self.action, self.replica_tol = cfg.action, float(cfg.replica_tol)
         self.rb, self.an = vars(cfg.rollback).copy(), vars(cfg.anticipatory).copy()
         self.state, self.ckpt, self.events = state, ckpt, events

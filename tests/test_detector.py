@@ -52,6 +52,20 @@ def test_grad_norm_is_scored_on_log_scale():
     assert [(s, t.metric) for s, t in fired] == [(81, "grad_norm")]
 
 
+@pytest.mark.parametrize("scale", [1e-3, 1.0, 1e3])
+def test_a_log_metric_floor_is_in_log_units_whatever_the_unit(scale):
+    """On a calm plateau (MAD of log x ≈ 0.02) a ×2.5 blip is jitter and a ×5 jump is a spike, in any unit:
+    the floor is 0.2 log units, never rel_floor·|median of log x| (which is 0 for a median near 1)."""
+    rng = random.Random(5)
+    fired_at = {}
+    for blip in (2.5, 5.0):
+        det = SpikeDetector(METRICS, window=50, threshold=6.0, min_history=20, cooldown=10)
+        norms = [scale * math.exp(rng.gauss(0, 0.03)) for _ in range(100)]
+        norms[80] *= blip
+        fired_at[blip] = [s for s, t in feed(det, noisy_series(100, 1), norms) if t.metric == "grad_norm"]
+    assert fired_at == {2.5: [], 5.0: [81]}
+
+
 def test_non_finite_fires_at_once_even_without_history():
     det = SpikeDetector(METRICS, window=50, threshold=6.0, min_history=20, cooldown=10)
     fired = feed(det, [3.0, 2.9, math.nan])
