@@ -29,6 +29,8 @@ BASE = ["train.steps=400", "train.eval_every=1000", "train.eval_samples=32", "tr
         "data.seq_len=32", "data.min_doc_len=4", "model.d_model=32", "model.n_heads=2", "model.n_layers=2",
         "threads=1", "optim.schedule.warmup_steps=10", "guard.detector.warmup=40", "guard=log",
         "telemetry.every=1", "fault=none",
+        # NOTE: the lr the doctor's thresholds were calibrated at (the default was 3e-3 then; conf/optim/adamw.yaml)
+        "optim.lr=3e-3",
         # NOTE: the equal-weight mixture the doctor's thresholds were calibrated on (bench/doctor_calibrate.py),
         # not the quickstart's copy-heavy one
         "data=synthetic"]
