@@ -286,11 +286,15 @@ class FaultDrill(Callback):
     """The injector attached to the step: one object, and the loop never asks which fault it is.
 
     Its events go to the run's EventLog as soon as the fault fires, in the same story as the guard's.
+    A drill is meant to be quiet before its injection; when the guard already acted (a natural spike on
+    this seed or CPU), the fault's event says so (`preceded_by`), and the console line with it, so nobody
+    reads the run's incidents as the drill's alone.
     """
 
-    def __init__(self, injector: FaultInjector, optimizer, events):
-        self.inj, self.optimizer, self.events = injector, optimizer, events
+    def __init__(self, injector: FaultInjector, optimizer, events, guard=None):
+        self.inj, self.optimizer, self.events, self.guard = injector, optimizer, events, guard
         self._planned: list[float] | None = None  # the scheduled LRs an LR drill scaled this step
+        self._checked = False  # the quiet-before-injection check is made at the first fault event
 
     def before_batch(self, s: StepState) -> None:
         self.inj.before_batch(s.step)
@@ -321,7 +325,16 @@ class FaultDrill(Callback):
     def _emit(self) -> None:
         for e in self.inj.pop_events():
             info = {k: v for k, v in e.items() if k not in ("step", "kind")}
-            self.events.emit(e["step"], "fault", ", ".join(f"{k}={v}" for k, v in info.items()), **info)
+            summary = ", ".join(f"{k}={v}" for k, v in info.items())
+            det = getattr(self.guard, "detector", None)
+            if not self._checked and det is not None:
+                self._checked = True
+                if det.fired:  # acted-on triggers before this first injection
+                    info["preceded_by"] = {"guard_triggers": det.fired, "last_trigger_step": det.last_trigger_step}
+                    summary += (f"; WARN: the drill was not quiet before its injection: the guard acted on "
+                                f"{det.fired} trigger(s) already (last at step {det.last_trigger_step}), so "
+                                f"this run's incidents are not the drill's alone")
+            self.events.emit(e["step"], "fault", summary, **info)
 
 
 def _plain(cfg):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import DRILL, S, SMALL, run_train
+from helpers import DRILL, S, SMALL, TINY, run_train
 from stability.events import read_events
 from stability.record import read_records
 
@@ -39,6 +39,7 @@ def test_drill_is_detected_within_two_steps(drill_runs, drill):
     assert fault["step"] == S and fault["fault"] == drill
     assert triggers, f"{drill}: no trigger in events.jsonl"
     assert all(t["step"] >= S for t in triggers), f"false alarm before the fault: {triggers[0]}"
+    assert "preceded_by" not in fault  # quiet before it: the fault's event has nothing to warn about
     first = triggers[0]
     assert S <= first["step"] <= S + 2
     family, action = DRILLS[drill]
@@ -138,3 +139,20 @@ def test_every_drill_is_quiet_before_its_injection(tmp_path):
     rows = drills_quiet.run_grid(drills_quiet.DRILLS, [0, 1, 2], [1, 2], [], tmp_path, jobs=2)
     bad = [r for r in rows if "error" in r or r["early"]]
     assert not bad, bad
+
+
+def test_a_drill_that_was_not_quiet_says_so(tmp_path):
+    """A guard that already acted before the injection (here: a detector so touchy that ordinary batch noise
+    trips it) is named in the fault's event and its console line; a quiet drill's fault event has no such
+    field (the drill tests above)."""
+    r = run_train(tmp_path / "run", *TINY, "train.steps=12", "fault=labels_shuffle", "fault.step=10", "guard=log",
+                  "guard.detector.warmup=0", "guard.detector.min_history=3", "guard.detector.threshold=0.01",
+                  "guard.detector.cooldown=0")
+    assert r.returncode == 0, r.stderr[-2000:]
+    events = read_events(tmp_path / "run" / "events.jsonl")
+    before = [e for e in events if e["kind"] == "trigger" and not e["suppressed"] and e["step"] < 10]
+    fault = next(e for e in events if e["kind"] == "fault")
+    assert before and fault["step"] == 10
+    assert fault["preceded_by"]["last_trigger_step"] == max(e["step"] for e in before)
+    assert fault["preceded_by"]["guard_triggers"] >= len({e["step"] for e in before})
+    assert "not quiet before its injection" in fault["summary"]
