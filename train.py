@@ -62,7 +62,7 @@ def main(cfg: DictConfig) -> None:
         sys.exit(3)
     finally:
         run.close()
-        destroy()
+        destroy(run.wrapped)  # DDP's reducer first: see parallel.dist.release
 
 
 def train(run: Run) -> None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as tdist
+from torch.nn.parallel import DistributedDataParallel
 
 
 @dataclass(frozen=True)
@@ -78,12 +79,29 @@ def barrier() -> None:
         tdist.barrier()
 
 
-def destroy() -> None:
+def release(*modules) -> None:
+    """Free DDP's C++ reducer (and the logger that shares it) now, while Python still holds the group.
+
+    WARN: the group's destructor joins gloo's worker threads, and a worker releasing a finished
+    collective's Python state (a tensor, the thread-local state it was launched under) needs the GIL.
+    torch destroys a group whose last owner is a Python reference with the GIL released; but when DDP's
+    reducer is the last owner (destroy_process_group() ran, the DDP module died after it) the group dies
+    inside the reducer's destructor, GIL held: a deadlock at exit (stack: Reducer dealloc ->
+    ProcessGroupGloo dtor -> thread join; seen in the 2-process tests, 1 run in ~3 of one of them).
+    Released first, the reducer never owns the group last."""
+    for m in modules:
+        m = getattr(m, "_orig_mod", m)  # a torch.compile'd wrapper holds the DDP module it compiled
+        if isinstance(m, DistributedDataParallel):
+            for name in ("logger", "reducer"):
+                m.__dict__.pop(name, None)
+
+
+def destroy(*modules) -> None:
+    """Release `modules` (DDP wrappers: release above), then destroy the default group."""
+    release(*modules)
     if tdist.is_initialized():
-        # WARN: a gloo worker thread releases each finished collective's tensors itself, and freeing
-        # a tensor Python has already dropped takes the GIL. A group destroyed from Python (GIL held)
-        # joins its workers: if one is still releasing, the process hangs at exit (seen in 2 of 3 DDP
-        # runs). Sleeping hands the GIL over so the release finishes. No barrier: on the config-error
+        # NOTE: the sleep hands the GIL to a gloo worker still releasing its last collective, for the
+        # same deadlock through an owner release() does not know of. No barrier: on the config-error
         # path the other ranks may be inside another collective.
         time.sleep(0.05)
         tdist.destroy_process_group()

@@ -16,7 +16,7 @@ from data.loader import Loader
 from model import ModelConfig, Transformer
 from optim import build_optimizer
 from optim.accumulate import count_valid_tokens, forward_backward
-from parallel import Dist, wrap_model
+from parallel import Dist, wrap_model, release
 from stability.faults import FaultInjector
 from helpers import spawn
 
@@ -302,6 +302,7 @@ def _ddp_worker(rank, world, store, out):
             model.zero_grad(set_to_none=True)
             inj.after_update(step)
             res["events"].append(inj.pop_events())
+        release(wrapped)  # the reducer must not outlive the group's Python owners (parallel.dist.release)
         torch.save(res, f"{out}.{rank}")
     finally:
         torch.distributed.destroy_process_group()

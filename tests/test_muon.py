@@ -18,6 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 from model import ModelConfig, MoEConfig, Transformer
 from optim import build_optimizer, format_table
 from optim.muon import newton_schulz5
+from parallel import release
 from helpers import spawn
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
@@ -214,6 +215,7 @@ def _ddp_worker(rank, world, init_file, out):
             out_ = ddp(mine, mine)
             (out_.loss_sum / 16).backward()  # DDP averages: ÷ world · (global tokens / world) = mean over 32
             opt.step()
+        release(ddp)  # the reducer must not outlive the group's Python owners (parallel.dist.release)
         # FSDP2: every block and the root sharded on dim 0; Muon gathers each matrix for NS5
         sharded = tiny_moe()
         for block in sharded.blocks:

@@ -16,6 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from optim import (build_optimizer, build_param_groups, build_scheduler, clip_grad_norm, format_table,
                    lr_factor)
+from parallel import release
 from helpers import spawn
 
 NO_DECAY = {"name": "no_decay", "kinds": ["bias", "norm", "embedding", "router", "expert_bias"],
@@ -415,6 +416,7 @@ def _dist_worker(rank, world, init_file):
         nn.functional.mse_loss(ddp(x[mine]), y[mine]).backward()
         norm_ddp, _ = clip_grad_norm(ddp.parameters(), None)
         assert norm_ddp.item() == pytest.approx(ref_norm, rel=1e-5)
+        release(ddp)  # the reducer must not outlive the group's Python owners (parallel.dist.release)
 
         # the fused AdamW from build_optimizer steps DTensor params like the reference steps full ones
         opt_s, _ = build_optimizer(sharded, optim_cfg())
