@@ -329,7 +329,9 @@ class FaultDrill(Callback):
             det = getattr(self.guard, "detector", None)
             if not self._checked and det is not None:
                 self._checked = True
-                if det.fired:  # acted-on triggers before this first injection
+                # NOTE: acted-on triggers before the injection; after a resume into a drill that already
+                # fired, the drill's own triggers (at or after its step) are not a warning
+                if det.fired and det.last_trigger_step is not None and det.last_trigger_step < e["step"]:
                     info["preceded_by"] = {"guard_triggers": det.fired, "last_trigger_step": det.last_trigger_step}
                     summary += (f"; WARN: the drill was not quiet before its injection: the guard acted on "
                                 f"{det.fired} trigger(s) already (last at step {det.last_trigger_step}), so "
