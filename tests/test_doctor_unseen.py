@@ -15,7 +15,7 @@ import sys
 import pytest
 import yaml
 
-from helpers import ROOT, env
+from helpers import HANG_S, ROOT, env
 from test_doctor import fake_run
 from bench.doctor_drills import BY_NAME, FAULTS
 from bench.doctor_score import diagnose, run_dir, score_fault, train_clean, train_fault
@@ -177,7 +177,7 @@ def test_truncated_and_old_records_are_named_and_diagnosed(tmp_path):
     text = (d / "metrics.jsonl").read_text()
     (d / "metrics.jsonl").write_text(text + text.splitlines()[-1][:57])  # a write cut short
     r = subprocess.run([sys.executable, "-m", "doctor", str(d), "--no-plots"], cwd=ROOT, env=env(),
-                       capture_output=True, text=True, timeout=120)
+                       capture_output=True, text=True, timeout=HANG_S)
     assert r.returncode == 0 and "optim.lr_switch" in r.stdout, r.stdout + r.stderr
     notes = r.stderr.strip().splitlines()
     assert any("not a complete record" in n and "up to step 90" in n for n in notes), notes
@@ -187,7 +187,7 @@ def test_truncated_and_old_records_are_named_and_diagnosed(tmp_path):
 def test_empty_records_are_a_one_line_error(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "tok')
     r = subprocess.run([sys.executable, "-m", "doctor", str(tmp_path)], cwd=ROOT, env=env(),
-                       capture_output=True, text=True, timeout=60)
+                       capture_output=True, text=True, timeout=HANG_S)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "no complete record" in r.stderr
 
 
@@ -253,7 +253,7 @@ def test_config_change_at_resume_unless_declared(tmp_path, declared):
 
 def test_no_directory_and_version_2_records_are_one_line_each(tmp_path):
     r = subprocess.run([sys.executable, "-m", "doctor", str(tmp_path / "absent")], cwd=ROOT, env=env(),
-                       capture_output=True, text=True, timeout=60)
+                       capture_output=True, text=True, timeout=HANG_S)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "no such directory" in r.stderr
 
     def old(t, r):
@@ -262,7 +262,7 @@ def test_no_directory_and_version_2_records_are_one_line_each(tmp_path):
         del r["fingerprint"]
     d = fake_run(tmp_path / "v2", tweak=old)
     r = subprocess.run([sys.executable, "-m", "doctor", str(d), "--no-plots"], cwd=ROOT, env=env(),
-                       capture_output=True, text=True, timeout=120)
+                       capture_output=True, text=True, timeout=HANG_S)
     assert r.returncode == 0 and "healthy" in r.stdout, r.stdout + r.stderr
     notes = r.stderr.strip().splitlines()
     assert len(notes) == 1 and "record version 2" in notes[0] and "no fingerprint;" in notes[0], notes
