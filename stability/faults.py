@@ -256,10 +256,9 @@ class FaultInjector:
             if self.rank == self.cfg["rank"]:
                 local = buf.clone()  # the gradient of world·L_rank: this rank's estimate, unaveraged
         # WARN: the faulty rank still joins the all_reduce, or every other rank waits for it forever.
-        # WARN: synchronous, and a future completed here: a Python callback chained with fut.then() is
-        # released on gloo's worker thread, which then needs the GIL, while the main thread, holding it,
-        # joins that thread in ~ProcessGroupGloo when the DDP module dies — a deadlock at exit, seen
-        # about one run in three (stack: Reducer dealloc -> ProcessGroupGloo dtor -> thread join).
+        # NOTE: synchronous, and a future completed here: a Python callback chained with fut.then() is
+        # released on gloo's worker thread, which then needs the GIL — one more way into the exit deadlock
+        # that parallel.release prevents at its root (the reducer must never own the group last).
         tdist.all_reduce(buf.div_(self.world))
         fut = torch.futures.Future()
         fut.set_result(buf if local is None else local)
