@@ -100,7 +100,8 @@ def train(run: Run) -> None:
         def veto(norm, overflow):  # the guard's pre-update checkpoint: loss (by source), grad norm, finite flags
             s.flags = nonfinite_flags(s.stats["loss"], s.stats["logit_max"], norm.item())
             return guard.before_update(step, s.stats["loss"], norm.item(), s.flags, scaled=run.scaler is not None,
-                                       fingerprint=loader.dataset.fingerprint, loss_by_source=s.loss_by_source)
+                                       fingerprint=loader.dataset.fingerprint, loss_by_source=s.loss_by_source,
+                                       tokens_by_source=dict(zip(names, s.stats["tokens_by_source"])))
 
         # unscale → global norm → finite check agreed by all ranks → clip → guard veto → step, or a counted skip
         s.result = res = optimizer_step(model.parameters(), optimizer, run.scaler, tc.max_grad_norm, veto=veto,

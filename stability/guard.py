@@ -91,7 +91,8 @@ class Guard:
 
     def before_update(self, step: int, loss: float, grad_norm: float, nonfinite: dict[str, bool],
                       scaled: bool = False, fingerprint: str | None = None,
-                      loss_by_source: dict[str, float] | None = None) -> bool:
+                      loss_by_source: dict[str, float] | None = None,
+                      tokens_by_source: dict[str, int] | None = None) -> bool:
         """Score the pre-update metrics; return True to veto the update.
 
         `scaled`: an FP16 loss scaler is on — a non-finite gradient with a finite loss is then its
@@ -99,6 +100,7 @@ class Guard:
         `fingerprint`: the data manifest the batch came from. A change is an input switch (docs/course.md
         §5: check LR / batch / data switches at the step): logged as a trigger at once, but never
         vetoed or rolled back — the objective changed, and no earlier state can undo that.
+        `tokens_by_source`: the tokens each per-source loss is the mean of (its noise scales with them).
         """
         self.verdict = Verdict()
         if fingerprint is not None:
@@ -110,7 +112,7 @@ class Guard:
                   **{f"loss_by_source/{k}": v for k, v in (loss_by_source or {}).items()}}
         if scaled and math.isfinite(loss):
             values["grad_norm"] = grad_norm if math.isfinite(grad_norm) else None
-        triggers = self.detector.observe(step, values)
+        triggers = self.detector.observe(step, values, {f"loss_by_source/{k}": n for k, n in (tokens_by_source or {}).items()})
         seen = {t.metric for t in triggers if t.nonfinite}
         # NOTE: a flag the detector already reported as a non-finite value is not reported twice
         covered = {"loss": "loss", "grads": "grad_norm"}

@@ -146,3 +146,27 @@ def test_a_metric_family_keeps_one_history_per_member():
     restored = SpikeDetector({"loss_by_source": {"direction": "up"}}, window=50, min_history=20)
     restored.load_state_dict(det.state_dict())
     assert list(restored.history["loss_by_source/b"]) == list(det.history["loss_by_source/b"])
+
+
+def test_a_mean_over_few_tokens_is_scored_with_its_own_noise():
+    """Per-source losses are means over that source's tokens: noise ∝ 1/√n. On a history of means over
+    ~64 tokens (σ 0.1), a batch where the source has 4 tokens and its loss is 0.8 above the median
+    (2 σ of a 4-token mean, robust z ~8 unscaled) is noise; the same move over 64 tokens is a spike.
+    Without counts the detector cannot tell the two apart and fires on both."""
+    def run(n_last, counts):
+        rng = random.Random(3)
+        det = SpikeDetector({"loss_by_source": {}}, window=30, min_history=20)
+        for t in range(60):
+            x = 2.0 + 0.1 * rng.gauss(0, 1)
+            det.observe(t, {"loss_by_source/a": x}, {"loss_by_source/a": 64} if counts else None)
+        return det.observe(60, {"loss_by_source/a": 2.8}, {"loss_by_source/a": n_last} if counts else None)
+    assert run(4, counts=True) == []
+    (few,), (many,) = run(4, counts=False), run(64, counts=True)
+    assert few.z > 6 and many.z > 6
+    # the counts ride in the state: a resumed detector scales the same way
+    det = SpikeDetector({"loss_by_source": {}}, window=30, min_history=20)
+    for t in range(30):
+        det.observe(t, {"loss_by_source/a": 2.0 + 0.01 * (t % 5)}, {"loss_by_source/a": 64})
+    again = SpikeDetector({"loss_by_source": {}}, window=30, min_history=20)
+    again.load_state_dict(det.state_dict())
+    assert list(again.counts["loss_by_source/a"]) == [64.0] * 30
