@@ -207,10 +207,14 @@ def check_update(ctx: Context) -> Check:
     if rho:
         t = min(d.step for d in rho)
         ev = f"at step {t}: {_vs_at(ctx, 'update_ratio_max', t)}, {_vs_at(ctx, 'grad_norm', t)}"
-        if not (grad or lr or inp):
+        # NOTE: a loss that deviated at the update's step or before was computed before that update: the
+        # update cannot have caused it, and a new objective (one source's data changed) moves the update
+        loss = [d for d in ctx.near("loss", -NEAR, NEAR) if d.step <= t]
+        if not (grad or lr or inp or loss):
             return Check("corrupted optimizer state", True,
-                         f"the update jumped while the gradient, the LR and the inputs stayed normal: {ev}")
-        why = "the gradient" if grad else ("the LR" if lr else "the input batch")
+                         f"the update jumped while the gradient, the LR, the inputs and the loss stayed normal: {ev}")
+        why = ("the gradient" if grad else "the LR" if lr else "the input batch" if inp else
+               f"the loss before it ({loss[0].quantity} at step {loss[0].step})")
         return Check("corrupted optimizer state", False, f"the update jumped, but {why} explains it: {ev}")
     return Check("corrupted optimizer state", False, f"no update-ratio jump at steps {ctx.t0}..{ctx.t0 + NEAR}: {ev}")
 

@@ -86,8 +86,13 @@ def diagnose(run_dir) -> tuple[Run, Diagnosis, dict]:
         if sysdev is None and note and env is None:
             env = note
         since = start if k == 0 else seg[0]["step"]
+        # NOTE: the guard's own test scores from where the guard does (its warm-up), not from the doctor's
+        # later start (twice the LR warm-up): a spike the guard fired on at step 61 of the default job was
+        # reported "healthy" by a doctor that began at 100. At least as sensitive as the guard, from its start.
+        gsince = min(since, max(gt.warmup, gt.min_history + 1)) if k == 0 else since
         while True:
-            devs = {q: d for q, d in deviations(tl, since, guard=gt).items() if d.step >= since}
+            devs = {q: d for q, d in deviations(tl, since, guard=gt, guard_start=gsince).items()
+                    if d.step >= min(since, gsince)}
             devs.update({q: d for q, d in exact.items() if d.step >= since})
             if sysdev is not None and sysdev.step >= since:
                 devs[sysdev.quantity] = sysdev
@@ -100,7 +105,7 @@ def diagnose(run_dir) -> tuple[Run, Diagnosis, dict]:
             if diag.fault_class == "system.slow_component":
                 diag.summary += f"; {note}"
             incidents.append(diag)
-            since = first.step + WINDOW
+            since, gsince = max(start, first.step + WINDOW), first.step + WINDOW
     if incidents:
         diag = incidents[0]
         diag.incidents, diag.environment = incidents, env
@@ -181,8 +186,11 @@ def classify(ctx: Context, first: Deviation) -> Diagnosis:
 
 
 def one_source(ctx: Context, q: str) -> bool:
-    others = [d for k, d in ctx.devs.items() if k != q and k.startswith(("loss_by_source/", "grad_", "act_rms",
-                                                                         "update_ratio", "lr/", "logit_max"))
+    # NOTE: forward quantities only: the gradient and the update of step t0 and after are computed from that
+    # loss (a changed source is a changed objective, and the update follows it); one before t0 would itself
+    # have been the earliest anomaly
+    others = [d for k, d in ctx.devs.items() if k != q and k.startswith(("loss_by_source/", "act_rms", "lr/",
+                                                                         "logit_max"))
               and abs(d.step - ctx.t0) <= 1]
     return len([k for k in ctx.tl if k.startswith("loss_by_source/")]) > 1 and not others
 

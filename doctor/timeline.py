@@ -123,6 +123,8 @@ class Spec:
     exact: float | None = None  # the value a healthy run holds exactly (any departure deviates)
     point: str | None = None  # direction of the one-step test when it differs from `direction`
     guard: bool = False       # a quantity the online guard watches: also scored by its own test (guard_z)
+    point_floor: float = 0.0  # log units: the one-step test's noise floor when above rel_floor
+    needs: str | None = None  # a run-level quantity that must deviate at the same step for this one to count
 
 
 @dataclass
@@ -131,6 +133,7 @@ class Series:
     order: int                                   # position within its timeline layer (model order)
     values: dict[int, float] = field(default_factory=dict)  # step -> value
     layer_name: str | None = None                # the model layer of a per-layer quantity
+    counts: dict[int, float] = field(default_factory=dict)  # step -> tokens the value is a mean of (if so)
     cache: dict = field(default_factory=dict, repr=False)  # scores() by guard settings: a run with several
                                                            # incidents is scored once, searched from each
 
@@ -167,7 +170,7 @@ def timeline(records: list[dict], config: dict) -> dict[str, Series]:
     """
     tl: dict[str, Series] = {}
 
-    def put(name: str, spec: Spec, step: int, value, layer_name: str | None = None) -> None:
+    def put(name: str, spec: Spec, step: int, value, layer_name: str | None = None, count=None) -> None:
         if value is None or isinstance(value, (dict, list, str)):
             return
         s = tl.get(name)
@@ -175,6 +178,8 @@ def timeline(records: list[dict], config: dict) -> dict[str, Series]:
             s = tl[name] = Series(spec, len([x for x in tl.values() if x.spec.layer == spec.layer]),
                                   layer_name=layer_name)
         s.values[step] = float(value)
+        if count:
+            s.counts[step] = float(count)
 
     schedule = lr_schedule(config)
     # NOTE: config.yaml is the last process's: LR records from before a declared config change (a resume with
@@ -183,6 +188,10 @@ def timeline(records: list[dict], config: dict) -> dict[str, Series]:
                                                             for e in r.get("events", []))), default=0)
     restart = -HIST_WARM  # the step of the last process start (a resume)
     weights = mix_weights(config)
+    # NOTE: one step of the quantities the guard watches is judged with the guard's own noise floor: with the
+    # doctor's 0.05 a ×2.2 grad-norm blip on a calm stretch deviated (8 clean runs of the default job in 20),
+    # which the guard's 0.2 lets pass as the batch noise it is; the guard's own test still scores them
+    gfloor = float((((config.get("guard") or {}).get("detector") or {}).get("log_floor", 0.2)))
     for i_rec, r in enumerate(records):
         t = r["step"]
         if r.get("resume") or any(str(e).startswith("resumed from") for e in r.get("events", [])):
@@ -225,8 +234,11 @@ def timeline(records: list[dict], config: dict) -> dict[str, Series]:
         put("nonfinite.logits", Spec(FORWARD, exact=0.0), t, float(bool(nf.get("logits"))))
         put("logit_max", Spec(FORWARD, "both", log=True, rel_floor=FLOOR_LOG, point="up"), t, r.get("logit_max"))
         put("z_loss", Spec(FORWARD, log=True, rel_floor=FLOOR_LOG), t, r.get("z_loss"))
+        # NOTE: a per-source loss is a mean over that source's tokens in the batch: its one-step tests scale
+        # by √(n / n̄) (stability/detector.py), as the guard does
         for src, v in r.get("loss_by_source", {}).items():
-            put(f"loss_by_source/{src}", Spec(FORWARD, rel_floor=0.01, guard=True), t, v)
+            put(f"loss_by_source/{src}", Spec(FORWARD, rel_floor=0.01, guard=True), t, v,
+                count=(r.get("tokens_by_source") or {}).get(src))
         put("nonfinite.loss", Spec(FORWARD, exact=0.0), t, float(bool(nf.get("loss"))))
         put("loss", Spec(FORWARD, rel_floor=0.01, guard=True), t, r.get("loss"))
         # backward / update: the LR the update used, gradients, then the update itself
@@ -242,19 +254,33 @@ def timeline(records: list[dict], config: dict) -> dict[str, Series]:
             put("nonfinite.grads", Spec(BACKWARD, exact=0.0), t, float(bool(nf.get("grads"))))
             for name, q in r.get("layers", {}).items():
                 if "grad_rms" in q:
-                    put(f"grad_rms/{name}", Spec(BACKWARD, "both", log=True, rel_floor=FLOOR_LOG, point="up"), t, q["grad_rms"], name)
-            put("grad_norm", Spec(BACKWARD, log=True, rel_floor=FLOOR_LOG, guard=True), t, r.get("grad_norm"))
+                    # NOTE: one layer's gradient RMS is heavy-tailed on a clean run (attention layers of the
+                    # default job: ×10-×100 for one step, the loss and the global norm within their noise):
+                    # it says where, and counts only at a step where the run's gradient norm deviates too
+                    put(f"grad_rms/{name}", Spec(BACKWARD, "both", log=True, rel_floor=FLOOR_LOG, point="up",
+                                                 needs="grad_norm"), t, q["grad_rms"], name)
+            put("grad_norm", Spec(BACKWARD, log=True, rel_floor=FLOOR_LOG, guard=True, point_floor=gfloor), t,
+                r.get("grad_norm"))
         if not r.get("skipped"):  # a vetoed update moved nothing: its ρ = 0 says nothing about the optimizer
             for name, q in r.get("layers", {}).items():
                 if "update_ratio" in q:
-                    put(f"update_ratio/{name}", Spec(BACKWARD, "both", log=True, rel_floor=FLOOR_LOG, point="up"), t, q["update_ratio"], name)
-            put("update_ratio_max", Spec(BACKWARD, log=True, rel_floor=FLOOR_LOG, guard=True), t, r.get("update_ratio_max"))
+                    # NOTE: one step is judged at the guard's floor, as update_ratio_max is: one layer's ratio
+                    # follows its gradient's bursts (×2.4 for a step on a clean run); a shift of the optimizer
+                    # moves every layer's and is found by the change test at FLOOR_LOG
+                    put(f"update_ratio/{name}", Spec(BACKWARD, "both", log=True, rel_floor=FLOOR_LOG, point="up",
+                                                     point_floor=gfloor), t, q["update_ratio"], name)
+            put("update_ratio_max", Spec(BACKWARD, log=True, rel_floor=FLOOR_LOG, guard=True, point_floor=gfloor), t,
+                r.get("update_ratio_max"))
         put("nonfinite.optim_state", Spec(BACKWARD, exact=0.0), t, float(bool(nf.get("optim_state"))))
         # optimizer state after the update (‖m‖, ‖v‖ per group) and the MoE balancing bias: what a resume
         # must restore exactly; after the gradients in order, so a gradient spike that moves m wins the tie
+        # NOTE: downward only. ‖v‖ cannot fall faster than β₂ a step (v ← β₂v + (1−β₂)g² ≥ β₂v) and ‖m‖, the
+        # balancing bias, only as fast as their EMAs forget: a fall past that is state lost or altered. A rise
+        # follows the gradient (one attention layer's ×20 burst lifted ‖v‖ ×2.4 on a clean default run): the
+        # gradient's quantities judge it, and an altered state that lifts ‖v‖ shows as a falling update ratio.
         for name, v in (r.get("state") or {}).items():
             if not r.get("skipped"):
-                put(f"state.{name}", Spec(BACKWARD, "both", log=True, rel_floor=FLOOR_STATE), t, v)
+                put(f"state.{name}", Spec(BACKWARD, "down", log=True, rel_floor=FLOOR_STATE), t, v)
         # system: cross-rank consistency (exactly 0 on healthy DDP)
         for name, v in r.get("replica", {}).items():
             put(f"replica.{name}", Spec(SYSTEM, exact=0.0, rel_floor=0.0, abs_floor=0.0), t, v)
