@@ -18,8 +18,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from doctor.rules import diagnose  # noqa: E402
-from doctor.scores import guard_test, scores, thresholds  # noqa: E402
-from doctor.timeline import load_run, scoring_start, timeline  # noqa: E402
+from doctor.scores import guard_test, scores, support, thresholds  # noqa: E402
+from doctor.timeline import SUSTAINED, THRESHOLD, load_run, scoring_start, timeline  # noqa: E402
 
 
 def run_dirs(paths: list[str]) -> list[Path]:
@@ -38,12 +38,15 @@ def maxima(d: Path) -> tuple[list[tuple], int, list[int]]:
     for k, path in enumerate(run.paths):
         since = start if k == 0 else run.segments[k][0]["step"]
         n += sum(1 for r in run.segments[k] if r["step"] >= since)
-        for q, s in timeline(path, run.config).items():
+        tl = timeline(path, run.config)
+        for q, s in tl.items():
             if s.spec.exact is not None or not s.values:
                 continue
-            sc = scores(s, gt, q)
+            sc, back = scores(s, gt, q), support(tl, s, since, THRESHOLD, SUSTAINED, gt, None)
             ok = (sc.steps[:sc.nf] >= since) & ~np.isin(sc.steps[:sc.nf], [t + j for t in trig for j in (-1, 0, 1)])
             for kind, z in sc.z.items():
+                if back is not None:  # Spec.needs: only where the run-level quantity moved too can it count
+                    z = np.where(back[:len(z)], z, -np.inf)
                 zz = np.where(ok[:len(z)], z, -np.inf)
                 if np.isfinite(zz).any() and zz.max() > -np.inf:
                     i = int(np.argmax(zz))

@@ -9,10 +9,15 @@ with fault=none: nothing in the run directory names the fault (no injector, no e
 The answer key lives here, in FAULTS; bench/doctor_score.py scores the doctor against it.
 
 Each fault acts at step S (the S-th train batch) or, for a resume fault, on the resume at S − 1;
-`step` is the first step at which the fault could be visible in the records.
+S + `lag` is the first step at which the fault could be visible in the records. Two jobs (JOBS): the tiny
+drill model the doctor was calibrated on (S = 60), and the quickstart's own job (the README's first
+command, S = 250: after its induction head forms) with telemetry every step and guard=log — the same
+faults on a configuration the calibration never saw. The launcher's process reads S from
+BALLAST_DRILL_STEP (bench/doctor_score.py sets it per job).
 """
 from __future__ import annotations
 
+import os
 import runpy
 import sys
 from dataclasses import dataclass
@@ -22,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # WARN: before any import of the project: the shared venv may also point at another checkout, and a
 # patched module must be the one train.py will import
 sys.path.insert(0, str(ROOT))
-S = 60          # the fault step
+S = int(os.environ.get("BALLAST_DRILL_STEP", "60"))  # the fault step (this process's job)
 STOP = S + 8    # checkpoint.stop_after: the run ends a few steps after the fault
 BASE = ["train.steps=400", "train.eval_every=1000", "train.eval_samples=32", "train.eval_batch_size=16",
         "train.batch_size=8", "logging.wandb=disabled", "logging.progress=false", "logging.plot=false",
@@ -34,6 +39,9 @@ BASE = ["train.steps=400", "train.eval_every=1000", "train.eval_samples=32", "tr
         # NOTE: the equal-weight mixture the doctor's thresholds were calibrated on (bench/doctor_calibrate.py),
         # not the quickstart's copy-heavy one
         "data=synthetic"]
+QUICKSTART = ["train.eval_every=1000", "logging.wandb=disabled", "logging.progress=false", "logging.plot=false",
+              "threads=1", "guard=log", "telemetry.every=1", "fault=none"]
+JOBS = {"drill": (BASE, 60), "quickstart": (QUICKSTART, 250)}  # job -> (overrides, fault step S)
 
 
 @dataclass(frozen=True)
@@ -41,7 +49,7 @@ class Fault:
     name: str
     cls: str          # the class the doctor must name
     layer: str        # the timeline layer of the earliest anomaly
-    step: int = S     # first step the fault can be visible
+    lag: int = 0      # steps after S until the fault can be visible
     what: str = ""
     resume: bool = False   # planted on a resume from the checkpoint of step S - 1
     nproc: int = 1

@@ -5,6 +5,8 @@
     python bench/doctor_score.py --reuse DIR          # re-diagnose runs already trained under DIR
     python bench/doctor_score.py --faults --clean 10 --seed-from 10 --stop 200 --keep DIR   # a calibration
                                                       # set (then: python bench/doctor_calibrate.py DIR)
+    python bench/doctor_score.py --job quickstart     # the same faults in the README's default job (S = 250)
+    python bench/doctor_score.py --step 120 --stop 400 --seed-from 20   # another fault step, longer clean runs
 
 Each fault is planted by the launcher (no injector, fault=none, nothing in the run directory names it);
 the doctor then reads the run directory with builtins.open / Path.read_text watched, and the score
@@ -26,15 +28,24 @@ from contextlib import contextmanager
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.doctor_drills import BASE, BY_NAME, FAULTS, ROOT, S, STOP, Fault  # noqa: E402
+from bench.doctor_drills import BY_NAME, FAULTS, JOBS, ROOT, Fault  # noqa: E402
 
 LAUNCHER = str(ROOT / "bench" / "doctor_drills.py")
+BASE, S = JOBS["drill"]  # the job being scored (main() --job); module-level for the tests' helpers
+STOP = S + 8
+
+
+def use_job(job: str, step: int | None = None) -> None:
+    global BASE, S, STOP
+    BASE, S = JOBS[job]
+    S = step or S
+    STOP = S + 8
 
 
 def _env() -> dict:
     e = dict(os.environ)
     e.update(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", WANDB_MODE="disabled", PYTHONUNBUFFERED="1",
-             OMP_NUM_THREADS="1")
+             OMP_NUM_THREADS="1", BALLAST_DRILL_STEP=str(S))
     return e
 
 
@@ -62,7 +73,8 @@ def train_fault(f: Fault, root: Path) -> Path:
     return d
 
 
-def train_clean(seed: int, root: Path, resume: bool = False, busy: bool = False, stop: int = STOP) -> Path:
+def train_clean(seed: int, root: Path, resume: bool = False, busy: bool = False, stop: int | None = None) -> Path:
+    stop = STOP if stop is None else stop
     d = root / f"clean_seed{seed}"
     extra = [f"seed={seed}", f"data.seed={1000 + seed}"]
     hog = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if busy else None
@@ -130,8 +142,9 @@ def guard_at(d: Path, rep: dict) -> str:
 
 def score_fault(f: Fault, rep: dict) -> dict:
     e = rep.get("earliest") or {}
-    ok_step = e.get("step") is not None and abs(e["step"] - f.step) <= 1
-    row = {"fault": f.name, "expect": f"{f.cls} / {f.layer} / {f.step}",
+    step = S + f.lag
+    ok_step = e.get("step") is not None and abs(e["step"] - step) <= 1
+    row = {"fault": f.name, "expect": f"{f.cls} / {f.layer} / {step}",
            "got": f"{rep['class']} / {e.get('layer')} / {e.get('step')}",
            "class": rep["class"] == f.cls, "layer": e.get("layer") == f.layer, "step": ok_step}
     row["ok"] = row["class"] and row["layer"] and row["step"]
@@ -143,11 +156,15 @@ def main(argv=None) -> int:
     ap.add_argument("--faults", nargs="*", default=[f.name for f in FAULTS])
     ap.add_argument("--clean", type=int, default=10, help="clean runs (seeds FROM..FROM+N-1)")
     ap.add_argument("--seed-from", type=int, default=0, help="first clean seed (calibration sets: 10)")
-    ap.add_argument("--stop", type=int, default=STOP, help="clean runs stop after this step (calibration: 200)")
+    ap.add_argument("--job", choices=sorted(JOBS), default="drill",
+                    help="drill: the tiny model the thresholds were calibrated on; quickstart: the default job")
+    ap.add_argument("--step", type=int, help="the fault step S (default: the job's)")
+    ap.add_argument("--stop", type=int, help="clean runs stop after this step (default: S + 8; calibration: 200)")
     ap.add_argument("--reuse", help="a directory of runs trained before (skip training)")
     ap.add_argument("--keep", help="train into this directory (default: a temporary one)")
     ap.add_argument("--jobs", type=int, default=2)
     args = ap.parse_args(argv)
+    use_job(args.job, args.step)
     unknown = [n for n in args.faults if n not in BY_NAME]
     if unknown:
         print(f"doctor_score: unknown fault {unknown[0]} (known: {', '.join(BY_NAME)})", file=sys.stderr)
