@@ -140,14 +140,30 @@ def guard_at(d: Path, rep: dict) -> str:
     return f" [{e['quantity']} z {z}; guard at ±1 step: {', '.join(trig) or 'silent'}]"
 
 
-def score_fault(f: Fault, rep: dict) -> dict:
-    e = rep.get("earliest") or {}
+def guard_steps(d: Path) -> set[int]:
+    """Steps at which the run's online guard fired (its triggers in the records)."""
+    from stability.record import read_records
+    return {r["step"] for r in read_records(d / "metrics.jsonl") if (r.get("guard") or {}).get("triggers")}
+
+
+def score_fault(f: Fault, rep: dict, d: Path | None = None) -> dict:
+    """The fault's incident: the first one the doctor reports from step S − 1 on (the earliest anomaly when
+    nothing came before). Incidents before it are counted apart: natural when the online guard fired within
+    ±1 step of them (a real spike of the run, as on the default job's induction head), else the doctor's
+    own; a row is right only with its class, layer and step and no doctor-only incident before it."""
     step = S + f.lag
-    ok_step = e.get("step") is not None and abs(e["step"] - step) <= 1
+    incs = rep.get("incidents") or ([rep["earliest"] | {"class": rep["class"]}] if rep.get("earliest") else [])
+    mine = next((i for i in incs if i["step"] >= step - 1), None)
+    before = [i for i in incs if i["step"] < step - 1]
+    fired = guard_steps(d) if d is not None and before else set()
+    own = [i for i in before if not any(abs(i["step"] - t) <= 1 for t in fired)]
+    got = mine or {}
+    ok_step = got.get("step") is not None and abs(got["step"] - step) <= 1
     row = {"fault": f.name, "expect": f"{f.cls} / {f.layer} / {step}",
-           "got": f"{rep['class']} / {e.get('layer')} / {e.get('step')}",
-           "class": rep["class"] == f.cls, "layer": e.get("layer") == f.layer, "step": ok_step}
-    row["ok"] = row["class"] and row["layer"] and row["step"]
+           "got": f"{got.get('class', rep['class'] if not incs else 'healthy')} / {got.get('layer')} / {got.get('step')}",
+           "class": got.get("class") == f.cls, "layer": got.get("layer") == f.layer, "step": ok_step,
+           "before": f"{len(before) - len(own)} natural, {len(own)} doctor-only" if before else ""}
+    row["ok"] = row["class"] and row["layer"] and row["step"] and not own
     return row
 
 
@@ -180,19 +196,22 @@ def main(argv=None) -> int:
                   args.stop) for s in seeds]
         with ThreadPoolExecutor(args.jobs) as pool:
             list(pool.map(lambda j: j[0](*j[1:]), jobs))
-    rows = [score_fault(f, diagnose(run_dir(root, f), f.name)) for f in faults]
+    rows = [score_fault(f, diagnose(run_dir(root, f), f.name), run_dir(root, f)) for f in faults]
     clean = []
     for s in seeds:
         rep = diagnose(root / f"clean_seed{s}", None)
         g = guard_at(root / f"clean_seed{s}", rep)
         clean.append({"seed": s, "class": rep["class"], "ok": rep["class"] == "healthy",
                       "natural": rep["class"] != "healthy" and "silent" not in g, "summary": rep["summary"][:110] + g})
-    print(f"| fault | expected class / layer / step | doctor | class | layer | step ±1 |")
-    print("|---|---|---|---|---|---|")
+    early = any(r["before"] for r in rows)  # incidents before the fault: a column only when there are any
+    print("| fault | expected class / layer / step | doctor | class | layer | step ±1 |" + (" before S |" if early else ""))
+    print("|---|---|---|---|---|---|" + ("---|" if early else ""))
     for r in rows:
         m = lambda b: "✓" if b else "✗"  # noqa: E731
-        print(f"| {r['fault']} | {r['expect']} | {r['got']} | {m(r['class'])} | {m(r['layer'])} | {m(r['step'])} |")
-    print(f"\nfaults scored: {sum(r['ok'] for r in rows)} of {len(rows)} (class, layer and step ±1)")
+        print(f"| {r['fault']} | {r['expect']} | {r['got']} | {m(r['class'])} | {m(r['layer'])} | {m(r['step'])} |"
+              + (f" {r['before'] or '—'} |" if early else ""))
+    print(f"\nfaults scored: {sum(r['ok'] for r in rows)} of {len(rows)} (class, layer and step ±1, no doctor-only "
+          f"incident before the fault)")
     for c in clean:
         print(f"clean seed {c['seed']}: {c['class']} — {c['summary']}")
     nat = sum(c["natural"] for c in clean)
