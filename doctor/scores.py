@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from doctor.timeline import (B, CHANGE, CONFIRM, K, MAD_SIGMA, MIN_HISTORY, SUSTAINED, THRESHOLD,
+from doctor.timeline import (B, CHANGE, CHANGE_LAYER, CONFIRM, K, MAD_SIGMA, MIN_HISTORY, SUSTAINED, THRESHOLD,
                              WINDOW, DETREND, Deviation, Series)
 
 
@@ -128,6 +128,7 @@ class Scores:
     nf: int                      # index of the first non-finite value (len(x) when none)
     med: np.ndarray              # the trailing baseline (log units for a log quantity)
     z: dict                      # kind -> directed statistic (point, sustained, change, guard)
+    per_layer: bool = False      # one model layer's quantity (its change test's threshold: CHANGE_LAYER)
 
 
 
@@ -182,7 +183,7 @@ def scores(s: Series, guard: GuardTest | None = None, name: str = "") -> Scores 
         gden = (np.maximum(MAD_SIGMA * gmad, guard.log_floor) if spec.log
                 else MAD_SIGMA * gmad + guard.rel_floor * np.abs(glev)) + 1e-12
         z["guard"] = signed((y - glev) / gden * _sample_size(s, steps[:nf], guard.window, guard.min_history), direction)
-    return Scores(steps, x, nf, med, z)
+    return Scores(steps, x, nf, med, z, s.layer_name is not None)
 
 
 def _sample_size(s: Series, steps: np.ndarray, window: int, min_history: int) -> np.ndarray | float:
@@ -228,6 +229,8 @@ def hits(sc: Scores, start: int, threshold: float, sustained: float, guard: Guar
         zk = sc.z.get(kind)
         if zk is None:
             continue
+        if kind == "change" and sc.per_layer:
+            limit = max(limit, CHANGE_LAYER)
         h = (steps[:nf] >= (guard_start if kind == "guard" and guard_start is not None else start)) & (zk > limit)
         if kinds is not None:
             kinds[kind] = h

@@ -38,6 +38,9 @@ SUSTAINED = 3.5   # sustained test: K consecutive values all above this z (chanc
 K = 4             # steps a sustained shift must hold
 CHANGE = 10.0     # two-window test: robust z of (median of the K steps from t − median of the B before t)
                   # against that statistic's own trailing spread; clean maxima 9.3 (bench/doctor_calibrate.py)
+CHANGE_LAYER = 15.0  # the same for a per-layer quantity: 3-5 per layer and 4-8 layers, each moving with the
+                    # model's own transitions (the default job's induction head: clean maxima 12.0-13.0 at
+                    # steps 122-194 on act_rms and update_ratio of single layers; bench/doctor_calibrate.py)
 B = 8             # steps before t in the two-window test
 CONFIRM = 6.0     # the sustained test needs the two-window statistic at its step to be at least this
 HIST_WARM = 10    # steps after a resume before the input histogram's kl / rare share are read again
