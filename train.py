@@ -33,7 +33,7 @@ from stability.guard import GuardAbort
 from stability.inputs import InputBaseline, input_stats
 from stability.plots import plot_losses
 from stability.record import config_fingerprint, loss_by_source, read_records, step_record
-from stability.step_state import cpu_clock, rank_inputs, state_summary
+from stability.step_state import cpu_clock, rank_inputs, state_nonfinite, state_summary
 from stability.telemetry import moe_summary, nonfinite_flags
 
 register()  # the typed schema conf/config.yaml's defaults list starts with (run/config.py)
@@ -118,6 +118,9 @@ def train(run: Run) -> None:
             moe.update_bias(s.stats["moe_load"][layer].to(dev))  # aux-loss-free balancing, global loads
         s.moe = moe_summary(s.stats["moe_load"])
         s.opt_state = state_summary(optimizer, model)  # ‖m‖, ‖v‖ per group, MoE bias norms (collective)
+        # every step, from those norms: the optimizer state holds no inf/NaN (the guard's post-update check)
+        s.post = {**s.post, "nonfinite": {**s.post.get("nonfinite", {}),
+                                          "optim_state": state_nonfinite(optimizer, s.opt_state)}}
         worst = max((m["max_violation"] for m in s.moe.values()), default=None)
         verdict = guard.after_update(step, s.first_id, s.n_valid, s.post, s.stats["loss"], worst)
         tokens_seen += s.n_valid

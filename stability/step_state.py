@@ -17,8 +17,8 @@ import time
 
 import torch
 
-from parallel.dist import all_reduce_sum
-from stability.telemetry_layers import is_sharded, local
+from parallel.dist import all_reduce_max, all_reduce_sum
+from stability.telemetry_layers import is_sharded, local, norms
 
 # NOTE: a fixed odd multiplier per position mod a prime below 2^31: the hash stays an exact integer in
 # float64 after the all-reduce (every other rank adds 0 to this rank's slot).
@@ -36,12 +36,13 @@ def state_summary(optimizer: torch.optim.Optimizer, model) -> dict[str, float]:
                   if p in optimizer.state and slot in optimizer.state[p]]
             ts = [t for t in ts if t.numel()]
             keys.append(f"{short}/{name}")
-            # NOTE: one fused FP32 norm per tensor, squared and summed in FP64: 2.1 % of a quickstart step
-            # with an FP64 copy of every moment, 0.5 % now (threads=1, load 11); every step, because the
-            # doctor's trailing baseline for a resume's first step needs the steps before it. It reads them
-            # on a log scale with a 15 % floor (doctor/timeline.py FLOOR_STATE): FP32's ~1e-7 is nothing.
-            sq.append(torch.stack(torch._foreach_norm(ts, 2, dtype=torch.float32)).double().square().sum() if ts
-                      else torch.zeros((), dtype=torch.float64))
+            # NOTE: one fused FP32 norm per tensor (FP64 again only where it came out non-finite: a finite
+            # 1e30 overflows FP32's square), squared and summed in FP64: 2.1 % of a quickstart step with an
+            # FP64 copy of every moment, 0.5 % now (threads=1, load 11); every step, because the doctor's
+            # trailing baseline for a resume's first step needs the steps before it. It reads them on a log
+            # scale with a 15 % floor (doctor/timeline.py FLOOR_STATE): FP32's ~1e-7 is nothing. A finite
+            # norm proves every element finite: state_nonfinite() reads the flag from these same norms.
+            sq.append(norms(ts, ts[0].device).square().sum() if ts else torch.zeros((), dtype=torch.float64))
     moe = model.moe_layers() if hasattr(model, "moe_layers") else []
     for layer, m in moe:
         keys.append(f"moe_bias/{layer}")
@@ -56,6 +57,26 @@ def state_summary(optimizer: torch.optim.Optimizer, model) -> dict[str, float]:
         if not sharded:  # replicas hold the same state: the sum counted it `world` times
             vals = vals / world
     return {k: math.sqrt(v) for k, v in zip(keys, vals.tolist())}
+
+
+def state_nonfinite(optimizer: torch.optim.Optimizer, summary: dict[str, float]) -> bool:
+    """Does any rank's optimizer state hold an inf/NaN? The moments' norms are state_summary's (global:
+    a NaN on any rank reaches every rank through its all-reduce); other floating state (Muon's momentum
+    buffer) is checked here, with one MAX all-reduce when there is any. Every step, at no extra pass over
+    AdamW's moments (telemetry used to norm them a second time on its steps)."""
+    if any(not math.isfinite(v) for k, v in summary.items() if k.startswith(("m/", "v/"))):
+        return True
+    # NOTE: whether there is other state depends on the optimizer, the same on every rank (the collective
+    # below is entered by all or none); an FSDP shard of it can be empty on one rank
+    other = [local(t) for st in optimizer.state.values() for k, t in st.items()
+             if k not in ("exp_avg", "exp_avg_sq", "step") and torch.is_tensor(t) and t.is_floating_point()]
+    if not other:
+        return False
+    live = [t for t in other if t.numel()]
+    bad = torch.zeros(1, dtype=torch.float64, device=other[0].device)
+    if live:
+        bad += (~torch.isfinite(norms(live, bad.device)).all()).double()
+    return bool(all_reduce_max(bad).item())
 
 
 def _world_and_sharding(model) -> tuple[int, bool]:

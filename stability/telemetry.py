@@ -108,8 +108,9 @@ class Telemetry:
         """After optimizer_step, before zero_grad. `coef` is the clip coefficient optimizer_step applied
         (the grads hold g·coef, already unscaled under FP16). Collective: every rank must call it.
 
-        Returns {"layers", "update_ratio_max", "nonfinite": {grads, optim_state}, "replica"} ({} when
-        this step records no telemetry).
+        Returns {"layers", "update_ratio_max", "nonfinite": {grads}, "replica"} ({} when this step records
+        no telemetry). The optimizer state's non-finite flag is stability/step_state.py state_nonfinite's,
+        every step, from the moments' norms the StepRecord computes anyway.
         """
         if not self.active:
             return {}
@@ -156,12 +157,12 @@ class Telemetry:
         ratio_max = math.nan if any(math.isnan(r) for r in ratios) else max(ratios)
         grads_bad = not all(math.isfinite(s) for s in sums[0])
         attn_logits = [b.attn.logit_max_H for b in self.model.blocks]
-        optim_bad, replica, logit_L = self._collective_max(optimizer, grad_sq_P, coef, attn_logits)
+        replica, logit_L = self._collective_max(grad_sq_P, coef, attn_logits)
         for i, v in enumerate(logit_L):
             if v is not None:  # NOTE: the probe's max over the first sequence of each micro-batch, all ranks
                 layers[f"block{i}.attn"]["attn_logit_max"] = v
         return {"layers": {k: v for k, v in layers.items() if v}, "update_ratio_max": ratio_max,
-                "nonfinite": {"grads": grads_bad, "optim_state": optim_bad}, "replica": replica}
+                "nonfinite": {"grads": grads_bad}, "replica": replica}
 
     # ------------------------------------------------------------------ internals
 
@@ -196,17 +197,16 @@ class Telemetry:
             block.attn.probe_logits = False
         self.active = False
 
-    def _collective_max(self, optimizer, grad_sq_P: Tensor, coef: float,
-                        attn_logits: list[Tensor | None]) -> tuple[bool, dict, list[float | None]]:
-        """One MAX all-reduce: any rank's non-finite optimizer state, each layer's largest probed attention
-        logit (attn_logit_max; None where no forward was probed), and under DDP the spread
-        (max − min over ranks, as max(x) + max(−x)) of a float64 parameter checksum Σθ and of the local
-        pre-clip grad norm. Both are exactly 0 on healthy DDP: every rank holds the same bits."""
+    def _collective_max(self, grad_sq_P: Tensor, coef: float,
+                        attn_logits: list[Tensor | None]) -> tuple[dict, list[float | None]]:
+        """One MAX all-reduce: each layer's largest probed attention logit (attn_logit_max; None where no
+        forward was probed), and under DDP the spread (max − min over ranks, as max(x) + max(−x)) of a
+        float64 parameter checksum Σθ and of the local pre-clip grad norm. Both are exactly 0 on healthy
+        DDP: every rank holds the same bits."""
         dev = self.layout.device
-        vals = [_optim_state_nonfinite(optimizer, dev)]
         n_logit = len(attn_logits)
-        vals += [torch.tensor(-math.inf, dtype=torch.float64, device=dev) if m is None
-                 else m.max().to(dev, torch.float64) for m in attn_logits]
+        vals = [torch.tensor(-math.inf, dtype=torch.float64, device=dev) if m is None
+                else m.max().to(dev, torch.float64) for m in attn_logits]
         world = tdist.get_world_size() if tdist.is_initialized() else 1
         # NOTE: under FSDP each rank holds a different shard, so a spread means nothing there.
         replicated = world > 1 and not self.layout.any_sharded
@@ -215,11 +215,11 @@ class Telemetry:
             psum = torch.stack([p.sum(dtype=torch.float64) for p in params]).sum()
             gnorm = grad_sq_P.sum().sqrt() / coef
             vals += [psum, -psum, gnorm, -gnorm]
-        out = all_reduce_max(torch.stack(vals)).tolist()
-        logit_L = [None if v == -math.inf else v for v in out[1:1 + n_logit]]
-        out = out[:1] + out[1 + n_logit:]
-        replica = {"param_sum_spread": out[1] + out[2], "grad_norm_spread": out[3] + out[4]} if replicated else {}
-        return bool(out[0]), replica, logit_L
+        out = all_reduce_max(torch.stack(vals)).tolist() if vals else []
+        logit_L = [None if v == -math.inf else v for v in out[:n_logit]]
+        out = out[n_logit:]
+        replica = {"param_sum_spread": out[0] + out[1], "grad_norm_spread": out[2] + out[3]} if replicated else {}
+        return replica, logit_L
 
 
 class StepTelemetry(Callback):
@@ -253,16 +253,6 @@ def _first(out):
 
 def _mlp_out(out):
     return out if isinstance(out, Tensor) else out.y  # an MoE returns MoEOutput
-
-
-def _optim_state_nonfinite(optimizer: torch.optim.Optimizer, device: torch.device) -> Tensor:
-    """1.0 if any optimizer state tensor on this rank holds an inf/NaN, else 0.0 (see norms())."""
-    states = [local(t) for state in optimizer.state.values() for t in state.values()
-              if torch.is_tensor(t) and t.is_floating_point()]
-    states = [t for t in states if t.numel()]  # an FSDP shard can be empty
-    if not states:
-        return torch.zeros((), dtype=torch.float64, device=device)
-    return (~torch.isfinite(norms(states, device)).all()).double()
 
 
 def moe_summary(loads: dict[int, Tensor]) -> dict[str, dict]:

@@ -175,7 +175,7 @@ def test_layers_match_naive_recomputation(tied, fp16):
     for k, (hits, total) in clamp.items():
         assert 0 < hits < total
         assert close(layers[k]["clamp_hit_rate"], hits / total, rel=1e-12), k
-    assert out["nonfinite"] == {"grads": False, "optim_state": False}
+    assert out["nonfinite"] == {"grads": False}
     assert out["replica"] == {}
     # the step is over: no hook left behind, clamp counting off
     assert all(not m._forward_hooks for m in model.modules() if m is not model)
@@ -232,18 +232,35 @@ def test_nan_activation_marks_its_layer_and_every_later_one():
 
 
 def test_nonfinite_optimizer_state_is_flagged():
+    """From the moments' norms the StepRecord takes every step (stability/step_state.py): no second pass."""
+    from stability.step_state import state_nonfinite, state_summary
     ds, model = build()
     opt, _ = build_optimizer(model, {"lr": 1e-2})
     loader, tel = Loader(ds, BATCH), Telemetry(model, every=1)
-    out, _ = step(model, model, opt, tel, loader.next().micro_batches(2), 1)
-    assert out["nonfinite"]["optim_state"] is False
+    step(model, model, opt, tel, loader.next().micro_batches(2), 1)
+    assert state_nonfinite(opt, state_summary(opt, model)) is False
     state = opt.state[model.blocks[2].mlp.router.weight]["exp_avg_sq"]
     state.view(-1)[5] = 1e30  # finite, but its square overflows FP32: must not read as non-finite
-    out, _ = step(model, model, opt, tel, loader.next().micro_batches(2), 2)
-    assert out["nonfinite"]["optim_state"] is False
+    step(model, model, opt, tel, loader.next().micro_batches(2), 2)
+    summary = state_summary(opt, model)
+    assert state_nonfinite(opt, summary) is False and all(math.isfinite(v) for v in summary.values())
     state.view(-1)[5] = math.inf
     out, res = step(model, model, opt, tel, loader.next().micro_batches(2), 3)
-    assert not res.skipped and out["nonfinite"] == {"grads": False, "optim_state": True}
+    assert not res.skipped and out["nonfinite"] == {"grads": False}
+    assert state_nonfinite(opt, state_summary(opt, model)) is True
+
+
+def test_nonfinite_muon_momentum_is_flagged():
+    """State beside Adam's moments (Muon's momentum buffer) is checked on its own."""
+    from stability.step_state import state_nonfinite, state_summary
+    ds, model = build()
+    opt, _ = build_optimizer(model, {"name": "muon", "lr": 1e-2})
+    loader, tel = Loader(ds, BATCH), Telemetry(model, every=1)
+    step(model, model, opt, tel, loader.next().micro_batches(2), 1)
+    bufs = [st["momentum_buffer"] for st in opt.state.values() if "momentum_buffer" in st]
+    assert bufs and state_nonfinite(opt, state_summary(opt, model)) is False
+    bufs[0].view(-1)[0] = math.nan
+    assert state_nonfinite(opt, state_summary(opt, model)) is True
 
 
 def test_large_finite_gradient_is_measured_not_flagged():
@@ -358,7 +375,7 @@ def test_ddp_and_fsdp_match_one_process_and_replica_spread_catches_a_lost_reduct
                         if metric in v:
                             assert close(out["layers"][k][metric], v[metric]), (mode, k, metric)
                 assert close(out["update_ratio_max"], ref["update_ratio_max"])
-                assert out["nonfinite"] == {"grads": False, "optim_state": False}
+                assert out["nonfinite"] == {"grads": False}
         ddp = got["ddp"]["outs"]
         assert all(o["replica"] == {"param_sum_spread": 0.0, "grad_norm_spread": 0.0} for o in ddp[:STEPS])
         assert ddp[STEPS]["replica"]["grad_norm_spread"] > 0 and ddp[STEPS]["replica"]["param_sum_spread"] > 0
