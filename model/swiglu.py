@@ -18,12 +18,33 @@ def swiglu(gate: Tensor, up: Tensor, limit: float | None) -> Tensor:
     return F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
 
 
+def _within(gate: Tensor, up: Tensor, limit: float) -> bool:
+    """A sufficient test that nothing lies beyond the clamp: max(gate) ≤ L and |up| ≤ L. When gate and up
+    are the two halves of one contiguous tensor (the fused projection, chunked), one contiguous aminmax of
+    it bounds both (a gate below −L then fails the test, and the exact count decides): a reduction over a
+    strided half costs ~3× one over the whole here."""
+    base = gate._base
+    if base is not None and base is up._base and base.is_contiguous() and base.numel() == 2 * gate.numel():
+        lo, hi = torch.aminmax(base.detach())
+        return max(hi.item(), -lo.item()) <= limit
+    gate, up = gate.detach(), up.detach()
+    return max(gate.amax().item(), up.amax().item(), -up.amin().item()) <= limit
+
+
 def clamp_hits(gate: Tensor, up: Tensor, limit: float | None) -> Tensor:
     """Detached count of elements the clamp changes (gate > L or |up| > L); 0 when off."""
     if limit is None:
         return torch.zeros((), dtype=torch.int64, device=gate.device)
+    # NOTE: on a CPU, first the common case of a healthy run: nothing beyond the clamp. Three reductions
+    # (no tensor written) and the answer 0 cost 0.21 ms where the count costs 0.58 (quickstart MLP, one
+    # thread): the clamp statistics were the largest part of every-step telemetry (7.5 of 15.7 ms of its
+    # forward cost). Not on an accelerator (the comparison reads a number back: a device sync per MLP), nor
+    # under torch.compile (a graph break).
+    if gate.numel() == 0:
+        return torch.zeros((), dtype=torch.int64, device=gate.device)
+    if gate.device.type == "cpu" and not torch.compiler.is_compiling() and _within(gate, up, limit):
+        return torch.zeros((), dtype=torch.int64)
     # NOTE: gate > L or |up| > L  ⟺  max(gate, |up|) > L: three passes over the activations instead of five
-    # (a third off the clamp statistics, the largest part of every-step telemetry on the quickstart)
     return torch.count_nonzero(torch.maximum(gate.detach(), up.detach().abs()).gt_(limit))
 
 

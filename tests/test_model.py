@@ -327,3 +327,29 @@ def test_moe_loads_count_only_valid_label_positions():
     ids = model.compute_routes(tokens)[1]  # (B, T, k), the same parameters: the same choices
     assert out.moe_load[1].sum().item() == 2 * int(valid.sum()) == 2 * out.n_valid.item()
     assert torch.equal(out.moe_load[1], torch.bincount(ids[valid].flatten(), minlength=4).float())
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("case", ["none", "gate_below", "gate_above", "up_below", "up_above", "empty"])
+def test_clamp_hits_equals_the_elementwise_count(case, fused):
+    """clamp_hits (with its shortcut when nothing lies beyond the clamp) equals the plain count of
+    positions where gate > L or |up| > L; one element beyond the bound on either side is counted. `fused`:
+    gate and up are the halves of one projection's output (the shortcut's one-tensor path)."""
+    from model.swiglu import clamp_hits
+    g = torch.Generator().manual_seed(0)
+    n = 0 if case == "empty" else 64
+    gate, up = torch.randn(n, 8, generator=g), torch.randn(n, 8, generator=g)
+    if case == "gate_below":
+        gate[3, 2] = -20.0  # silu is bounded below: the gate is clamped from above only
+    elif case == "gate_above":
+        gate[3, 2] = 11.0
+    elif case == "up_below":
+        up[5, 1] = -11.0
+        gate[5, 0] = -20.0  # silu is bounded below: a gate far below -L is not clamped, not counted
+    elif case == "up_above":
+        up[0, 0] = 10.5
+    ref = int(((gate > 10.0) | (up.abs() > 10.0)).sum())
+    if fused:
+        gate, up = (torch.cat([gate, up], dim=-1) * 1.0).chunk(2, dim=-1)
+        assert gate._base is up._base is not None
+    assert int(clamp_hits(gate, up, 10.0)) == ref == (0 if case in ("none", "gate_below", "empty") else 1)
