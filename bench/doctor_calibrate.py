@@ -19,7 +19,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from doctor.rules import diagnose  # noqa: E402
 from doctor.scores import guard_test, scores, support, thresholds  # noqa: E402
-from doctor.timeline import SUSTAINED, THRESHOLD, load_run, scoring_start, timeline  # noqa: E402
+from doctor.timeline import CHANGE_LAYER, SUSTAINED, THRESHOLD, load_run, scoring_start, timeline  # noqa: E402
 
 
 def run_dirs(paths: list[str]) -> list[Path]:
@@ -73,7 +73,8 @@ def main(argv=None) -> int:
     print(f"{len(dirs)} clean runs, {steps} scored steps")
     for kind, limit in limits.items():
         top = sorted((x for x in allz if x[1] == kind), reverse=True)[:3]
-        print(f"{kind:9s} threshold {limit:5.1f}; clean maxima: "
+        per_layer = f" ({CHANGE_LAYER:g} per layer)" if kind == "change" else ""
+        print(f"{kind:9s} threshold {limit:5.1f}{per_layer}; clean maxima: "
               + "; ".join(f"{v:.1f} {q} @{t} ({run})" for v, _, q, t, run in top))
     runs = len({a[0] for a in alarms})
     print(f"false alarms (incidents no guard trigger within ±1 step): {len(alarms)} in {runs} of {len(dirs)} runs, "

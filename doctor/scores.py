@@ -9,8 +9,12 @@ Four tests per quantity (doctor/timeline.py Spec: direction, log scale, floors),
     sustained  K consecutive values all above SUSTAINED against the baseline before t, where the change
                statistic at t is ≥ CONFIRM (a new level, not a drift)
     guard      on the quantities the online guard watches: its own detector at the run's settings
-               (window, threshold, floor 1e-3·|median|): the doctor flags whatever the guard would
-Thresholds: the largest values of each test over clean runs (bench/doctor_calibrate.py; README).
+               (window, threshold, floor 1e-3·|median|), from the guard's own warm-up: the doctor flags
+               whatever the guard would
+A per-source loss is a mean over that source's tokens: its one-step tests scale by √(n / n̄). A quantity
+whose Spec names one it needs (a layer's gradient RMS needs grad_norm) counts only at a step where that
+one deviates too. Thresholds: the largest values of each test over clean runs (bench/doctor_calibrate.py;
+README); a per-layer quantity's change test: CHANGE_LAYER.
 """
 from __future__ import annotations
 
@@ -129,7 +133,6 @@ class Scores:
     med: np.ndarray              # the trailing baseline (log units for a log quantity)
     z: dict                      # kind -> directed statistic (point, sustained, change, guard)
     per_layer: bool = False      # one model layer's quantity (its change test's threshold: CHANGE_LAYER)
-
 
 
 def scores(s: Series, guard: GuardTest | None = None, name: str = "") -> Scores | None:
