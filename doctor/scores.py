@@ -11,7 +11,7 @@ Four tests per quantity (doctor/timeline.py Spec: direction, log scale, floors),
     guard      on the quantities the online guard watches: its own detector at the run's settings
                (window, threshold, floor 1e-3·|median|), from the guard's own warm-up: the doctor flags
                whatever the guard would
-A per-source loss is a mean over that source's tokens: its one-step tests scale by √(n / n̄). A quantity
+A per-source loss is a mean over that source's tokens: its one-step tests scale by √(n / n̄) below n̄. A quantity
 whose Spec names one it needs (a layer's gradient RMS needs grad_norm) counts only at a step where that
 one deviates too. Thresholds: the largest values of each test over clean runs (bench/doctor_calibrate.py;
 README); a per-layer quantity's change test: CHANGE_LAYER.
@@ -190,8 +190,8 @@ def scores(s: Series, guard: GuardTest | None = None, name: str = "") -> Scores 
 
 
 def _sample_size(s: Series, steps: np.ndarray, window: int, min_history: int) -> np.ndarray | float:
-    """√(n / n̄) for a quantity that is a mean over n tokens (Series.counts), n̄ the median count of the
-    trailing window; 1 where a count is unknown. A mean's noise is ∝ 1/√n: a source with 8 of the batch's
+    """min(1, √(n / n̄)) for a quantity that is a mean over n tokens (Series.counts), n̄ the median count of
+    the trailing window; 1 where a count is unknown. A mean's noise is ∝ 1/√n: a source with 8 of the batch's
     tokens (60 typical) moved its loss ×1.9 on clean drill-model runs, the noise of 8 tokens."""
     if not s.counts:
         return 1.0
@@ -199,7 +199,7 @@ def _sample_size(s: Series, steps: np.ndarray, window: int, min_history: int) ->
     nbar, _, _ = baselines(n, window, min_history)
     with np.errstate(invalid="ignore", divide="ignore"):
         f = np.sqrt(n / nbar)
-    return np.where(np.isfinite(f) & (f > 0), f, 1.0)
+    return np.where(np.isfinite(f) & (f > 0), np.minimum(f, 1.0), 1.0)  # never up: stability/detector.py
 
 
 def thresholds(guard: GuardTest | None, threshold: float = THRESHOLD, sustained: float = SUSTAINED) -> dict:

@@ -238,7 +238,7 @@ def timeline(records: list[dict], config: dict) -> dict[str, Series]:
         put("logit_max", Spec(FORWARD, "both", log=True, rel_floor=FLOOR_LOG, point="up"), t, r.get("logit_max"))
         put("z_loss", Spec(FORWARD, log=True, rel_floor=FLOOR_LOG), t, r.get("z_loss"))
         # NOTE: a per-source loss is a mean over that source's tokens in the batch: its one-step tests scale
-        # by √(n / n̄) (stability/detector.py), as the guard does
+        # by √(n / n̄) below the usual count (stability/detector.py), as the guard does
         for src, v in r.get("loss_by_source", {}).items():
             put(f"loss_by_source/{src}", Spec(FORWARD, rel_floor=0.01, guard=True), t, v,
                 count=(r.get("tokens_by_source") or {}).get(src))

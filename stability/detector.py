@@ -13,7 +13,8 @@ the same at 0.1 as at 10, and their floor is in log units: rel_floor · |median 
 the unit (a median near 1 has log 0, so no floor at all), and a calm stretch then made a ×2.5 blip a spike.
 
   - a value that is a mean over n tokens (a per-source loss: `counts`) has noise ∝ 1/√n, and the MAD
-    measured the noise at the history's typical n̄ (the median count): its z is scaled by √(n / n̄). A
+    measured the noise at the history's typical n̄ (the median count): its z is scaled by √(n / n̄) when
+    n < n̄ (never up: documents, not only tokens, vary). A
     source with 8 of a batch's 128 tokens (median 60) moved its loss ×1.9 on clean runs of the drill
     model, z 6.5–16 unscaled: the noise of 8 tokens, not a spike (z 2.4–5.9 scaled);
   - no z-score until `min_history` values were accepted (a detector with 3 points cries wolf), nor
@@ -86,7 +87,9 @@ class SpikeDetector:
         z = (x - med) / (1.4826 * mad + self.rel_floor * abs(med) + 1e-12)
         seen = self.counts.get(name)
         if n and seen:  # a mean over n samples: its noise is ∝ 1/√n, the MAD's is that of the median count
-            z *= math.sqrt(n / statistics.median(seen))
+            # NOTE: only ever down: a source's loss also varies by document, which more tokens of the same few
+            # documents do not average away; the window's MAD is the noise claimed at n̄ and above
+            z *= min(1.0, math.sqrt(n / statistics.median(seen)))
         return med, z
 
     def observe(self, step: int, values: dict[str, float], counts: dict[str, float] | None = None) -> list[Trigger]:
