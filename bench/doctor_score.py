@@ -7,6 +7,7 @@
                                                       # set (then: python bench/doctor_calibrate.py DIR)
     python bench/doctor_score.py --job quickstart     # the same faults in the README's default job (S = 250)
     python bench/doctor_score.py --step 120 --stop 400 --seed-from 20   # another fault step, longer clean runs
+    python bench/doctor_score.py --step 90 --seed 5 --clean 0             # the faults on another seed
 
 Each fault is planted by the launcher (no injector, fault=none, nothing in the run directory names it);
 the doctor then reads the run directory with builtins.open / Path.read_text watched, and the score
@@ -33,13 +34,16 @@ from bench.doctor_drills import BY_NAME, FAULTS, JOBS, ROOT, Fault  # noqa: E402
 LAUNCHER = str(ROOT / "bench" / "doctor_drills.py")
 BASE, S = JOBS["drill"]  # the job being scored (main() --job); module-level for the tests' helpers
 STOP = S + 8
+FAULT_SEED: list[str] = []  # the fault runs' seed overrides (--seed)
 
 
-def use_job(job: str, step: int | None = None) -> None:
-    global BASE, S, STOP
+def use_job(job: str, step: int | None = None, seed: int | None = None) -> None:
+    """The job, its fault step, and the seed the fault runs train with (None: the config's)."""
+    global BASE, S, STOP, FAULT_SEED
     BASE, S = JOBS[job]
     S = step or S
     STOP = S + 8
+    FAULT_SEED = [] if seed is None else [f"seed={seed}", f"data.seed={1000 + seed}"]
 
 
 def _env() -> dict:
@@ -66,10 +70,10 @@ def run_dir(root: Path, f: Fault) -> Path:
 def train_fault(f: Fault, root: Path) -> Path:
     d = run_dir(root, f)
     if f.resume:  # a clean first process up to S - 1, then a resume with the fault planted on load
-        _launch(None, d, [f"checkpoint.stop_after={S - 1}"])
-        _launch(f.name, d, [f"checkpoint.stop_after={STOP}", "resume=latest", *f.resume_args])
+        _launch(None, d, [*FAULT_SEED, f"checkpoint.stop_after={S - 1}"])
+        _launch(f.name, d, [*FAULT_SEED, f"checkpoint.stop_after={STOP}", "resume=latest", *f.resume_args])
     else:
-        _launch(f.name, d, [f"checkpoint.stop_after={STOP}"], nproc=f.nproc)
+        _launch(f.name, d, [*FAULT_SEED, f"checkpoint.stop_after={STOP}"], nproc=f.nproc)
     return d
 
 
@@ -175,12 +179,13 @@ def main(argv=None) -> int:
     ap.add_argument("--job", choices=sorted(JOBS), default="drill",
                     help="drill: the tiny model the thresholds were calibrated on; quickstart: the default job")
     ap.add_argument("--step", type=int, help="the fault step S (default: the job's)")
+    ap.add_argument("--seed", type=int, help="the fault runs' seed (default: the config's; clean runs keep theirs)")
     ap.add_argument("--stop", type=int, help="clean runs stop after this step (default: S + 8; calibration: 200)")
     ap.add_argument("--reuse", help="a directory of runs trained before (skip training)")
     ap.add_argument("--keep", help="train into this directory (default: a temporary one)")
     ap.add_argument("--jobs", type=int, default=2)
     args = ap.parse_args(argv)
-    use_job(args.job, args.step)
+    use_job(args.job, args.step, args.seed)
     unknown = [n for n in args.faults if n not in BY_NAME]
     if unknown:
         print(f"doctor_score: unknown fault {unknown[0]} (known: {', '.join(BY_NAME)})", file=sys.stderr)
