@@ -246,9 +246,11 @@ TIE = ("sustained", "change", "point", "guard", "nonfinite")
 
 def first_deviation(name: str, s: Series, start: int, threshold: float = THRESHOLD,
                     sustained: float = SUSTAINED, guard: GuardTest | None = None,
-                    guard_start: int | None = None, backing: np.ndarray | None = None) -> Deviation | None:
+                    guard_start: int | None = None, backing: np.ndarray | None = None,
+                    exact_start: int = 1) -> Deviation | None:
     """The first step from `start` (the guard's own test: from `guard_start`, default `start`) at which
-    any test exceeds its threshold, a non-finite value, or a departure from an exact value."""
+    any test exceeds its threshold, a non-finite value, or — from `exact_start` — a departure from an
+    exact value that begins there (a value still off since an earlier step is that earlier incident)."""
     if not s.values:
         return None
     spec = s.spec
@@ -256,9 +258,10 @@ def first_deviation(name: str, s: Series, start: int, threshold: float = THRESHO
         steps = np.array(sorted(s.values), dtype=np.int64)
         x = np.array([s.values[int(t)] for t in steps], dtype=np.float64)
         off = ~np.isfinite(x) | (np.abs(x - spec.exact) > spec.rel_floor * max(abs(spec.exact), 1.0) + spec.abs_floor)
-        i = int(np.argmax(off))
+        onset = off & ~np.concatenate([[False], off[:-1]]) & (steps >= exact_start)
+        i = int(np.argmax(onset))
         return Deviation(name, spec.layer, s.order, int(steps[i]), float(x[i]), spec.exact, math.inf,
-                         s.layer_name, "exact") if off[i] else None
+                         s.layer_name, "exact") if onset[i] else None
     sc = s.cache.get(guard)
     if sc is None:
         sc = s.cache[guard] = scores(s, guard, name)
@@ -285,7 +288,7 @@ def first_deviation(name: str, s: Series, start: int, threshold: float = THRESHO
 
 def deviations(tl: dict[str, Series], start: int = 1, threshold: float = THRESHOLD,
                sustained: float = SUSTAINED, guard: GuardTest | None = None,
-               guard_start: int | None = None) -> dict[str, Deviation]:
+               guard_start: int | None = None, exact_start: int = 1) -> dict[str, Deviation]:
     """The first deviating step of every quantity. Baseline-relative scores count from step `start`
     on (earlier values only build the baseline; the guard's own test from `guard_start`, where the
     guard itself starts scoring); a non-finite value, or a quantity off the value a healthy run holds
@@ -293,7 +296,7 @@ def deviations(tl: dict[str, Series], start: int = 1, threshold: float = THRESHO
     out = {}
     for name, s in tl.items():
         back = support(tl, s, start, threshold, sustained, guard, guard_start)
-        d = first_deviation(name, s, start, threshold, sustained, guard, guard_start, back)
+        d = first_deviation(name, s, start, threshold, sustained, guard, guard_start, back, exact_start)
         if d is not None:
             out[name] = d
     return out

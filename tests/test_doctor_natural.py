@@ -136,3 +136,22 @@ def test_one_source_changed_is_a_distribution_shift_even_when_the_update_follows
     rep = doctor(fake_run(tmp_path, tweak=tweak), plots=False)
     assert rep["class"] == "data.distribution_shift" and rep["earliest"]["step"] == 70, rep["summary"]
     assert rep["earliest"]["quantity"] == "loss_by_source/a"
+
+
+def test_an_exact_check_is_not_hidden_behind_an_earlier_incident(tmp_path):
+    """A loss spike at step 60, then rank 1 off its shard from step 70 on (inside the baseline window the
+    doctor waits after an incident): both are reported, in order; the broken sharding once, at its onset."""
+    from test_doctor_unseen import v2
+
+    def tweak(t, r):
+        v2(t, r, world=2)
+        if t == 60:
+            r["loss"] += 3.0
+            r["loss_by_source"] = {k: v + 3.0 for k, v in r["loss_by_source"].items()}
+            r["ranks"]["loss"] = [r["loss"]] * 2
+        if t >= 70:
+            r["ranks"]["first"][1] += 5000
+    rep = doctor(fake_run(tmp_path, world=2, tweak=tweak), plots=False)
+    got = [(i["step"], i["class"]) for i in rep["incidents"]]
+    assert got[:2] == [(60, "forward.loss_spike"), (70, "rank.data")], got
+    assert [c for _, c in got].count("rank.data") == 1, got
