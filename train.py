@@ -118,9 +118,10 @@ def train(run: Run) -> None:
             moe.update_bias(s.stats["moe_load"][layer].to(dev))  # aux-loss-free balancing, global loads
         s.moe = moe_summary(s.stats["moe_load"])
         s.opt_state = state_summary(optimizer, model)  # ‖m‖, ‖v‖ per group, MoE bias norms (collective)
-        # every step, from those norms: the optimizer state holds no inf/NaN (the guard's post-update check)
+        # from those norms, every step: the optimizer state holds no inf/NaN (the guard's post-update check);
+        # state beside the moments (Muon's momentum) on telemetry steps only (s.post is theirs)
         s.post = {**s.post, "nonfinite": {**s.post.get("nonfinite", {}),
-                                          "optim_state": state_nonfinite(optimizer, s.opt_state)}}
+                                          "optim_state": state_nonfinite(optimizer, s.opt_state, bool(s.post))}}
         worst = max((m["max_violation"] for m in s.moe.values()), default=None)
         verdict = guard.after_update(step, s.first_id, s.n_valid, s.post, s.stats["loss"], worst)
         tokens_seen += s.n_valid

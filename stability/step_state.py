@@ -59,13 +59,15 @@ def state_summary(optimizer: torch.optim.Optimizer, model) -> dict[str, float]:
     return {k: math.sqrt(v) for k, v in zip(keys, vals.tolist())}
 
 
-def state_nonfinite(optimizer: torch.optim.Optimizer, summary: dict[str, float]) -> bool:
+def state_nonfinite(optimizer: torch.optim.Optimizer, summary: dict[str, float], others: bool = True) -> bool:
     """Does any rank's optimizer state hold an inf/NaN? The moments' norms are state_summary's (global:
-    a NaN on any rank reaches every rank through its all-reduce); other floating state (Muon's momentum
-    buffer) is checked here, with one MAX all-reduce when there is any. Every step, at no extra pass over
-    AdamW's moments (telemetry used to norm them a second time on its steps)."""
+    a NaN on any rank reaches every rank through its all-reduce): free, every step. Other floating state
+    (Muon's momentum buffer) costs a pass and one MAX all-reduce: only when `others` (train.py: on
+    telemetry steps, as before; every rank passes the same)."""
     if any(not math.isfinite(v) for k, v in summary.items() if k.startswith(("m/", "v/"))):
         return True
+    if not others:
+        return False
     # NOTE: whether there is other state depends on the optimizer, the same on every rank (the collective
     # below is entered by all or none); an FSDP shard of it can be empty on one rank
     other = [local(t) for st in optimizer.state.values() for k, t in st.items()
