@@ -3,6 +3,7 @@ quickstart (prints figures). Targets (issue 16): every-10 <= 2 %, every step <= 
 
     python -m bench.telemetry_overhead threads=1            # 4 rounds of three 10-step blocks
     python -m bench.telemetry_overhead --rounds 6 --block 10 threads=1 train.batch_size=16
+    python -m bench.telemetry_overhead --rounds 2 --paired 200 threads=1   # + 200 off/on step pairs
 
 NOTE: on a shared 2-core machine pass threads=1: two intra-op threads fighting other jobs for the
 cores made a step 30× slower here (22 s instead of 0.7 s), which drowns any overhead.
@@ -45,6 +46,9 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=4, help="rounds of one block per arm")
     p.add_argument("--block", type=int, default=10, help="steps per block (a multiple of 10)")
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--paired", type=int, default=0, metavar="N",
+                   help="also N pairs of single steps, telemetry off then on, alternating: the median of the "
+                        "per-pair CPU-time difference (a tighter figure than block means on a drifting machine)")
     p.add_argument("overrides", nargs="*", help="Hydra overrides, as for train.py")
     args = p.parse_args()
     cfg = compose_config(args.overrides)
@@ -100,6 +104,20 @@ def main() -> None:
                      f"{100 * statistics.median(ratios):+.1f} % [{100 * min(ratios):+.1f}, {100 * max(ratios):+.1f}]")
         print(line)
     print(f"moe_summary + nonfinite_flags: {extras_us:.0f} µs/step (run every step in either arm)")
+    if args.paired:
+        # NOTE: one off step and one telemetry step back to back, the order alternating per pair: the drift of
+        # a shared machine moves both halves of a pair alike, and the median of the differences drops outliers
+        diff, off_t = [], []
+        for i in range(args.paired):
+            order = ("off", "every1") if i % 2 else ("every1", "off")
+            t = {arm: one_step(arms[arm], 1)[1] for arm in order}
+            diff.append(t["every1"] - t["off"])
+            off_t.append(t["off"])
+        d, o = statistics.median(diff), statistics.median(off_t)
+        q = statistics.quantiles(diff, n=4)
+        print(f"paired ({args.paired} pairs, CPU time): off {1e3 * o:.1f} ms/step; a telemetry step costs "
+              f"{1e3 * d:+.1f} ms (quartiles {1e3 * q[0]:+.1f}, {1e3 * q[2]:+.1f}) = every step {100 * d / o:+.1f} %, "
+              f"every 10 {10 * d / o:+.1f} %")
 
 
 if __name__ == "__main__":
