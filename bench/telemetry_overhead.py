@@ -71,7 +71,7 @@ def main() -> None:
         forward_backward(model, micro, n_valid, tc.z_loss, 1, len(ds.source_names))
         tel.before_update()
         res = optimizer_step(model.parameters(), opt, None, tc.max_grad_norm)
-        tel.finish(res.coef, opt)
+        tel.finish(res.coef)
         opt.zero_grad(set_to_none=True)
         return time.perf_counter() - t0, time.process_time() - c0
 

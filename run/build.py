@@ -115,7 +115,7 @@ def build_run(cfg: DictConfig, dist: Dist) -> Run:
     # NOTE: after_update runs in reverse: QK-clip (levers, last) rescales W_q, W_k first, telemetry then
     # measures the whole update, and an optimizer-state drill (first) corrupts the moments after both.
     callbacks = Callbacks([FaultDrill(faults, optimizer, events, guard) if faults.kind != "none" else None, routing,
-                           StepTelemetry(telemetry, optimizer) if telemetry.every else None, levers])
+                           StepTelemetry(telemetry) if telemetry.every else None, levers])
 
     if dist.is_main:
         write_header(cfg, dist, run_dir, dataset, model, model_cfg, group_table, recipe)

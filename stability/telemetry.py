@@ -17,7 +17,7 @@ In train.py (every call is a no-op returning {} on a step that telemetry skips; 
     sums = forward_backward(...)
     telemetry.before_update()                  # snapshot θ (one foreach copy into reused buffers)
     res = optimizer_step(...)                  # unscale → finite check → clip → step or skip
-    tel = telemetry.finish(res.coef, optimizer)   # before zero_grad: the grads are read here
+    tel = telemetry.finish(res.coef)           # before zero_grad: the grads are read here
     ...                                        # every step: stats = reduce_step_sums(...)
     flags = {**nonfinite_flags(stats["loss"], stats["logit_max"], norm.item()), **tel.pop("nonfinite", {})}
     StepRecord(..., **tel, nonfinite=flags, moe=moe_summary(stats["moe_load"]))
@@ -104,7 +104,7 @@ class Telemetry:
         self._snapped = True
 
     @torch.no_grad()
-    def finish(self, coef: float | Tensor, optimizer: torch.optim.Optimizer) -> dict:
+    def finish(self, coef: float | Tensor) -> dict:
         """After optimizer_step, before zero_grad. `coef` is the clip coefficient optimizer_step applied
         (the grads hold g·coef, already unscaled under FP16). Collective: every rank must call it.
 
@@ -226,8 +226,8 @@ class StepTelemetry(Callback):
     """Telemetry attached to the step: hooks on before the forward, θ snapshot before the update, the
     per-layer numbers into s.post after it (on telemetry steps; every call is a no-op otherwise)."""
 
-    def __init__(self, telemetry: Telemetry, optimizer: torch.optim.Optimizer):
-        self.tel, self.optimizer = telemetry, optimizer
+    def __init__(self, telemetry: Telemetry):
+        self.tel = telemetry
 
     def before_forward(self, s: StepState) -> None:
         self.tel.start(s.step)
@@ -236,7 +236,7 @@ class StepTelemetry(Callback):
         self.tel.before_update()
 
     def after_update(self, s: StepState) -> None:
-        s.post = self.tel.finish(s.result.coef, self.optimizer)
+        s.post = self.tel.finish(s.result.coef)
 
 
 def _stack(xs: list[Tensor], device) -> Tensor:

@@ -49,7 +49,7 @@ def grads(mode: str, model_cfg: dict, dist: Dist, parallel: str = "none", compil
         counted = {"act_n": dict(tel._act_n), "act_entries": {k: len(v) for k, v in tel._act.items()},
                    "clamp_entries": {k: len(v) for k, v in tel._clamp.items()}}
         tel.before_update()
-        layers = {"stats": tel.finish(torch.tensor(1.0), opt)["layers"], **counted}
+        layers = {"stats": tel.finish(torch.tensor(1.0))["layers"], **counted}
     return full, layers
 
 

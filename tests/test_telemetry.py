@@ -57,7 +57,7 @@ def step(model, wrapped, opt, tel, mbs, n, scaler=None, world=1, before=None, af
     res = optimizer_step(model.parameters(), opt, scaler, CLIP)
     if after:
         after(model)
-    out = tel.finish(res.coef, opt)
+    out = tel.finish(res.coef)
     opt.zero_grad(set_to_none=True)
     return out, res
 

@@ -67,7 +67,7 @@ def train_step(model, optimizer, scheduler, loader: Loader, max_grad_norm: float
     if telemetry is not None:
         telemetry.before_update()
     res = optimizer_step(model.parameters(), optimizer, scaler, max_grad_norm)
-    tel = telemetry.finish(res.coef, optimizer) if telemetry is not None else {}
+    tel = telemetry.finish(res.coef) if telemetry is not None else {}
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     n = n_valid.item()
