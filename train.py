@@ -23,7 +23,7 @@ from omegaconf import DictConfig
 from checkpoint import FinalCheckpointWithheld, RunComplete
 
 from optim.accumulate import count_valid_tokens, forward_backward, reduce_step_sums
-from parallel import all_reduce_sum, destroy, init_distributed
+from parallel import Dist, all_reduce_sum, destroy, init_distributed, release
 from precision import optimizer_step
 from run.build import Run, build_run
 from run.config import preflight, register
@@ -43,26 +43,35 @@ register()  # the typed schema conf/config.yaml's defaults list starts with (run
 def main(cfg: DictConfig) -> None:
     dist = init_distributed(cfg.device)
     try:
+        code = job(cfg, dist)
+    finally:
+        destroy()  # after job() returned: the run, which owns the group too, is gone (parallel.dist.destroy)
+    if code:
+        sys.exit(code)
+
+
+def job(cfg: DictConfig, dist: Dist) -> int:
+    """Build and train one run; the exit code. Every reference to the run ends with this frame."""
+    try:
         run = build_run(cfg, dist)
     except RunComplete as e:  # resume=auto after the final save: the job is done, not refused
         print(f"ballast: {e}")
-        destroy()
-        return
+        return 0
     except ValueError as e:  # every config problem surfaces here as one line naming the key
         print(f"ballast: config error: {e}", file=sys.stderr)
-        destroy()
-        sys.exit(2)
+        return 2
     try:
         train(run)
     except GuardAbort as e:  # the guard gave up: say why in one line; the last good checkpoint stands
         print(f"ballast: guard: {e}", file=sys.stderr)
-        sys.exit(3)
+        return 3
     except FinalCheckpointWithheld as e:  # the last step was vetoed: the run ends without its final save
         print(f"ballast: {e}", file=sys.stderr)
-        sys.exit(3)
+        return 3
     finally:
         run.close()
-        destroy(run.wrapped)  # DDP's reducer first: see parallel.dist.release
+        release(run.wrapped)  # DDP's reducer first, in case a cycle outlives the run: parallel.dist.release
+    return 0
 
 
 def train(run: Run) -> None:

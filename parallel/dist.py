@@ -6,7 +6,9 @@ training step never branches on "am I distributed?".
 from __future__ import annotations
 
 import datetime
+import gc
 import os
+import sys
 import time
 from dataclasses import dataclass
 
@@ -97,14 +99,42 @@ def release(*modules) -> None:
 
 
 def destroy(*modules) -> None:
-    """Release `modules` (DDP wrappers: release above), then destroy the default group."""
+    """Destroy the default group so that it dies here, with the interpreter whole.
+
+    WARN: the group's destructor joins gloo's worker threads, and a worker still releasing a finished
+    collective's Python state needs the GIL. When Python's last reference goes (destroy_process_group),
+    torch runs that destructor with the GIL released: safe. Any other last owner is not. DDP's reducer
+    dies with the GIL held (a deadlock: release above); an owner alive until interpreter finalization
+    ends the worker as it asks for the GIL (pthread_exit through noexcept frames: "terminate called
+    without an active exception", SIGABRT at exit; CI, the FSDP tests). Owners besides Python's: FSDP's
+    mesh info on a live module, and every DeviceMesh (mesh._pg_registry), which DTensor's sharding,
+    redistribution and topology caches keep alive after the last DTensor is gone. So callers drop their
+    models, optimizers and DTensors first; here DDP reducers still alive are freed, reference cycles
+    (FSDP's module <-> state) collected, and the surviving meshes let go of their groups: a mesh
+    outliving its group cannot be used anyway."""
     release(*modules)
-    if tdist.is_initialized():
-        # NOTE: the sleep hands the GIL to a gloo worker still releasing its last collective, for the
-        # same deadlock through an owner release() does not know of. No barrier: on the config-error
-        # path the other ranks may be inside another collective.
+    if not tdist.is_initialized():
+        return
+    gc.collect()
+    _drop_mesh_groups()
+    world = tdist.group.WORLD
+    tdist.destroy_process_group()
+    if sys.getrefcount(world) > 2:  # ours and the call's: an owner survives (a crash's traceback holds the run)
+        print("ballast: WARN: the process group outlived destroy(); an owner still holds it "
+              "(parallel.dist.destroy)", file=sys.stderr)
+        # NOTE: a mitigation, not a guarantee: hand the GIL to a gloo worker releasing its last
+        # collective before the interpreter begins to finalize.
         time.sleep(0.05)
-        tdist.destroy_process_group()
+
+
+def _drop_mesh_groups() -> None:
+    try:
+        from torch.distributed.device_mesh import DeviceMesh
+    except ImportError:  # a torch built without distributed tensors holds no meshes
+        return
+    for obj in gc.get_objects():
+        if isinstance(obj, DeviceMesh) and isinstance(getattr(obj, "_pg_registry", None), dict):
+            obj._pg_registry.clear()
 
 
 def all_reduce_max(t: torch.Tensor) -> torch.Tensor:

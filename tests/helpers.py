@@ -37,6 +37,35 @@ def spawn(fn, args: tuple, nprocs: int = 2, timeout: float = HANG_S) -> None:
             pytest.fail(f"{fn.__name__}: ranks {alive} of {nprocs} still running after {timeout:.0f} s (a hang)")
 
 
+def in_group(rank: int, world: int, store: str, body):
+    """body(Dist) in a gloo group of `world` processes, then the group destroyed as train.py destroys
+    it (parallel.destroy, once body's models are gone); body's result.
+
+    Checks that the group died inside destroy(): a group that outlives it dies at interpreter exit,
+    where a gloo worker asking for the GIL aborts the process (SIGABRT, parallel.dist.destroy). Told
+    by OS threads: gloo's workers start at init and must be gone after destroy()."""
+    import torch
+    import torch.distributed as tdist
+
+    from parallel import Dist, destroy
+
+    torch.set_num_threads(1)
+    tdist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    with_group = _os_threads()
+    try:
+        result = body(Dist(rank, world, rank, torch.device("cpu"), "gloo"))
+    finally:
+        destroy()
+    if with_group is not None:
+        assert _os_threads() < with_group, "gloo's threads outlived destroy(): something still owns the group"
+    return result
+
+
+def _os_threads() -> int | None:
+    task = Path("/proc/self/task")  # Linux; elsewhere the check is skipped
+    return len(list(task.iterdir())) if task.is_dir() else None
+
+
 def env() -> dict:
     e = dict(os.environ)
     e.update(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", WANDB_MODE="disabled", PYTHONUNBUFFERED="1",

@@ -12,7 +12,7 @@ from data.loader import Loader
 from model import ModelConfig, Transformer
 from optim import build_optimizer, clip_grad_norm
 from optim.accumulate import count_valid_tokens, forward_backward
-from helpers import spawn
+from helpers import in_group, spawn
 
 DATA = {"kind": "synthetic", "seq_len": 32, "min_doc_len": 16, "seed": 3,
         "sources": [{"name": "markov", "kind": "markov", "weight": 0.6, "alphabet": 16, "order": 2, "support": 3,
@@ -70,13 +70,7 @@ def test_accumulated_gradient_equals_full_batch_gradient(moe):
 
 def _ddp_worker(rank, world, path, steps, store):
     os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    from parallel import Dist, wrap_model
-
-    dist = Dist(rank=rank, world=world, local_rank=rank, device=torch.device("cpu"), backend="gloo")
-    torch.save(run_steps(dist, steps, micro=2 // world), f"{path}.{rank}")
-    torch.distributed.destroy_process_group()
+    torch.save(in_group(rank, world, store, lambda dist: run_steps(dist, steps, micro=2 // world)), f"{path}.{rank}")
 
 
 def run_steps(dist, steps, micro):

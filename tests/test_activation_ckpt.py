@@ -13,7 +13,7 @@ from optim import build_optimizer
 from optim.accumulate import count_valid_tokens, forward_backward
 from parallel import Dist, wrap_model
 from stability.telemetry import Telemetry
-from helpers import spawn
+from helpers import in_group, spawn
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -90,15 +90,9 @@ def test_bad_mode_names_the_key():
 
 
 def _worker(rank, world, store, out):
-    torch.set_num_threads(1)
-    torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    try:
-        dist = Dist(rank, world, rank, torch.device("cpu"), "gloo")
-        res = {f"{par}/{mode}": grads(mode, MOE, dist, parallel=par)[0]
-               for par in ("ddp", "fsdp") for mode in ("none", "full", "selective")}
-        torch.save(res, f"{out}.{rank}")
-    finally:
-        torch.distributed.destroy_process_group()
+    res = in_group(rank, world, store, lambda dist: {f"{par}/{mode}": grads(mode, MOE, dist, parallel=par)[0]
+                                                     for par in ("ddp", "fsdp") for mode in ("none", "full", "selective")})
+    torch.save(res, f"{out}.{rank}")
 
 
 @pytest.mark.distributed

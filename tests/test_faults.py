@@ -16,9 +16,9 @@ from data.loader import Loader
 from model import ModelConfig, Transformer
 from optim import build_optimizer
 from optim.accumulate import count_valid_tokens, forward_backward
-from parallel import Dist, wrap_model, release
+from parallel import Dist, wrap_model
 from stability.faults import FaultInjector
-from helpers import spawn
+from helpers import in_group, spawn
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = {"kind": "synthetic", "seq_len": 16, "min_doc_len": 4, "seed": 5,
@@ -273,39 +273,37 @@ def _flat_grads(model) -> torch.Tensor:
 
 
 def _ddp_worker(rank, world, store, out):
-    torch.set_num_threads(1)
-    torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    torch.save(in_group(rank, world, store, _missing_reduce_steps), f"{out}.{rank}")
+
+
+def _missing_reduce_steps(dist: Dist) -> dict:
+    rank, world = dist.rank, dist.world
+    torch.manual_seed(0)
+    ds = build_data(DATA)
+    model = Transformer(ModelConfig.from_dict({**MODEL, "vocab_size": ds.vocab_size, "seq_len": ds.seq_len}))
+    bare = copy.deepcopy(model)  # the same weights, never reduced: this rank's local gradient
+    wrapped = wrap_model(model, "ddp", dist)
+    loader = Loader(ds, 8, rank, world)
+    inj = FaultInjector({"kind": "missing_reduce", "step": 2, "rank": 1}, model=model, loader=loader, dist=dist)
+    res = {"grads": [], "local": [], "events": []}
     try:
-        dist = Dist(rank, world, rank, torch.device("cpu"), "gloo")
-        torch.manual_seed(0)
-        ds = build_data(DATA)
-        model = Transformer(ModelConfig.from_dict({**MODEL, "vocab_size": ds.vocab_size, "seq_len": ds.seq_len}))
-        bare = copy.deepcopy(model)  # the same weights, never reduced: this rank's local gradient
-        wrapped = wrap_model(model, "ddp", dist)
-        loader = Loader(ds, 8, rank, world)
-        inj = FaultInjector({"kind": "missing_reduce", "step": 2, "rank": 1}, model=model, loader=loader, dist=dist)
-        res = {"grads": [], "local": [], "events": []}
-        try:
-            inj.wrap(model)
-        except ValueError as e:
-            res["not_ddp"] = str(e)
-        inj.wrap(wrapped)
-        for step in (1, 2, 3):  # no optimizer step: every step sees the same weights on both ranks
-            mbs = loader.next().micro_batches(2)
-            n_valid = count_valid_tokens(mbs, "cpu")
-            forward_backward(bare, mbs, n_valid, 1e-4, world, 2)
-            res["local"].append(_flat_grads(bare))
-            bare.zero_grad(set_to_none=True)
-            inj.before_forward(step)
-            forward_backward(wrapped, mbs, n_valid, 1e-4, world, 2)
-            res["grads"].append(_flat_grads(model))
-            model.zero_grad(set_to_none=True)
-            inj.after_update(step)
-            res["events"].append(inj.pop_events())
-        release(wrapped)  # the reducer must not outlive the group's Python owners (parallel.dist.release)
-        torch.save(res, f"{out}.{rank}")
-    finally:
-        torch.distributed.destroy_process_group()
+        inj.wrap(model)
+    except ValueError as e:
+        res["not_ddp"] = str(e)
+    inj.wrap(wrapped)
+    for step in (1, 2, 3):  # no optimizer step: every step sees the same weights on both ranks
+        mbs = loader.next().micro_batches(2)
+        n_valid = count_valid_tokens(mbs, "cpu")
+        forward_backward(bare, mbs, n_valid, 1e-4, world, 2)
+        res["local"].append(_flat_grads(bare))
+        bare.zero_grad(set_to_none=True)
+        inj.before_forward(step)
+        forward_backward(wrapped, mbs, n_valid, 1e-4, world, 2)
+        res["grads"].append(_flat_grads(model))
+        model.zero_grad(set_to_none=True)
+        inj.after_update(step)
+        res["events"].append(inj.pop_events())
+    return res
 
 
 @pytest.mark.distributed

@@ -14,7 +14,7 @@ from model import ModelConfig, Transformer
 from optim import build_optimizer, clip_grad_norm
 from optim.accumulate import count_valid_tokens, forward_backward
 from parallel import Dist, wrap_model
-from helpers import spawn
+from helpers import in_group, spawn
 
 DATA = {"kind": "synthetic", "seq_len": 16, "min_doc_len": 4, "seed": 5,
         "sources": [{"name": "markov", "kind": "markov", "weight": 0.5, "alphabet": 8, "order": 1, "support": 2},
@@ -51,12 +51,7 @@ def run(dist: Dist, micro: int) -> dict:
 
 
 def _worker(rank, world, store, out):
-    torch.set_num_threads(1)
-    torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    try:
-        torch.save(run(Dist(rank, world, rank, torch.device("cpu"), "gloo"), micro=2), f"{out}.{rank}")
-    finally:
-        torch.distributed.destroy_process_group()
+    torch.save(in_group(rank, world, store, lambda dist: run(dist, micro=2)), f"{out}.{rank}")
 
 
 @pytest.mark.parametrize("options, key", [({"param_dtype": "fp8"}, "parallel.param_dtype"),

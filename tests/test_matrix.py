@@ -70,6 +70,7 @@ def check_cell(tmp_path, model, world, precision, guard, resume):
         r = run_train(run, *args, f"checkpoint.every={EVERY}", "resume=latest", nproc=nproc)
     else:
         r = run_train(run, *args, nproc=nproc)
+    assert "outlived destroy()" not in r.stderr, r.stderr[-3000:]  # the group died in parallel.dist.destroy
     if r.returncode != 0:  # a stop must be one line, never a traceback
         lines = r.stderr.strip().splitlines()
         assert r.returncode in (2, 3) and lines and lines[-1].startswith("ballast:"), r.stderr[-3000:]

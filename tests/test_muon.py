@@ -8,7 +8,6 @@ import tempfile
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -19,7 +18,7 @@ from model import ModelConfig, MoEConfig, Transformer
 from optim import build_optimizer, format_table
 from optim.muon import newton_schulz5
 from parallel import release
-from helpers import spawn
+from helpers import in_group, spawn
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
               pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
@@ -203,35 +202,36 @@ def test_resume_through_dcp_is_bit_identical(tmp_path):
 
 
 def _ddp_worker(rank, world, init_file, out):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        torch.set_num_threads(1)
-        model = tiny_moe()
-        ddp = DistributedDataParallel(model)
-        opt, _ = build_optimizer(model, muon_cfg())
-        for x in _batches(3):
-            mine = x[rank * 2: rank * 2 + 2]
-            opt.zero_grad(set_to_none=True)
-            out_ = ddp(mine, mine)
-            (out_.loss_sum / 16).backward()  # DDP averages: ÷ world · (global tokens / world) = mean over 32
-            opt.step()
-        release(ddp)  # the reducer must not outlive the group's Python owners (parallel.dist.release)
-        # FSDP2: every block and the root sharded on dim 0; Muon gathers each matrix for NS5
-        sharded = tiny_moe()
-        for block in sharded.blocks:
-            fully_shard(block)
-        fully_shard(sharded)
-        opt_s, _ = build_optimizer(sharded, muon_cfg())
-        for x in _batches(3):
-            mine = x[rank * 2: rank * 2 + 2]
-            opt_s.zero_grad(set_to_none=True)
-            (sharded(mine, mine).loss_sum / 16).backward()  # FSDP averages over ranks, like DDP
-            opt_s.step()
-        full = {n: p.full_tensor().detach() for n, p in sharded.named_parameters()}
-        if rank == 0:
-            torch.save({"ddp": {n: p.detach() for n, p in model.named_parameters()}, "fsdp": full}, out)
-    finally:
-        dist.destroy_process_group()
+    got = in_group(rank, world, init_file, _ddp_and_fsdp_steps)
+    if rank == 0:
+        torch.save(got, out)
+
+
+def _ddp_and_fsdp_steps(group) -> dict:
+    rank = group.rank
+    model = tiny_moe()
+    ddp = DistributedDataParallel(model)
+    opt, _ = build_optimizer(model, muon_cfg())
+    for x in _batches(3):
+        mine = x[rank * 2: rank * 2 + 2]
+        opt.zero_grad(set_to_none=True)
+        out_ = ddp(mine, mine)
+        (out_.loss_sum / 16).backward()  # DDP averages: ÷ world · (global tokens / world) = mean over 32
+        opt.step()
+    release(ddp)  # the reducer must not outlive the group's Python owners (parallel.dist.release)
+    # FSDP2: every block and the root sharded on dim 0; Muon gathers each matrix for NS5
+    sharded = tiny_moe()
+    for block in sharded.blocks:
+        fully_shard(block)
+    fully_shard(sharded)
+    opt_s, _ = build_optimizer(sharded, muon_cfg())
+    for x in _batches(3):
+        mine = x[rank * 2: rank * 2 + 2]
+        opt_s.zero_grad(set_to_none=True)
+        (sharded(mine, mine).loss_sum / 16).backward()  # FSDP averages over ranks, like DDP
+        opt_s.step()
+    full = {n: p.full_tensor().detach() for n, p in sharded.named_parameters()}
+    return {"ddp": {n: p.detach() for n, p in model.named_parameters()}, "fsdp": full}
 
 
 @pytest.mark.distributed

@@ -8,7 +8,6 @@ import tempfile
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard
@@ -17,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 from optim import (build_optimizer, build_param_groups, build_scheduler, clip_grad_norm, format_table,
                    lr_factor)
 from parallel import release
-from helpers import spawn
+from helpers import in_group, spawn
 
 NO_DECAY = {"name": "no_decay", "kinds": ["bias", "norm", "embedding", "router", "expert_bias"],
             "weight_decay": 0.0}
@@ -365,70 +364,71 @@ def full_norm_dt(module):
 
 
 def _dist_worker(rank, world, init_file):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        gen = torch.Generator().manual_seed(1)
-        x, y = torch.randn(8, 6, generator=gen), torch.randn(8, 5, generator=gen)
-        mine = slice(rank * 4, rank * 4 + 4)
+    in_group(rank, world, init_file, _dist_checks)
 
-        ref = mlp()  # single-process reference: full model, full batch
-        nn.functional.mse_loss(ref(x), y).backward()
-        ref_norm = full_norm(list(ref.parameters())).item()
-        max_norm = ref_norm / 3
 
-        # FSDP2: every parameter sharded on dim 0 (16 and 5 rows: even and uneven shards)
-        sharded = mlp()
-        for layer in sharded:
-            if isinstance(layer, nn.Linear):
-                fully_shard(layer)
-        fully_shard(sharded)
-        nn.functional.mse_loss(sharded(x[mine]), y[mine]).backward()  # FSDP averages the halves' grads
-        grads = [p.grad for p in sharded.parameters()]
-        assert all(isinstance(g, DTensor) and isinstance(g.placements[0], Shard) for g in grads)
-        local_only = math.sqrt(sum(g.to_local().double().square().sum().item() for g in grads))
-        assert abs(local_only - ref_norm) > 1e-2 * ref_norm, "a rank-local norm must not pass for global"
-        norm, coef = clip_grad_norm(sharded.parameters(), max_norm)
-        assert norm.item() == pytest.approx(ref_norm, rel=1e-5)
-        assert coef.item() == pytest.approx(max_norm / (ref_norm + 1e-6), rel=1e-5)
-        for p_s, p_r in zip(sharded.parameters(), ref.parameters()):
-            torch.testing.assert_close(p_s.grad.full_tensor(), p_r.grad * coef, rtol=1e-5, atol=1e-6)
+def _dist_checks(group) -> None:
+    rank = group.rank
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 6, generator=gen), torch.randn(8, 5, generator=gen)
+    mine = slice(rank * 4, rank * 4 + 4)
 
-        # mix: the sharded grads plus a replicated plain tensor, identical on both ranks
-        extra = nn.Parameter(torch.zeros(3))
-        extra.grad = torch.tensor([1.0, 2.0, 2.0])
-        norm_mix, _ = clip_grad_norm([*sharded.parameters(), extra], None)
-        assert norm_mix.item() == pytest.approx(math.sqrt((ref_norm * coef.item()) ** 2 + 9.0), rel=1e-5)
+    ref = mlp()  # single-process reference: full model, full batch
+    nn.functional.mse_loss(ref(x), y).backward()
+    ref_norm = full_norm(list(ref.parameters())).item()
+    max_norm = ref_norm / 3
 
-        # a finite sharded gradient whose norm overflows FP32 (issue 13 #10): still clipped to max_norm
-        kept = [p.grad.to_local().clone() for p in sharded.parameters()]
-        for p in sharded.parameters():
-            p.grad.to_local().mul_(1e20)
-        big = full_norm_dt(sharded)
-        assert math.isfinite(big) and big > 1.8e19
-        norm_big, coef_big = clip_grad_norm(sharded.parameters(), 1.0)
-        assert norm_big.item() == pytest.approx(big, rel=1e-5) and coef_big.item() == pytest.approx(1 / big, rel=1e-4)
-        assert full_norm_dt(sharded) == pytest.approx(1.0, rel=1e-4)
-        for p, g in zip(sharded.parameters(), kept):  # back to the grads clipped above
-            p.grad.to_local().copy_(g)
+    # FSDP2: every parameter sharded on dim 0 (16 and 5 rows: even and uneven shards)
+    sharded = mlp()
+    for layer in sharded:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer)
+    fully_shard(sharded)
+    nn.functional.mse_loss(sharded(x[mine]), y[mine]).backward()  # FSDP averages the halves' grads
+    grads = [p.grad for p in sharded.parameters()]
+    assert all(isinstance(g, DTensor) and isinstance(g.placements[0], Shard) for g in grads)
+    local_only = math.sqrt(sum(g.to_local().double().square().sum().item() for g in grads))
+    assert abs(local_only - ref_norm) > 1e-2 * ref_norm, "a rank-local norm must not pass for global"
+    norm, coef = clip_grad_norm(sharded.parameters(), max_norm)
+    assert norm.item() == pytest.approx(ref_norm, rel=1e-5)
+    assert coef.item() == pytest.approx(max_norm / (ref_norm + 1e-6), rel=1e-5)
+    for p_s, p_r in zip(sharded.parameters(), ref.parameters()):
+        torch.testing.assert_close(p_s.grad.full_tensor(), p_r.grad * coef, rtol=1e-5, atol=1e-6)
 
-        # DDP: grads are plain full tensors on every rank; an all-reduce would give √2 · the norm
-        ddp = DistributedDataParallel(mlp())
-        nn.functional.mse_loss(ddp(x[mine]), y[mine]).backward()
-        norm_ddp, _ = clip_grad_norm(ddp.parameters(), None)
-        assert norm_ddp.item() == pytest.approx(ref_norm, rel=1e-5)
-        release(ddp)  # the reducer must not outlive the group's Python owners (parallel.dist.release)
+    # mix: the sharded grads plus a replicated plain tensor, identical on both ranks
+    extra = nn.Parameter(torch.zeros(3))
+    extra.grad = torch.tensor([1.0, 2.0, 2.0])
+    norm_mix, _ = clip_grad_norm([*sharded.parameters(), extra], None)
+    assert norm_mix.item() == pytest.approx(math.sqrt((ref_norm * coef.item()) ** 2 + 9.0), rel=1e-5)
 
-        # the fused AdamW from build_optimizer steps DTensor params like the reference steps full ones
-        opt_s, _ = build_optimizer(sharded, optim_cfg())
-        opt_r, _ = build_optimizer(ref, optim_cfg())
-        for p in ref.parameters():
-            p.grad.mul_(coef)
-        opt_s.step()
-        opt_r.step()
-        for p_s, p_r in zip(sharded.parameters(), ref.parameters()):
-            torch.testing.assert_close(p_s.full_tensor(), p_r.detach(), rtol=1e-5, atol=1e-6)
-    finally:
-        dist.destroy_process_group()
+    # a finite sharded gradient whose norm overflows FP32 (issue 13 #10): still clipped to max_norm
+    kept = [p.grad.to_local().clone() for p in sharded.parameters()]
+    for p in sharded.parameters():
+        p.grad.to_local().mul_(1e20)
+    big = full_norm_dt(sharded)
+    assert math.isfinite(big) and big > 1.8e19
+    norm_big, coef_big = clip_grad_norm(sharded.parameters(), 1.0)
+    assert norm_big.item() == pytest.approx(big, rel=1e-5) and coef_big.item() == pytest.approx(1 / big, rel=1e-4)
+    assert full_norm_dt(sharded) == pytest.approx(1.0, rel=1e-4)
+    for p, g in zip(sharded.parameters(), kept):  # back to the grads clipped above
+        p.grad.to_local().copy_(g)
+
+    # DDP: grads are plain full tensors on every rank; an all-reduce would give √2 · the norm
+    ddp = DistributedDataParallel(mlp())
+    nn.functional.mse_loss(ddp(x[mine]), y[mine]).backward()
+    norm_ddp, _ = clip_grad_norm(ddp.parameters(), None)
+    assert norm_ddp.item() == pytest.approx(ref_norm, rel=1e-5)
+    release(ddp)  # the reducer must not outlive the group's Python owners (parallel.dist.release)
+
+    # the fused AdamW from build_optimizer steps DTensor params like the reference steps full ones
+    opt_s, _ = build_optimizer(sharded, optim_cfg())
+    opt_r, _ = build_optimizer(ref, optim_cfg())
+    for p in ref.parameters():
+        p.grad.mul_(coef)
+    opt_s.step()
+    opt_r.step()
+    for p_s, p_r in zip(sharded.parameters(), ref.parameters()):
+        torch.testing.assert_close(p_s.full_tensor(), p_r.detach(), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.distributed

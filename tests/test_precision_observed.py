@@ -11,7 +11,7 @@ from model.moe import MoE
 from parallel.dist import Dist
 from parallel.wrap import is_sharded, wrap_model
 from precision import build_recipe
-from helpers import spawn
+from helpers import in_group, spawn
 
 SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 
@@ -44,13 +44,8 @@ def observe(mode: str, dist: Dist) -> tuple[dict, dict]:
 
 
 def _worker(rank, world, store, out):
-    torch.set_num_threads(1)
-    torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    try:
-        dist = Dist(rank, world, rank, torch.device("cpu"), "gloo")
-        torch.save({mode: observe(mode, dist) for mode in ("ddp", "fsdp")}, f"{out}.{rank}")
-    finally:
-        torch.distributed.destroy_process_group()
+    torch.save(in_group(rank, world, store, lambda dist: {mode: observe(mode, dist) for mode in ("ddp", "fsdp")}),
+               f"{out}.{rank}")
 
 
 def test_bf16_table_equals_the_observed_dtypes(tmp_path):

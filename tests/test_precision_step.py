@@ -14,7 +14,7 @@ from optim import build_optimizer, clip_grad_norm
 from optim.accumulate import count_valid_tokens, forward_backward
 from optim.scaler import DynamicLossScaler
 from precision import build_recipe, optimizer_step
-from helpers import spawn
+from helpers import in_group, spawn
 
 DATA = {"kind": "synthetic", "seq_len": 16, "min_doc_len": 8, "seed": 5,
         "sources": [{"name": "markov", "kind": "markov", "weight": 1.0, "alphabet": 16, "order": 1, "support": 3,
@@ -118,7 +118,10 @@ def test_fp16_overflow_skips_counts_and_backs_off_until_the_step_fits():
 
 def _agree_worker(rank, world, store, out):
     os.environ["OMP_NUM_THREADS"] = "1"
-    torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    torch.save(in_group(rank, world, store, _agree_steps), f"{out}.{rank}")
+
+
+def _agree_steps(dist) -> list:
     torch.manual_seed(0)
     lin = torch.nn.Linear(4, 4)
     opt = torch.optim.SGD(lin.parameters(), lr=0.1)
@@ -127,12 +130,11 @@ def _agree_worker(rank, world, store, out):
     for step in range(2):
         lin.weight.grad = torch.ones(4, 4)
         lin.bias.grad = torch.ones(4)
-        if rank == 1 and step == 0:  # only this rank's shard overflowed
+        if dist.rank == 1 and step == 0:  # only this rank's shard overflowed
             lin.weight.grad[2, 3] = float("inf")
         res = optimizer_step(lin.parameters(), opt, scaler, None)
         results.append((res.skipped, res.loss_scale, lin.weight.detach().clone()))
-    torch.save(results, f"{out}.{rank}")
-    torch.distributed.destroy_process_group()
+    return results
 
 
 @pytest.mark.distributed

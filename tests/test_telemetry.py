@@ -21,7 +21,7 @@ from optim.scaler import DynamicLossScaler
 from parallel import Dist, wrap_model
 from precision import optimizer_step
 from stability.telemetry import Telemetry, first_nonfinite, moe_summary, nonfinite_flags
-from helpers import spawn
+from helpers import in_group, spawn
 
 DATA = {"kind": "synthetic", "seq_len": 16, "min_doc_len": 4, "seed": 5,
         "sources": [{"name": "markov", "kind": "markov", "weight": 0.5, "alphabet": 8, "order": 1, "support": 2},
@@ -350,14 +350,9 @@ def run_steps(dist: Dist, mode: str, micro: int, perturb_rank: int | None = None
 
 
 def _worker(rank, world, store, out):
-    torch.set_num_threads(1)
-    torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    try:
-        dist = Dist(rank, world, rank, torch.device("cpu"), "gloo")
-        got = {"ddp": run_steps(dist, "ddp", micro=2, perturb_rank=1), "fsdp": run_steps(dist, "fsdp", micro=2)}
-        torch.save(got, f"{out}.{rank}")
-    finally:
-        torch.distributed.destroy_process_group()
+    got = in_group(rank, world, store, lambda dist: {"ddp": run_steps(dist, "ddp", micro=2, perturb_rank=1),
+                                                     "fsdp": run_steps(dist, "fsdp", micro=2)})
+    torch.save(got, f"{out}.{rank}")
 
 
 @pytest.mark.distributed
