@@ -97,14 +97,17 @@ class Attention(nn.Module):
         H, K = self.n_heads, self.n_kv_heads
         if qkv_BTX is None:
             qkv_BTX = rearrange(self.qkv(x_BTD), "b t (h d) -> b t h d", d=self.head_dim)
-        qk_BTHd = qkv_BTX[:, :, : H + K]
+        # NOTE: split, never slices: a slice's backward writes its gradient into a zero-filled buffer of
+        # the whole input and the slices' buffers are then added; split's backward is one concatenation.
+        qk_BTHd, v_BTKd = qkv_BTX.split([H + K, K], dim=2)
         if self.q_norm is not None:
-            qk_BTHd = torch.cat([self.q_norm(qk_BTHd[:, :, :H]), self.k_norm(qk_BTHd[:, :, H:])], dim=2)
+            q_BTHd, k_BTKd = qk_BTHd.split([H, K], dim=2)
+            qk_BTHd = torch.cat([self.q_norm(q_BTHd), self.k_norm(k_BTKd)], dim=2)
         # NOTE: q and k share one RoPE call (their heads are adjacent in the fused projection).
-        qk_BTHd = apply_rope(qk_BTHd, cos_TF, sin_TF)
-        q_BHTd = rearrange(qk_BTHd[:, :, :H], "b t h d -> b h t d")
-        k_BKTd = rearrange(qk_BTHd[:, :, H:], "b t h d -> b h t d")
-        v_BKTd = rearrange(qkv_BTX[:, :, H + K:], "b t h d -> b h t d")
+        q_BTHd, k_BTKd = apply_rope(qk_BTHd, cos_TF, sin_TF).split([H, K], dim=2)
+        q_BHTd = rearrange(q_BTHd, "b t h d -> b h t d")
+        k_BKTd = rearrange(k_BTKd, "b t h d -> b h t d")
+        v_BKTd = rearrange(v_BTKd, "b t h d -> b h t d")
         return q_BHTd, k_BKTd, v_BKTd
 
     @property
