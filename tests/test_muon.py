@@ -207,8 +207,8 @@ def _ddp_worker(rank, world, init_file, out):
         torch.save(got, out)
 
 
-def _ddp_and_fsdp_steps(group) -> dict:
-    rank = group.rank
+def _ddp_and_fsdp_steps(dist) -> dict:
+    rank = dist.rank
     model = tiny_moe()
     ddp = DistributedDataParallel(model)
     opt, _ = build_optimizer(model, muon_cfg())

@@ -367,8 +367,8 @@ def _dist_worker(rank, world, init_file):
     in_group(rank, world, init_file, _dist_checks)
 
 
-def _dist_checks(group) -> None:
-    rank = group.rank
+def _dist_checks(dist) -> None:
+    rank = dist.rank
     gen = torch.Generator().manual_seed(1)
     x, y = torch.randn(8, 6, generator=gen), torch.randn(8, 5, generator=gen)
     mine = slice(rank * 4, rank * 4 + 4)
