@@ -98,7 +98,7 @@ def release(*modules) -> None:
                 m.__dict__.pop(name, None)
 
 
-def destroy(*modules) -> None:
+def destroy() -> None:
     """Destroy the default group so that it dies here, with the interpreter whole.
 
     WARN: the group's destructor joins gloo's worker threads, and a worker still releasing a finished
@@ -109,10 +109,9 @@ def destroy(*modules) -> None:
     without an active exception", SIGABRT at exit; CI, the FSDP tests). Owners besides Python's: FSDP's
     mesh info on a live module, and every DeviceMesh (mesh._pg_registry), which DTensor's sharding,
     redistribution and topology caches keep alive after the last DTensor is gone. So callers drop their
-    models, optimizers and DTensors first; here DDP reducers still alive are freed, reference cycles
-    (FSDP's module <-> state) collected, and the surviving meshes let go of their groups: a mesh
-    outliving its group cannot be used anyway."""
-    release(*modules)
+    models, optimizers and DTensors first (a DDP module they cannot drop: release() it); here reference
+    cycles (FSDP's module <-> state) are collected and the surviving meshes let go of their groups: a
+    mesh outliving its group cannot be used anyway."""
     if not tdist.is_initialized():
         return
     gc.collect()
