@@ -44,14 +44,41 @@ def apply_rope(x_BTHd: Tensor, cos_TF: Tensor, sin_TF: Tensor) -> Tensor:
 
 def head_logit_max(q_BHTd: Tensor, k_BKTd: Tensor) -> Tensor:
     """(H,) float32: max over batch and causal pairs (s ≤ t) of the pre-softmax logit q_t·k_s/√d, per
-    query head. GQA: query head h reads kv head h // (H/K), as SDPA's enable_gqa does."""
+    query head. GQA: query head h reads kv head h // (H/K), as SDPA's enable_gqa does.
+
+    NOTE: the max is taken before the 1/√d scale: rounding is monotone, so max(fl(c·s)) = fl(c·max(s))
+    for c > 0, bit for bit, and the scale touches H numbers instead of every score.
+    """
     K, d = k_BKTd.shape[1], q_BHTd.shape[-1]
     q_BKGTd = rearrange(q_BHTd.float(), "b (k g) t d -> b k g t d", k=K)
-    s_BKGTS = torch.einsum("bkgtd,bksd->bkgts", q_BKGTd, k_BKTd.float()) * d ** -0.5
-    T = s_BKGTS.shape[-1]
-    future_TS = torch.ones(T, T, dtype=torch.bool, device=s_BKGTS.device).triu(1)
-    s_BKGTS = s_BKGTS.masked_fill(future_TS, -torch.inf)
-    return rearrange(s_BKGTS.amax(dim=(0, 3, 4)), "k g -> (k g)")
+    s_BKGTS = torch.einsum("bkgtd,bksd->bkgts", q_BKGTd, k_BKTd.float())
+    T, dev = s_BKGTS.shape[-1], s_BKGTS.device
+    m_KG = None
+    if dev.type == "cpu" and not torch.compiler.is_compiling():
+        # NOTE: a boolean masked_fill costs ~8× an add on a CPU (not vectorised). Adding −0.0 leaves every
+        # value as it is (−0 too) and −inf masks a future score, unless that score is +inf or NaN: then the
+        # max is non-finite and the masked_fill below decides, as it always does off the CPU (the check
+        # reads a number back: a device sync per layer there). Out of place: under selective activation
+        # checkpointing the matmul's output is a cached tensor that must not be mutated.
+        m_KG = (s_BKGTS + _causal_bias(T, dev)).amax(dim=(0, 3, 4))
+        if not bool(torch.isfinite(m_KG).all()):
+            m_KG = None
+    if m_KG is None:
+        future_TS = torch.ones(T, T, dtype=torch.bool, device=dev).triu(1)
+        m_KG = s_BKGTS.masked_fill(future_TS, -torch.inf).amax(dim=(0, 3, 4))
+    return rearrange(m_KG, "k g -> (k g)") * d ** -0.5
+
+
+_CAUSAL_BIAS: dict[int, Tensor] = {}
+
+
+def _causal_bias(T: int, device: torch.device) -> Tensor:
+    """(T, T) float32 on the CPU: −0.0 where s ≤ t, −inf where s > t (cached per T)."""
+    bias = _CAUSAL_BIAS.get(T)
+    if bias is None:
+        future = torch.ones(T, T, dtype=torch.bool).triu(1)
+        bias = _CAUSAL_BIAS[T] = torch.full((T, T), -0.0).masked_fill_(future, -torch.inf)
+    return bias.to(device)
 
 
 class Attention(nn.Module):

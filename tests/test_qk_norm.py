@@ -118,3 +118,40 @@ def test_telemetry_records_attn_logit_max_per_layer():
     for i in range(len(model.blocks)):
         assert layers[f"block{i}.attn"]["attn_logit_max"] == pytest.approx(expect[i], rel=1e-6)
     assert all(not b.attn.probe_logits for b in model.blocks)  # off again after the step
+
+
+def _logit_max_by_masked_fill(q_BHTd, k_BKTd):
+    """The plain form head_logit_max replaced: scale every score, mask the future, then the max."""
+    K, d = k_BKTd.shape[1], q_BHTd.shape[-1]
+    q = q_BHTd.float().unflatten(1, (K, -1))
+    s = torch.einsum("bkgtd,bksd->bkgts", q, k_BKTd.float()) * d ** -0.5
+    T = s.shape[-1]
+    s = s.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), -math.inf)
+    return s.amax(dim=(0, 3, 4)).flatten()
+
+
+def _same_bits(a, b):
+    return torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+@pytest.mark.parametrize("B,H,K,T,d", [(1, 4, 4, 128, 32), (3, 8, 2, 17, 16), (2, 6, 1, 1, 8)])
+def test_head_logit_max_is_bit_identical_to_the_masked_form(B, H, K, T, d):
+    # the fast path (max before the scale, an additive −0/−inf mask, a non-finite max redone by masked_fill)
+    # must give the same bits as scaling and masking every score, for any magnitude and any non-finite score
+    g = torch.Generator().manual_seed(B * 1000 + T)
+    for trial in range(40):
+        scale = 10.0 ** (torch.rand((), generator=g).item() * 44 - 22)  # up to fp32 overflow of q·k
+        q = torch.randn(B, H, T, d, generator=g) * scale
+        k = torch.randn(B, K, T, d, generator=g)
+        if trial % 5 == 1 and T > 1:
+            # only FUTURE scores overflow: query 0 and keys 1.. are huge along one direction, the causal
+            # scores of query 0 (key 0) and of the later queries (small) stay finite
+            q[:, :, 1:] *= 1e-30
+            q[:, :, 0, 0] = 1e30
+            k[:, :, 0] = 1.0
+            k[:, :, 1:, 0] = 1e30
+        if trial % 5 == 2:
+            q[-1, -1, -1, 0] = math.nan
+        if trial % 5 == 3:
+            q[..., :] = -0.0  # every score a zero (the GEMM's sums start at +0: no −0 reaches the max)
+        assert _same_bits(head_logit_max(q, k), _logit_max_by_masked_fill(q, k)), (trial, scale)
