@@ -18,6 +18,9 @@ def swiglu(gate: Tensor, up: Tensor, limit: float | None) -> Tensor:
     return F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
 
 
+_SWIGLU = swiglu  # the function as defined here (swiglu_counted asks whether it was replaced)
+
+
 def _within(gate: Tensor, up: Tensor, limit: float) -> bool:
     """A sufficient test that nothing lies beyond the clamp: max(gate) ≤ L and |up| ≤ L. When gate and up
     are the two halves of one contiguous tensor (the fused projection, chunked), one contiguous aminmax of
@@ -31,19 +34,46 @@ def _within(gate: Tensor, up: Tensor, limit: float) -> bool:
     return max(gate.amax().item(), up.amax().item(), -up.amin().item()) <= limit
 
 
+def swiglu_counted(gate: Tensor, up: Tensor, limit: float | None) -> tuple[Tensor, Tensor]:
+    """(swiglu(gate, up, limit), clamp_hits(gate, up, limit)): the same values, bits and graph as the two
+    called apart, for a module recording its clamp statistics.
+
+    NOTE: on a CPU the sufficient test of clamp_hits reads the clamp's OUTPUTS right after they are written
+    (max(min(gate, L)) < L and max|clamp(up)| < L: nothing beyond the bound), while they are still in
+    cache, where it reads the projection's output from memory: 1.7 ms of a quickstart telemetry step
+    (bench/telemetry_overhead.py). A max that reaches L (a hit, or an element exactly at L) or a NaN
+    leaves the answer to the exact count.
+    """
+    # NOTE: a replaced swiglu (a lab's planted bug, labs/breaks.py) is honoured: computed through it
+    if swiglu is not _SWIGLU or limit is None or gate.numel() == 0 or gate.device.type != "cpu" \
+            or torch.compiler.is_compiling():
+        return swiglu(gate, up, limit), clamp_hits(gate, up, limit)
+    gate_c = gate.clamp(max=limit)
+    gate_hi = gate_c.detach().amax()
+    up_c = up.clamp(-limit, limit)
+    up_lo, up_hi = torch.aminmax(up_c.detach())
+    h = F.silu(gate_c) * up_c  # swiglu's own expression, on the clamped halves
+    if max(gate_hi.item(), up_hi.item(), -up_lo.item()) < limit:
+        return h, torch.zeros((), dtype=torch.int64)
+    return h, _count(gate, up, limit)
+
+
 def clamp_hits(gate: Tensor, up: Tensor, limit: float | None) -> Tensor:
     """Detached count of elements the clamp changes (gate > L or |up| > L); 0 when off."""
     if limit is None:
         return torch.zeros((), dtype=torch.int64, device=gate.device)
     # NOTE: on a CPU, first the common case of a healthy run: nothing beyond the clamp. Three reductions
     # (no tensor written) and the answer 0 cost 0.21 ms where the count costs 0.58 (quickstart MLP, one
-    # thread): the clamp statistics were the largest part of every-step telemetry (7.5 of 15.7 ms of its
-    # forward cost). Not on an accelerator (the comparison reads a number back: a device sync per MLP), nor
+    # thread). Not on an accelerator (the comparison reads a number back: a device sync per MLP), nor
     # under torch.compile (a graph break).
     if gate.numel() == 0:
         return torch.zeros((), dtype=torch.int64, device=gate.device)
     if gate.device.type == "cpu" and not torch.compiler.is_compiling() and _within(gate, up, limit):
         return torch.zeros((), dtype=torch.int64)
+    return _count(gate, up, limit)
+
+
+def _count(gate: Tensor, up: Tensor, limit: float) -> Tensor:
     # NOTE: gate > L or |up| > L  ⟺  max(gate, |up|) > L: three passes over the activations instead of five
     return torch.count_nonzero(torch.maximum(gate.detach(), up.detach().abs()).gt_(limit))
 
@@ -67,7 +97,8 @@ class SwiGLU(nn.Module):
 
     def forward(self, x_BTD: Tensor) -> Tensor:
         gate_BTH, up_BTH = self.w_gate_up(x_BTD).chunk(2, dim=-1)
-        if self.record_stats:
-            self.clamp_hits = clamp_hits(gate_BTH, up_BTH, self.limit)
-            self.clamp_total = torch.tensor(gate_BTH.numel(), dtype=torch.int64, device=gate_BTH.device)
-        return self.w_down(swiglu(gate_BTH, up_BTH, self.limit))
+        if not self.record_stats:
+            return self.w_down(swiglu(gate_BTH, up_BTH, self.limit))
+        h_BTH, self.clamp_hits = swiglu_counted(gate_BTH, up_BTH, self.limit)
+        self.clamp_total = torch.tensor(gate_BTH.numel(), dtype=torch.int64, device=gate_BTH.device)
+        return self.w_down(h_BTH)

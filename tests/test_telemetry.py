@@ -182,6 +182,24 @@ def test_layers_match_naive_recomputation(tied, fp16):
     assert not any(m.record_stats for _, m in model.swiglus())
 
 
+
+@pytest.mark.parametrize("clamp", [0.05, 10.0])
+def test_telemetry_leaves_training_bit_identical(clamp, monkeypatch):
+    """Recording every step (hooks, clamp counting through its own path, the logit probe, θ snapshots)
+    must not move one bit of training. clamp 0.05 hits often (the exact count decides), 10.0 never (the
+    cheap test on the clamp's outputs decides)."""
+    monkeypatch.setitem(MODEL, "swiglu_clamp", clamp)
+    params = []
+    for every in (0, 1):
+        ds, model = build()
+        opt, _ = build_optimizer(model, {"lr": 1e-2, "weight_decay": 0.1})
+        loader, tel = Loader(ds, BATCH), Telemetry(model, every=every)
+        outs = [step(model, model, opt, tel, loader.next().micro_batches(2), n)[0] for n in range(1, 5)]
+        params.append([p.detach().clone() for p in model.parameters()])
+    assert all(outs) and all("clamp_hit_rate" in outs[-1]["layers"][f"block{i}.mlp"] for i in range(3))
+    assert (outs[-1]["layers"]["block1.mlp"]["clamp_hit_rate"] > 0) == (clamp < 1)
+    assert all(torch.equal(a, b) for a, b in zip(*params))
+
 def _plant_inf_grad(model):
     model.blocks[1].mlp.experts.w_down.grad.view(-1)[3] = math.inf
 
