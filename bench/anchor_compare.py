@@ -40,6 +40,7 @@ class AnchorSink:
         self.anchor: list[float] = []
         self.ours_cpu: list[float] = []
         self.anchor_cpu: list[float] = []
+        self.parts: list[dict[str, float]] = []  # the StepRecord's own time_s of each kept ballast step
         self.t_end: float | None = None
         self.c_end: float | None = None
 
@@ -49,6 +50,7 @@ class AnchorSink:
         if keep and self.t_end is not None:
             self.ours.append(now - self.t_end)
             self.ours_cpu.append(cnow - self.c_end)
+            self.parts.append(dict(rec.time_s))
         t0, c0 = time.perf_counter(), time.process_time()
         self.anchor_step()
         t1, c1 = time.perf_counter(), time.process_time()
@@ -138,6 +140,13 @@ def main() -> None:
     # machine move far less than wall time (with more threads it also counts their spinning)
     print(f"CPU time per step: ballast {oc * 1e3:.1f} ms | nanoGPT {ac * 1e3:.1f} ms | ballast speed / nanoGPT "
           f"speed {ac / oc:.3f}")
+    # Where ballast's iteration goes: the StepRecord's own phases (train.py), and what lies outside them
+    # (building the record, the sinks before this one); nanoGPT's figure is its whole step.
+    keys = [k_ for k_ in ("data", "route", "fwd_bwd", "optim", "log_eval", "ckpt", "total") if k_ in sink.parts[0]]
+    parts = {k_: statistics.median(p[k_] for p in sink.parts[:k]) for k_ in keys}
+    outside = statistics.median(ours) - parts["total"]
+    print("ballast iteration, median per phase: " + " | ".join(f"{k_} {v * 1e3:.2f}" for k_, v in parts.items())
+          + f" | record + sinks (outside total) {outside * 1e3:.2f} ms")
     pair = statistics.median(a / o for o, a in zip(ours, anchor))
     by_round = [a / o for o, a in zip(medians_by_round(ours, args.rounds), medians_by_round(anchor, args.rounds))]
     print(f"ballast speed / nanoGPT speed: {statistics.median(anchor) / statistics.median(ours):.3f} "
