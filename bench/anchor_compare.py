@@ -2,6 +2,7 @@
 
     NANOGPT_DIR=/path/to/nanoGPT python -m bench.anchor_compare [--steps 200] [--compile] [overrides...]
     NANOGPT_DIR=... python -m bench.anchor_compare +experiment=speedrun threads=1
+    NANOGPT_DIR=... python -m bench.anchor_compare --raw [--compile] threads=1   # the bare steps, no bookkeeping
 
 The anchor is nanoGPT itself (bench/nanogpt.py: its model.py and configure_optimizers from the checkout,
 its README's CPU configuration, its batch draw from its train.bin). ballast runs train.py's real loop
@@ -96,6 +97,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4, help="consecutive blocks the medians are also given for")
     ap.add_argument("--compile", action="store_true", help="compile both models")
     ap.add_argument("--nanogpt", default=None, help="nanoGPT checkout (default $NANOGPT_DIR)")
+    ap.add_argument("--raw", action="store_true",
+                    help="ballast's bare step instead (bench/config.py: batch, forward/backward, clip, AdamW, "
+                         "schedule; no StepRecord, telemetry, guard or sinks): the model and optimizer alone")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides for ballast (default +experiment=shakespeare_char)")
     args = ap.parse_args()
     root = nanogpt.nanogpt_dir(args.nanogpt)
@@ -110,6 +114,8 @@ def main() -> None:
              "logging.progress=false", "logging.plot=false", "logging.log_every=0", "train.eval_samples=240",
              "train.eval_batch_size=240",
              f"train.compile={str(args.compile).lower()}"]
+    if args.raw:
+        return compare_raw(root, over, args)
     from train import train  # noqa: E402  (train.py's loop)
 
     with tempfile.TemporaryDirectory(prefix="anchor_compare-") as tmp:
@@ -151,6 +157,33 @@ def main() -> None:
     by_round = [a / o for o, a in zip(medians_by_round(ours, args.rounds), medians_by_round(anchor, args.rounds))]
     print(f"ballast speed / nanoGPT speed: {statistics.median(anchor) / statistics.median(ours):.3f} "
           f"(median of per-step pairs {pair:.3f}; by round {' '.join(f'{r:.3f}' for r in by_round)})")
+
+
+def compare_raw(root: Path, over: list[str], args) -> None:
+    """ballast's bare step against nanoGPT's, one each in turn (the order swapping every pair), CPU time."""
+    from omegaconf import OmegaConf
+
+    from bench.config import build_train_step, compose_config
+    from data import build_data
+
+    cfg = compose_config(over)
+    vocab = build_data(OmegaConf.to_container(cfg.data, resolve=True)).vocab_size
+    ours_step, _ = build_train_step(cfg)
+    model, opt = nanogpt.build(root, vocab)
+    fwd = torch.compile(model) if args.compile else model
+    anchor_step = nanogpt.make_step(model, opt, nanogpt.Batches(root), fwd)
+    times: dict[str, list[float]] = {"ballast": [], "nanoGPT": []}
+    pair = [("ballast", ours_step), ("nanoGPT", anchor_step)]
+    for i in range(args.warmup + args.steps):
+        for name, f in pair if i % 2 else pair[::-1]:
+            c0 = time.process_time()
+            f()
+            if i >= args.warmup:
+                times[name].append(time.process_time() - c0)
+    o, a = statistics.median(times["ballast"]), statistics.median(times["nanoGPT"])
+    print(f"bare steps (no StepRecord, telemetry, guard, sinks), {args.steps} pairs, {torch.get_num_threads()} "
+          f"threads, compile={args.compile}: CPU time per step ballast {o * 1e3:.1f} ms | nanoGPT {a * 1e3:.1f} ms "
+          f"| ballast speed / nanoGPT speed {a / o:.3f}")
 
 
 if __name__ == "__main__":
