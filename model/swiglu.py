@@ -39,7 +39,7 @@ def swiglu_counted(gate: Tensor, up: Tensor, limit: float | None) -> tuple[Tenso
     called apart, for a module recording its clamp statistics.
 
     NOTE: on a CPU the sufficient test of clamp_hits reads the clamp's OUTPUTS right after they are written
-    (max(min(gate, L)) < L and max|clamp(up)| < L: nothing beyond the bound), while they are still in
+    (max(min(gate, L)) < L and max|clamp(up)| < L: nothing was clamped), while they are still in
     cache, where it reads the projection's output from memory: 1.7 ms of a quickstart telemetry step
     (bench/telemetry_overhead.py). A max that reaches L (a hit, or an element exactly at L) or a NaN
     leaves the answer to the exact count.
@@ -53,7 +53,10 @@ def swiglu_counted(gate: Tensor, up: Tensor, limit: float | None) -> tuple[Tenso
     up_c = up.clamp(-limit, limit)
     up_lo, up_hi = torch.aminmax(up_c.detach())
     h = F.silu(gate_c) * up_c  # swiglu's own expression, on the clamped halves
-    if max(gate_hi.item(), up_hi.item(), -up_lo.item()) < limit:
+    # NOTE: a clamped element holds L rounded to the tensor's dtype, which may lie below L (0.7 in float32,
+    # 7.32 in bfloat16): the test is against that value, never against L itself.
+    bound = torch.tensor(limit, dtype=gate_c.dtype).item()
+    if max(gate_hi.item(), up_hi.item(), -up_lo.item()) < bound:
         return h, torch.zeros((), dtype=torch.int64)
     return h, _count(gate, up, limit)
 

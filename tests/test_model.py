@@ -358,21 +358,25 @@ def test_clamp_hits_equals_the_elementwise_count(case, fused):
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("case", ["none", "gate_at_L", "gate_above", "gate_below", "up_below", "up_at_minus_L", "nan",
                                   "empty", "off"])
-def test_swiglu_counted_is_swiglu_and_clamp_hits_to_the_bit(case, fused):
+@pytest.mark.parametrize("limit, dtype", [(10.0, torch.float32), (0.7, torch.float32), (7.32, torch.bfloat16)])
+def test_swiglu_counted_is_swiglu_and_clamp_hits_to_the_bit(case, fused, limit, dtype):
     """The recording path (its cheap test reads the clamp's outputs) gives swiglu's values and gradients
-    bit for bit and clamp_hits' count, including an element exactly at the bound (not a hit) and a NaN."""
+    bit for bit and clamp_hits' count, including an element exactly at the bound (not a hit), a NaN, and
+    bounds the dtype rounds down (0.7 in float32, 7.32 in bfloat16: a clamped element then lies below L)."""
     from model.swiglu import clamp_hits, swiglu_counted
     g = torch.Generator().manual_seed(1)
     n = 0 if case == "empty" else 48
-    gate, up = torch.randn(n, 8, generator=g) * 3, torch.randn(n, 8, generator=g) * 3
-    limit = None if case == "off" else 10.0
-    edits = {"gate_at_L": ("gate", (2, 3), 10.0), "gate_above": ("gate", (2, 3), 10.5),
-             "gate_below": ("gate", (4, 1), -30.0), "up_below": ("up", (7, 7), -12.0),
-             "up_at_minus_L": ("up", (7, 7), -10.0), "nan": ("gate", (1, 1), math.nan)}
+    gate, up = torch.randn(n, 8, generator=g) * limit / 4, torch.randn(n, 8, generator=g) * limit / 4
+    gate, up = gate.to(dtype), up.to(dtype)
+    L = torch.tensor(limit, dtype=dtype).item()  # the bound as the dtype holds it
+    edits = {"gate_at_L": ("gate", (2, 3), L), "gate_above": ("gate", (2, 3), limit * 1.05),
+             "gate_below": ("gate", (4, 1), -3 * limit), "up_below": ("up", (7, 7), -1.2 * limit),
+             "up_at_minus_L": ("up", (7, 7), -L), "nan": ("gate", (1, 1), math.nan)}
     if case in edits:
         which, at, v = edits[case]
         (gate if which == "gate" else up)[at] = v
-    ref_hits = int(((gate > 10.0) | (up.abs() > 10.0)).sum()) if limit else 0
+    limit = None if case == "off" else limit
+    ref_hits = int(((gate > limit) | (up.abs() > limit)).sum()) if limit else 0
 
     def run(counted: bool):
         base = torch.cat([gate, up], dim=-1).requires_grad_()
@@ -384,10 +388,11 @@ def test_swiglu_counted_is_swiglu_and_clamp_hits_to_the_bit(case, fused):
             h, hits = swiglu_counted(ga, u, limit)
         else:
             h, hits = swiglu(ga, u, limit), clamp_hits(ga, u, limit)
-        (h * torch.linspace(-1, 1, h.numel()).view_as(h)).sum().backward()
+        (h.float() * torch.linspace(-1, 1, h.numel()).view_as(h)).sum().backward()
         return h.detach(), int(hits), base.grad
 
     (h0, n0, g0), (h1, n1, g1) = run(False), run(True)
     same = lambda a, b: torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)) and torch.equal(a.isnan(), b.isnan())
     assert same(h0, h1) and same(g0, g1)
     assert n1 == n0 == ref_hits
+    assert ref_hits == (1 if case in ("gate_above", "up_below") else 0)
