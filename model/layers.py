@@ -60,7 +60,7 @@ def head_logit_max(q_BHTd: Tensor, k_BKTd: Tensor) -> Tensor:
         # max is non-finite and the masked_fill below decides, as it always does off the CPU (the check
         # reads a number back: a device sync per layer there). Out of place: under selective activation
         # checkpointing the matmul's output is a cached tensor that must not be mutated.
-        m_KG = (s_BKGTS + _causal_bias(T, dev)).amax(dim=(0, 3, 4))
+        m_KG = (s_BKGTS + _causal_bias(T)).amax(dim=(0, 3, 4))
         if not bool(torch.isfinite(m_KG).all()):
             m_KG = None
     if m_KG is None:
@@ -72,13 +72,13 @@ def head_logit_max(q_BHTd: Tensor, k_BKTd: Tensor) -> Tensor:
 _CAUSAL_BIAS: dict[int, Tensor] = {}
 
 
-def _causal_bias(T: int, device: torch.device) -> Tensor:
+def _causal_bias(T: int) -> Tensor:
     """(T, T) float32 on the CPU: −0.0 where s ≤ t, −inf where s > t (cached per T)."""
     bias = _CAUSAL_BIAS.get(T)
     if bias is None:
         future = torch.ones(T, T, dtype=torch.bool).triu(1)
         bias = _CAUSAL_BIAS[T] = torch.full((T, T), -0.0).masked_fill_(future, -torch.inf)
-    return bias.to(device)
+    return bias
 
 
 class Attention(nn.Module):
