@@ -144,6 +144,15 @@ def guard_at(d: Path, rep: dict) -> str:
     return f" [{e['quantity']} z {z}; guard at ±1 step: {', '.join(trig) or 'silent'}]"
 
 
+def scored_steps(d: Path) -> int:
+    """Steps of a run the doctor scores (from its scoring start on)."""
+    import yaml
+    from doctor.timeline import scoring_start
+    from stability.record import read_records
+    start = scoring_start(yaml.safe_load((d / "config.yaml").read_text()) or {})
+    return sum(r["step"] >= start for r in read_records(d / "metrics.jsonl"))
+
+
 def guard_steps(d: Path) -> set[int]:
     """Steps at which the run's online guard fired (its triggers in the records)."""
     from stability.record import read_records
@@ -151,23 +160,22 @@ def guard_steps(d: Path) -> set[int]:
 
 
 def score_fault(f: Fault, rep: dict, d: Path | None = None) -> dict:
-    """The fault's incident: the first one the doctor reports from step S − 1 on (the earliest anomaly when
-    nothing came before). Incidents before it are counted apart: natural when the online guard fired within
-    ±1 step of them (a real spike of the run, as on the default job's induction head), else the doctor's
-    own; a row is right only with its class, layer and step and no doctor-only incident before it."""
+    """Scored on the report's headline — its class and earliest anomaly, what a reader acts on (the first
+    incident judged a fault) — at the fault's class, timeline layer and step ±1. Beside it, for the record,
+    whether the fault's own incident (the first one from step S − 1 on) was right, and what the doctor judged
+    natural before it."""
     step = S + f.lag
-    incs = rep.get("incidents") or ([rep["earliest"] | {"class": rep["class"]}] if rep.get("earliest") else [])
-    mine = next((i for i in incs if i["step"] >= step - 1), None)
-    before = [i for i in incs if i["step"] < step - 1]
-    fired = guard_steps(d) if d is not None and before else set()
-    own = [i for i in before if not any(abs(i["step"] - t) <= 1 for t in fired)]
-    got = mine or {}
-    ok_step = got.get("step") is not None and abs(got["step"] - step) <= 1
+    e = rep.get("earliest") or {}
+    ok_step = e.get("step") is not None and abs(e["step"] - step) <= 1
+    incs = rep.get("incidents") or []
+    mine = next((i for i in incs if i["step"] >= step - 1), {})
+    natural = [i for i in incs if i["step"] < step - 1 and i.get("judgement") == "natural"]
     row = {"fault": f.name, "expect": f"{f.cls} / {f.layer} / {step}",
-           "got": f"{got.get('class', rep['class'] if not incs else 'healthy')} / {got.get('layer')} / {got.get('step')}",
-           "class": got.get("class") == f.cls, "layer": got.get("layer") == f.layer, "step": ok_step,
-           "before": f"{len(before) - len(own)} natural, {len(own)} doctor-only" if before else ""}
-    row["ok"] = row["class"] and row["layer"] and row["step"] and not own
+           "got": f"{rep['class']} / {e.get('layer')} / {e.get('step')}",
+           "class": rep["class"] == f.cls, "layer": e.get("layer") == f.layer, "step": ok_step,
+           "incident": mine.get("class") == f.cls and mine.get("step") is not None and abs(mine["step"] - step) <= 1,
+           "before": f"{len(natural)} natural" if natural else ""}
+    row["ok"] = row["class"] and row["layer"] and row["step"]
     return row
 
 
@@ -206,8 +214,9 @@ def main(argv=None) -> int:
     for s in seeds:
         rep = diagnose(root / f"clean_seed{s}", None)
         g = guard_at(root / f"clean_seed{s}", rep)
-        clean.append({"seed": s, "class": rep["class"], "ok": rep["class"] == "healthy",
-                      "natural": rep["class"] != "healthy" and "silent" not in g, "summary": rep["summary"][:110] + g})
+        nat = [i for i in rep.get("incidents") or [] if i.get("judgement") == "natural"]
+        clean.append({"seed": s, "class": rep["class"], "ok": rep["class"] == "healthy", "natural": len(nat),
+                      "scored": scored_steps(root / f"clean_seed{s}"), "summary": rep["summary"][:110] + g})
     early = any(r["before"] for r in rows)  # incidents before the fault: a column only when there are any
     print("| fault | expected class / layer / step | doctor | class | layer | step ±1 |" + (" before S |" if early else ""))
     print("|---|---|---|---|---|---|" + ("---|" if early else ""))
@@ -215,13 +224,13 @@ def main(argv=None) -> int:
         m = lambda b: "✓" if b else "✗"  # noqa: E731
         print(f"| {r['fault']} | {r['expect']} | {r['got']} | {m(r['class'])} | {m(r['layer'])} | {m(r['step'])} |"
               + (f" {r['before'] or '—'} |" if early else ""))
-    print(f"\nfaults scored: {sum(r['ok'] for r in rows)} of {len(rows)} (class, layer and step ±1, no doctor-only "
-          f"incident before the fault)")
+    print(f"\nfaults scored on the headline: {sum(r['ok'] for r in rows)} of {len(rows)} (class, layer and step ±1); "
+          f"on the fault's own incident: {sum(r['incident'] for r in rows)} of {len(rows)}")
     for c in clean:
         print(f"clean seed {c['seed']}: {c['class']} — {c['summary']}")
-    nat = sum(c["natural"] for c in clean)
-    print(f"clean runs: {sum(not c['ok'] and not c['natural'] for c in clean)} false alarm(s) in {len(clean)}"
-          + (f"; {nat} natural incident(s) the online guard fired on too, reported by the doctor" if nat else ""))
+    bad, steps = sum(not c["ok"] for c in clean), sum(c["scored"] for c in clean)
+    print(f"clean runs: {bad} with a false fault in {len(clean)} ({1000 * bad / max(steps, 1):.2f} per 1000 scored "
+          f"steps); {sum(c['natural'] for c in clean)} incident(s) judged natural")
     print(f"runs: {root}")
     if not args.keep and not args.reuse:
         shutil.rmtree(root, ignore_errors=True)

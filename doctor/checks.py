@@ -32,6 +32,7 @@ class Context:
     devs: dict[str, Deviation]
     t0: int | None
     seg_index: int = 0          # the segment (run.segments) the incident is in
+    floors: dict | None = None  # the data's exact per-source floors (synthetic data)
 
     @property
     def seg(self) -> list[dict]:
@@ -78,6 +79,7 @@ CORRUPTION = {  # input quantity -> what a deviation of it means, in the order t
     "input.rare_frac": "tokens the run has (almost) never seen (out-of-vocabulary / foreign text)",
     "input.entropy": "the batch's token entropy moved (noise raises it, repetition lowers it)",
     "input.kl_running": "the batch's token histogram left the run's running histogram (another distribution)",
+    "input.content": "the batch's content is not what its sample ids name (changed after the loader)",
 }
 
 
@@ -201,11 +203,13 @@ def check_lr(ctx: Context) -> Check:
 def check_update(ctx: Context) -> Check:
     """Compare update norms: did ρ jump without a matching gradient, LR or input to explain it?"""
     rho = ctx.near("update_ratio", 0, NEAR)
-    grad = ctx.near("grad_norm", -NEAR, NEAR) + ctx.near("grad_rms", -NEAR, NEAR)
     lr, inp = ctx.near("lr/schedule", -NEAR, 0), ctx.near("input.", -NEAR, 0)
     ev = f"{_vs(ctx, 'update_ratio_max')}, {_vs(ctx, 'grad_norm')}"
     if rho:
         t = min(d.step for d in rho)
+        # NOTE: only a gradient of the update's own step or before explains it: the next step's gradient is
+        # computed with the parameters that update wrote (a bad update's consequence, not its cause)
+        grad = [d for d in ctx.near("grad_norm", -NEAR, NEAR) + ctx.near("grad_rms", -NEAR, NEAR) if d.step <= t]
         ev = f"at step {t}: {_vs_at(ctx, 'update_ratio_max', t)}, {_vs_at(ctx, 'grad_norm', t)}"
         # NOTE: a loss that deviated at the update's step or before was computed before that update: the
         # update cannot have caused it, and a new objective (one source's data changed) moves the update

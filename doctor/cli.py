@@ -36,7 +36,8 @@ def doctor(run_dir, plots: bool = True) -> dict:
         print(f"doctor: {note}", file=sys.stderr)
     ckpt = checkpoint_before(run, diag.step)
     state = state_and_env(run, diag, ckpt)
-    fix = fix_for(diag, run, ckpt)
+    # NOTE: a fix is prescribed for a fault only: a healthy run (its incidents, if any, the run learning) gets none
+    fix = fix_for(diag, run, ckpt) if diag.fault_class != "healthy" else None
     report = doctor_report.to_json(run, diag, devs, state, fix, commands(run, diag, fix))
     doctor_report.write(run, diag, report, plots)
     return report
@@ -199,10 +200,6 @@ def fix_for(diag: Diagnosis, run: Run, ckpt) -> dict:
                            "fwd_bwd": "profile forward/backward: shapes, routing load, recomputation, communication",
                            "optim": "profile the optimizer step and the guard / telemetry around it"}.get(comp, "profile it"),
                 "override": None, "expect": f"{comp} time back to its share of the step"}
-    if diag.fault_class == "healthy":
-        return {"variable": "none", "change": "nothing to fix" + (" (the machine slowed, not the run)"
-                                                                  if diag.environment else ""),
-                "override": None, "expect": "the doctor finds no anomaly again"}
     if diag.fault_class in ("numerics.activation_outlier", "optim.gradient_spike"):
         return localised_fix(diag, run, ck)
     return {"variable": {"data.slow_worsening": "the data mixture / duplication / mask of the recent data",
@@ -247,12 +244,12 @@ def localised_fix(diag: Diagnosis, run: Run, ck: str) -> dict:
 def commands(run: Run, diag: Diagnosis, fix: dict) -> dict:
     d, world = run.dir, run.records[-1].get("world", 1)
     launch = "python" if world <= 1 else f"torchrun --standalone --nproc_per_node={world}"
-    over = f" {fix['override']}" if fix.get("override") else ""
+    over = f" {fix['override']}" if fix and fix.get("override") else ""
     fixed = f"{d}-fix"
     return {"replay": f"python -m doctor.replay {d} --step {diag.step}" if diag.step else None,
             "replay_fp64": f"python -m doctor.replay {d} --step {diag.step} --dtype float64" if diag.step else None,
-            "regression": f"{launch} train.py --config-path {d.resolve()} --config-name config "
-                          f"hydra.run.dir={fixed}{over}\npython -m doctor {fixed}"}
+            "regression": (f"{launch} train.py --config-path {d.resolve()} --config-name config "
+                           f"hydra.run.dir={fixed}{over}\npython -m doctor {fixed}") if fix else None}
 
 
 def main(argv=None) -> int:
@@ -268,8 +265,10 @@ def main(argv=None) -> int:
     e = report["earliest"]
     summary = report["summary"]
     print(summary if summary.startswith(f"{report['class']}:") else f"{report['class']}: {summary}")
-    for i in report.get("incidents", [])[1:]:
-        print(f"also: {i['class']} at step {i['step']} ({i['quantity']}, segment {i['segment']})")
+    for i in report.get("incidents", []):
+        if e is None or (i["step"], i["segment"]) != (e["step"], report["segment"]):
+            print(f"{'natural' if i['judgement'] == 'natural' else 'also a fault'}: {i['class']} at step {i['step']} "
+                  f"({i['quantity']}, segment {i['segment']}): {i['reason']}")
     if e:
         print(f"earliest anomaly: step {e['step']}, {e['layer']} layer, {e['quantity']}"
               + (f" ({e['model_layer']})" if e["model_layer"] else "") + f"; rank {e['rank']}")

@@ -2,7 +2,8 @@
 
     continuity(run)      -> [(record index, Deviation)]   sample ids consumed once and in order, steps and
                                                           tokens monotone, per-rank ids on the sharding,
-                                                          a replayed batch holding the same content
+                                                          a replayed batch holding the same content, and
+                                                          no content read again under other ids
     system_change(recs)  -> (Deviation | None, note | None)  a component's share of the step grew (run-
                                                           caused), or every component slowed in proportion
                                                           (machine-wide: environmental, not the run's fault)
@@ -46,6 +47,7 @@ def continuity(run: Run) -> list[tuple[int, Deviation]]:
     skip = ((run.config.get("guard") or {}).get("rollback") or {}).get("data") == "skip"
     last_at: dict[int, int] = {}        # step -> index of its latest record so far
     content: dict[int, list] = {}       # first sample id -> per-rank hashes first seen
+    owner: dict[tuple, tuple] = {}      # (rank, content hash) -> (first sample id, step) first seen with it
     for i, r in enumerate(recs):
         t, b = r["step"], r.get("batch") or {}
         if i and t <= recs[i - 1]["step"] and not (recs[i - 1].get("guard", {}).get("rollback") or resumed(r)):
@@ -83,6 +85,15 @@ def continuity(run: Run) -> list[tuple[int, Deviation]]:
                 seen = content.setdefault(b["first"], h)
                 if seen != h:
                     out.append((i, _inv("continuity.batch_content", t, b["first"], b["first"])))
+                # NOTE: content is a function of the sample ids: one rank's batch equal to a batch it read
+                # under other ids is a stream that repeats (a replay after a rollback has the same ids)
+                for k, hk in enumerate(h):
+                    was = owner.setdefault((k, hk), (b["first"], t))
+                    if was[0] != b["first"]:
+                        d = _inv("continuity.repeated_content", t, b["first"], was[0])
+                        d.layer_name = f"rank {k}: the content of step {was[1]} (sample ids from {was[0]})"
+                        out.append((i, d))
+                        break
         prev = recs[i - 1].get("fingerprint") if i else None
         if prev and r.get("fingerprint"):
             out += [(i, d) for d in fingerprint_change(prev, r)]

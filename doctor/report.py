@@ -41,12 +41,24 @@ def to_json(run: Run, diag: Diagnosis, devs: dict, state: dict, fix: dict, comma
         "confirmed": [vars(c) for c in diag.confirmed], "rejected": [vars(c) for c in diag.rejected],
         "untestable": [vars(c) for c in diag.untestable],
         "batch": diag.batch, "state": state, "fix": fix, "commands": commands,
+        "segment": diag.seg_index,
         "incidents": [{"step": i.step, "class": i.fault_class, "quantity": i.anomaly.quantity if i.anomaly else None,
                        "layer": (i.layer or i.anomaly.layer) if i.anomaly else None, "model_layer": i.model_layer,
-                       "segment": i.seg_index, "summary": i.summary} for i in (diag.incidents or [])],
+                       "segment": i.seg_index, "summary": i.summary, "judgement": i.judgement.verdict,
+                       "reason": i.judgement.reason, "evidence": _plain(i.judgement.evidence)}
+                      for i in (diag.incidents or [])],
         "environment": diag.environment, "notes": list(run.notes),
         "ground_truth": ground_truth(run),
     }
+
+
+def _plain(x):
+    """JSON-safe evidence: non-finite floats as strings, as everywhere in report.json."""
+    if isinstance(x, dict):
+        return {k: _plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    return _num(x) if isinstance(x, float) else x
 
 
 def _num(x):
@@ -63,13 +75,24 @@ def ground_truth(run: Run) -> str | None:
 
 def render(run: Run, diag: Diagnosis, report: dict) -> str:
     a, st, fix, cmd = diag.anomaly, report["state"], report["fix"], report["commands"]
-    out = [f"# Doctor report: {run.dir.name}", "", f"**{diag.fault_class}** — {diag.summary}", ""]
+    incs = report["incidents"]
+    faults = [i for i in incs if i["judgement"] == "fault"]
+    natural = [i for i in incs if i["judgement"] == "natural"]
+    verdict = (f"**Verdict: fault** — {diag.fault_class} at step {diag.step}" if a is not None else
+               f"**Verdict: {diag.fault_class}**" + (" — no fault" if diag.fault_class == "healthy" else ""))
+    out = [f"# Doctor report: {run.dir.name}", "", verdict, "", f"{diag.summary}", ""]
+    if a is not None and diag.judgement is not None:
+        out += [f"Judged a fault: {diag.judgement.reason}.", ""]
     if run.notes:
         out += [f"> {n}" for n in run.notes] + [""]
-    if len(report["incidents"]) > 1:
-        out += ["## Incidents (execution order)", ""]
-        out += [f"{k}. step {i['step']} (segment {i['segment']}): **{i['class']}** — `{i['quantity']}`"
-                for k, i in enumerate(report["incidents"], 1)]
+    if natural:
+        out += ["## Natural incidents (the run learning, not faults)", ""]
+        out += [f"- step {i['step']} (segment {i['segment']}): {i['class']} — `{i['quantity']}`: {i['reason']}"
+                for i in natural] + [""]
+    if len(faults) > 1:
+        out += ["## Faults (execution order)", ""]
+        out += [f"{k}. step {i['step']} (segment {i['segment']}): **{i['class']}** — `{i['quantity']}`: {i['reason']}"
+                for k, i in enumerate(faults, 1)]
         out += ["", "The sections below are about the first.", ""]
     if diag.environment:
         out += [f"Environment: {diag.environment}", ""]
@@ -109,10 +132,13 @@ def render(run: Run, diag: Diagnosis, report: dict) -> str:
     out += ["", "## Rejected hypotheses", ""]
     out += [f"- **{c.name}** — {c.evidence}" for c in diag.rejected] or ["- none"]
     out += [f"- *not testable*: **{c.name}** — {c.evidence}" for c in diag.untestable]
-    out += ["", "## Fix to try (one variable)", "", f"- variable: {fix['variable']}", f"- change: {fix['change']}",
-            f"- override: `{fix['override']}`" if fix.get("override") else
-            "- override: none (no single config override tests this fix)"]
-    out += ["", "## Regression check", "", "```", cmd["regression"], "```", "", f"Expect: {fix['expect']}"]
+    if fix is None:
+        out += ["", "## Fix to try (one variable)", "", "- none: no incident was judged a fault"]
+    else:
+        out += ["", "## Fix to try (one variable)", "", f"- variable: {fix['variable']}", f"- change: {fix['change']}",
+                f"- override: `{fix['override']}`" if fix.get("override") else
+                "- override: none (no single config override tests this fix)"]
+        out += ["", "## Regression check", "", "```", cmd["regression"], "```", "", f"Expect: {fix['expect']}"]
     out += ["", "## Timeline", "", *timeline_table(run, diag), "", f"![timeline]({PLOT})"]
     guard = [e for e in run.events if diag.step is None or abs(e["step"] - diag.step) <= 3][:8]
     if guard:

@@ -17,30 +17,16 @@ import math
 import statistics
 from dataclasses import dataclass, field
 
-from doctor.checks import (Check, Context, check_finite, check_input, check_lr, check_lr_too_large,
-                                     check_mixture, check_replica, check_resume, check_update, corruption_kind,
-                                     nonfinite_layer, resume_step, transient)
+from doctor.checks import (NEAR, Check, Context, check_finite, check_input, check_lr, check_lr_too_large,
+                           check_mixture, check_replica, check_resume, check_update, corruption_kind,
+                           nonfinite_layer, resume_step, source_floors, transient)
+from doctor.classes import symptom
+from doctor.content import content_check
+from doctor.judge import Judgement, judge
 from doctor.invariants import continuity, resumed, system_change
 from doctor.scores import deviations, guard_test
 from doctor.timeline import WINDOW, Deviation, Run, earliest, load_run, scoring_start, timeline
-
-# symptom-table rows: (symptom, what to check first, what it is easily mistaken for)
-SYMPTOMS = {
-    "numerics.nonfinite": ("one-step NaN (单步突然 NaN)", "the current batch, loss scale, reductions and kernels",
-                           "an LR that is too large in general"),
-    "system.rank_divergence": ("only some ranks diverge (只有某些 rank 发散)",
-                               "the collective, shard ownership, a bad device", "ordinary random fluctuation"),
-    "data.slow_worsening": ("slow worsening with a flat grad norm (loss 缓慢恶化且 norm 平稳)",
-                            "data mixture, duplication rate, labels or mask", "numerical overflow"),
-    "system.throughput": ("throughput drop with a normal loss (吞吐下降但 loss 正常)",
-                          "shapes, routing load, communication and recomputation", "optimizer degradation"),
-    "system.slow_component": ("throughput drop with a normal loss (吞吐下降但 loss 正常)",
-                              "the one component whose share of the step grew (data / fwd_bwd / optim)",
-                              "a machine-wide slowdown"),
-    "state.resume_fault": ("jump right after resume (resume 后立即跳变)",
-                           "optimizer / scheduler state, RNG, data cursor", "a new data distribution"),
-}
-
+from stability.signals import family
 
 @dataclass
 class Diagnosis:
@@ -61,15 +47,25 @@ class Diagnosis:
     environment: str | None = None      # a machine-wide slowdown: not the run's fault
     devs: dict = field(default_factory=dict)  # the deviations the diagnosis was drawn from
     layer: str | None = None            # the timeline layer the diagnosis names, when not the quantity's own
+    judgement: Judgement | None = None  # natural (the run learning) or fault, with its evidence
 
+
+
+HOLD = 5  # steps after an incident before the quantities that did not move in it are searched again
 
 
 def diagnose(run_dir) -> tuple[Run, Diagnosis, dict]:
-    """(run, first diagnosis, its deviations) of one run directory; every incident, in execution order,
-    is in diagnosis.incidents. Each segment (split where a rollback or resume sends the step back) is
-    read on its own; within one, after an incident the next search starts a baseline window later."""
+    """(run, headline diagnosis, its deviations) of one run directory. Every incident, in execution order
+    and each judged natural or fault (doctor/judge.py), is in diagnosis.incidents; the headline is the
+    first fault, or — when every incident was the run learning — the slow-symptom verdict (healthy unless
+    one holds). Each segment (split where a rollback or resume sends the step back) is read on its own;
+    within one, after an incident the quantities it moved wait a baseline window and the rest are searched
+    again HOLD steps later, so a second incident is not hidden behind the first."""
     run = load_run(run_dir)
-    inv = continuity(run)
+    checked, note = content_check(run)
+    if note:
+        run.notes.append(note)
+    inv = sorted(continuity(run) + checked, key=lambda x: x[0])
     start = scoring_start(run.config)
     gt = guard_test(run.config)
     # NOTE: an invariant broken at every record from some step on (one rank off its shard) is one incident,
@@ -78,21 +74,23 @@ def diagnose(run_dir) -> tuple[Run, Diagnosis, dict]:
     inv = [(i, d) for i, d in inv if (i - 1, d.quantity) not in broken]
     incidents, env, at = [], None, 0
     paths = run.paths
+    floors = data_floors(run.config)
     for k, seg in enumerate(run.segments):
         idx = range(at, at + len(seg))
         at += len(seg)
-        tl = timeline(paths[k], run.config)
+        tl = timeline(paths[k], run.config, floors)
         sysdev, note = system_change(paths[k], max(start, seg[0]["step"]))
         if sysdev is None and note and env is None:
             env = note
         since = start if k == 0 else seg[0]["step"]
         # NOTE: the guard's own test scores from where the guard does (its warm-up), not from the doctor's
-        # later start (twice the LR warm-up): a spike the guard fired on at step 61 of the default job was
-        # reported "healthy" by a doctor that began at 100. At least as sensitive as the guard, from its start.
+        # later start (twice the LR warm-up): at least as sensitive as the guard, from its start.
         gsince = min(since, max(gt.warmup, gt.min_history + 1)) if k == 0 else since
         xsince = since  # exact values and invariants need no baseline: after an incident, from its next step
+        holds: dict[str, int] = {}
         while True:
-            devs = {q: d for q, d in deviations(tl, since, guard=gt, guard_start=gsince, exact_start=xsince).items()
+            devs = {q: d for q, d in deviations(tl, since, guard=gt, guard_start=gsince, exact_start=xsince,
+                                                holds=holds).items()
                     if d.step >= min(since, gsince, xsince)}
             devs.update({q: d for q, d in first_onsets(inv, idx, xsince).items()})
             if sysdev is not None and sysdev.step >= since:
@@ -100,23 +98,36 @@ def diagnose(run_dir) -> tuple[Run, Diagnosis, dict]:
             first = earliest(devs)
             if first is None:
                 break
-            ctx = Context(run, tl, devs, first.step, k)
+            ctx = Context(run, tl, devs, first.step, k, floors)
             diag = classify(ctx, first)
             diag.seg_index, diag.devs = k, devs
             if diag.fault_class == "system.slow_component":
                 diag.summary += f"; {note}"
+            diag.judgement = judge(ctx, diag)
             incidents.append(diag)
-            # NOTE: the baseline tests wait a window (the incident's own values fill it); an exact check does not:
-            # a rank reading other data from step 90 was lost behind a natural spike at 75 when it waited too
-            since, gsince, xsince = max(start, first.step + WINDOW), first.step + WINDOW, first.step + 1
-    if incidents:
-        diag = incidents[0]
+            t0 = first.step
+            for q, d in devs.items():  # what moved in this incident waits until its values are a baseline again
+                if t0 <= d.step < t0 + HOLD:
+                    holds[q] = t0 + WINDOW
+            since, gsince, xsince = max(start, t0 + HOLD), t0 + HOLD, t0 + 1
+    faults = [i for i in incidents if i.judgement.verdict == "fault"]
+    if faults:
+        diag = faults[0]
         diag.incidents, diag.environment = incidents, env
         return run, diag, diag.devs
-    tl = timeline(run.first, run.config)
-    ctx = Context(run, tl, {}, None)
+    tl = timeline(run.first, run.config, floors)
+    ctx = Context(run, tl, {}, None, 0, floors)
     diag = no_point_anomaly(ctx, env)
+    diag.incidents = incidents
     return run, diag, {}
+
+
+def data_floors(config: dict) -> dict | None:
+    """The data's exact per-source floors (synthetic data), for records that lack their batch's own."""
+    try:
+        return source_floors(config)
+    except Exception:  # NOTE: a config the data package cannot build (an older or foreign run): no floors
+        return None
 
 
 def first_onsets(inv: list[tuple[int, Deviation]], idx: range, since: int) -> dict[str, Deviation]:
@@ -149,6 +160,10 @@ def classify(ctx: Context, first: Deviation) -> Diagnosis:
     elif q.startswith("fingerprint/"):
         cls, main = "state.config_change", None
         why = f"the run's config changed without a resume declaring it: {first.describe()}"
+    elif q == "continuity.repeated_content":
+        cls, main = "data.repeated_batch", "corrupted input batch"
+        why = (f"the batch content of step {t0} was read before under other sample ids ({first.layer_name}): the "
+               f"stream stopped varying while the cursor advanced")
     elif q.startswith("continuity."):
         cls, main = "data.continuity", "corrupted input batch"
         why = f"the data cursor broke its order at step {t0}: {first.describe()}"
@@ -172,13 +187,24 @@ def classify(ctx: Context, first: Deviation) -> Diagnosis:
         rank = f"replicas disagree (world {world}); the record holds spreads only, not which rank"
     elif q == "lr/schedule":
         cls, main, why = "optim.lr_switch", "LR switch", "the LR left its schedule"
+    elif q.startswith("state.w/"):
+        cls, main = "optim.settings", None
+        why = (f"the weights of {q.split('/', 1)[1]} left their trajectory ({first.describe()}): a setting that "
+               f"scales them (weight decay, an update multiplier) changed without the config saying so")
     elif checks["corrupted optimizer state"].holds or (q.startswith("state.") and not ctx.near("grad_", 0, 0)):
         cls, main = "optim.state", "corrupted optimizer state"
         why = "the update (or the optimizer state) jumped with the LR on schedule, a normal gradient and normal inputs"
+        moved, every = update_layers(ctx)
+        # NOTE: a state lost or altered shows in the moments' own norms (they fall); a setting that scales every
+        # update leaves them on their trajectory
+        lost = [d for d in ctx.near("state.", -NEAR, NEAR) if not d.quantity.startswith("state.w/")]
+        if every > 1 and moved * 2 >= every and not lost:
+            cls = "optim.settings"
+            why = (f"every layer's update moved together ({moved} of {every} update ratios at step {t0}) with the "
+                   f"LR on schedule and a normal gradient: an optimizer setting (an LR multiplier, eps, betas) the "
+                   f"records do not show")
     elif q.startswith(("grad_norm", "grad_rms", "update_ratio", "state.")):
         cls, main, why = "optim.gradient_spike", None, "the gradient (and with it the update) moved first"
-    elif q.startswith(("act_rms", "clamp_hit_rate", "logit_max", "z_loss")):
-        cls, main, why = "numerics.activation_outlier", None, f"an activation moved first ({q})"
     elif q.startswith("loss_by_source/") and first.kind == "sustained" and one_source(ctx, q):
         # NOTE: a model or optimizer fault moves every source's loss; one source's loss stepping up and
         # staying there, with the others, the LR, gradients and activations on their baselines, is that
@@ -186,15 +212,24 @@ def classify(ctx: Context, first: Deviation) -> Diagnosis:
         cls, main = "data.distribution_shift", "corrupted input batch"
         why = (f"only {q.split('/', 1)[1]}'s loss stepped up and stayed up from step {t0} (the other sources, "
                f"the LR, gradients and activations on their baselines): that source's data changed")
+    elif (sig := family(q)) is not None and sig.cls:  # the registry: the class its signal implies
+        cls, main, why = sig.cls, None, f"{q} moved first: {sig.fix}"
     else:
         cls, main, why = "forward.loss_spike", None, f"the loss rose first ({q}) with normal inputs and settings"
     diag = Diagnosis(cls, f"{cls} at step {t0}: {why}", first, t0, rank,
-                     {"step": t0, **rec["batch"]}, SYMPTOMS.get(cls), layer)
+                     {"step": t0, **rec["batch"]}, symptom(cls), layer)
     if cls == "data.distribution_shift":
         diag.layer = "input"
     diag.tree = walk(ctx, checks, layer, rank)
     split(diag, checks.values(), main)
     return diag
+
+
+def update_layers(ctx: Context) -> tuple[int, int]:
+    """(layers whose update ratio deviated at the incident's step or the next, layers with an update ratio)."""
+    every = [k for k in ctx.tl if k.startswith("update_ratio/")]
+    moved = [d for d in ctx.near("update_ratio/", 0, NEAR)]
+    return len(moved), len(every)
 
 
 def one_source(ctx: Context, q: str) -> bool:
@@ -278,7 +313,7 @@ def no_point_anomaly(ctx: Context, env: str | None = None) -> Diagnosis:
     if env and cls == "healthy":
         summary += f" ({env})"
     step = resume_step(run) if cls == "state.resume_fault" else None
-    diag = Diagnosis(cls, summary, None, step, None, None, SYMPTOMS.get(cls))
+    diag = Diagnosis(cls, summary, None, step, None, None, symptom(cls))
     diag.environment = env
     diag.tree = [("freeze the batch ID and the state", "no anomalous step to freeze"),
                  ("finite checks: loss / logits / gradients / optimizer state",

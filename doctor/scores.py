@@ -1,7 +1,7 @@
 """The doctor's statistics: every test that says a quantity left its baseline, vectorised (numpy sliding
 windows, linear in steps), and the first step each quantity deviated.
 
-Four tests per quantity (doctor/timeline.py Spec: direction, log scale, floors), signed by its direction:
+Four tests per quantity (its Signal in stability/signals.py: direction, log scale, floors), signed by its direction:
     point      robust z against the trailing WINDOW values (median, MAD) > THRESHOLD; on a log quantity the
                floor bounds the noise from below (max), it is not added to it
     change     two-window: median of the K steps from t − median of the B before t, as a robust z against
@@ -12,7 +12,7 @@ Four tests per quantity (doctor/timeline.py Spec: direction, log scale, floors),
                (window, threshold, floor 1e-3·|median|), from the guard's own warm-up: the doctor flags
                whatever the guard would
 A per-source loss is a mean over that source's tokens: its one-step tests scale by √(n / n̄) below n̄. A quantity
-whose Spec names one it needs (a layer's gradient RMS needs grad_norm) counts only at a step where that
+whose Signal names one it needs (a layer's gradient RMS needs grad_norm) counts only at a step where that
 one deviates too. Thresholds: the largest values of each test over clean runs (bench/doctor_calibrate.py;
 README); a per-layer quantity's change test: CHANGE_LAYER.
 """
@@ -22,6 +22,8 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+
+from stability.signals import guard_defaults
 
 from doctor.timeline import (B, CHANGE, CHANGE_LAYER, CONFIRM, K, MAD_SIGMA, MIN_HISTORY, SUSTAINED, THRESHOLD,
                              WINDOW, DETREND, Deviation, Series)
@@ -113,11 +115,9 @@ class GuardTest:
 
 def guard_test(config: dict) -> GuardTest:
     """The guard's detector settings from the run's config.yaml (the defaults of stability/config.py
-    DetectorConfig for any key it does not set). NOTE: restated, not imported: the doctor reads JSON and
-    YAML without the training stack."""
+    DetectorConfig for any key it does not set; its default metrics from the signal registry)."""
     det = ((config.get("guard") or {}).get("detector") or {})
-    metrics = det.get("metrics") or {"loss": {}, "loss_by_source": {}, "grad_norm": {"log": True},
-                                     "update_ratio_max": {"log": True}}
+    metrics = det.get("metrics") or guard_defaults()
     return GuardTest(int(det.get("window", 50)), float(det.get("threshold", 6.0)), int(det.get("min_history", 20)),
                      1e-3, float(det.get("log_floor", 0.2)),
                      tuple((m, (spec or {}).get("direction", "up")) for m, spec in metrics.items()),
@@ -180,7 +180,7 @@ def scores(s: Series, guard: GuardTest | None = None, name: str = "") -> Scores 
     # of the final norm decaying, an activation RMS climbing: sustained z 4.5-4.6, change z there ≤ 3.2),
     # while every planted shift it finds has change z ≥ 8 at its first step
     z["sustained"] = np.where(z["change"] >= CONFIRM, zsus, -np.inf)
-    direction = guard.direction(name) if guard and spec.guard else None
+    direction = guard.direction(name) if guard else None  # the families the run's guard watched
     if direction and nf > guard.min_history:  # the guard's own test: never less sensitive than the guard
         glev, gmad, _ = baselines(y, guard.window, guard.min_history)
         gden = (np.maximum(MAD_SIGMA * gmad, guard.log_floor) if spec.log
@@ -209,7 +209,7 @@ def thresholds(guard: GuardTest | None, threshold: float = THRESHOLD, sustained:
 
 def support(tl: dict[str, Series], s: Series, start: int, threshold: float, sustained: float,
             guard: GuardTest | None, guard_start: int | None) -> np.ndarray | None:
-    """For a quantity whose Spec names a run-level quantity it needs (Spec.needs): at each of this one's
+    """For a quantity whose Signal names a run-level quantity it needs (Signal.needs): at each of this one's
     steps, does that quantity deviate there too (any of its tests past its threshold)? None when the
     quantity needs none, or the run lacks the one it needs (then it counts on its own)."""
     other = tl.get(s.spec.needs) if s.spec.needs else None
@@ -262,6 +262,18 @@ def first_deviation(name: str, s: Series, start: int, threshold: float = THRESHO
         i = int(np.argmax(onset))
         return Deviation(name, spec.layer, s.order, int(steps[i]), float(x[i]), spec.exact, math.inf,
                          s.layer_name, "exact") if onset[i] else None
+    if spec.bound is not None:  # one-sided invariant: above the bound for `confirm` consecutive values
+        steps = np.array(sorted(s.values), dtype=np.int64)
+        x = np.array([s.values[int(t)] for t in steps], dtype=np.float64)
+        off = np.isfinite(x) & (x > spec.bound)
+        ok = off.copy()
+        for j in range(1, spec.confirm):
+            ok[:len(ok) - j] &= off[j:]
+            ok[max(len(ok) - j, 0):] = False
+        ok &= steps >= exact_start
+        i = int(np.argmax(ok))
+        return Deviation(name, spec.layer, s.order, int(steps[i]), float(x[i]), spec.bound, float(x[i]),
+                         s.layer_name, "bound") if ok[i] else None
     sc = s.cache.get(guard)
     if sc is None:
         sc = s.cache[guard] = scores(s, guard, name)
@@ -269,7 +281,7 @@ def first_deviation(name: str, s: Series, start: int, threshold: float = THRESHO
     cands, per_kind = [], {}
     hits(sc, start, threshold, sustained, guard, guard_start, per_kind)
     for kind, hit in per_kind.items():
-        if backing is not None:  # Spec.needs: the run-level quantity deviates at the same step
+        if backing is not None:  # Signal.needs: the run-level quantity deviates at the same step
             hit = hit & backing[:nf]
         if hit.any():
             i = int(np.argmax(hit))
@@ -288,15 +300,21 @@ def first_deviation(name: str, s: Series, start: int, threshold: float = THRESHO
 
 def deviations(tl: dict[str, Series], start: int = 1, threshold: float = THRESHOLD,
                sustained: float = SUSTAINED, guard: GuardTest | None = None,
-               guard_start: int | None = None, exact_start: int = 1) -> dict[str, Deviation]:
+               guard_start: int | None = None, exact_start: int = 1,
+               holds: dict[str, int] | None = None) -> dict[str, Deviation]:
     """The first deviating step of every quantity. Baseline-relative scores count from step `start`
     on (earlier values only build the baseline; the guard's own test from `guard_start`, where the
     guard itself starts scoring); a non-finite value, or a quantity off the value a healthy run holds
     exactly, counts from step 1: it needs no baseline."""
     out = {}
+    holds = holds or {}
     for name, s in tl.items():
-        back = support(tl, s, start, threshold, sustained, guard, guard_start)
-        d = first_deviation(name, s, start, threshold, sustained, guard, guard_start, back, exact_start)
+        # NOTE: a quantity that moved in an earlier incident waits a baseline window (its own values fill
+        # it); every other one is searched again from `start`
+        h = holds.get(name, 0)
+        st, gst, xst = max(start, h), max(guard_start if guard_start is not None else start, h), max(exact_start, h)
+        back = support(tl, s, st, threshold, sustained, guard, gst)
+        d = first_deviation(name, s, st, threshold, sustained, guard, gst, back, xst)
         if d is not None:
             out[name] = d
     return out

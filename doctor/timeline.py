@@ -18,17 +18,16 @@ doctor/scores.py; their constants are here, beside the quantities' specs.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
 
 import yaml
 
 from stability.events import read_events
+from stability.signals import BACKWARD, FORWARD, GUARD_FLOOR, INPUT, LAYERS, SIGNALS, SYSTEM, ReadContext, Signal
 from stability.record import RECORD_VERSION, V2_FIELDS, V3_FIELDS, read_records, read_records_partial
 
-LAYERS = ("input", "forward", "backward/update", "system")
-INPUT, FORWARD, BACKWARD, SYSTEM = LAYERS
 WINDOW = 30       # trailing values in a baseline (the guard's detector window)
 MIN_HISTORY = 10  # no score before this many baseline values
 THRESHOLD = 8.0   # point test: robust z above which one value deviates. The guard fires at 6 with a
@@ -46,7 +45,6 @@ CONFIRM = 6.0     # the sustained test needs the two-window statistic at its ste
 HIST_WARM = 10    # steps after a resume before the input histogram's kl / rare share are read again
 MIX_P = 0.01      # a batch's source mix less probable than this under the declared weights explains its tokens
 FLOOR_LOG = 0.05  # log units: moves under ~5 % never deviate (sub-percent MADs on smooth quantities)
-FLOOR_STATE = 0.15  # ‖m‖, ‖v‖ follow the gradient's noise with a lag; a lost / altered state moves them ×3+
 MAD_SIGMA = 1.4826  # MAD → σ for Gaussian noise
 DETREND = False  # NOTE: measured on clean runs: extrapolating the window's slope over-shoots on curved
                  # quantities (ρ, ‖v‖ decaying) and raised the clean maxima; a flat median did better
@@ -116,29 +114,16 @@ def segment(records: list[dict]) -> list[list[dict]]:
 
 
 # ---- the timeline ------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Spec:
-    layer: str
-    direction: str = "up"    # up | down | both
-    log: bool = False        # score log(x): scale-free quantities (norms, ratios, RMS)
-    rel_floor: float = 0.05  # scale floor: relative moves smaller than this never deviate (log: in log units)
-    abs_floor: float = 1e-12
-    exact: float | None = None  # the value a healthy run holds exactly (any departure deviates)
-    point: str | None = None  # direction of the one-step test when it differs from `direction`
-    guard: bool = False       # a quantity the online guard watches: also scored by its own test (guard_z)
-    point_floor: float = 0.0  # log units: the one-step test's noise floor when above rel_floor
-    needs: str | None = None  # a run-level quantity that must deviate at the same step for this one to count
-
-
 @dataclass
 class Series:
-    spec: Spec
+    spec: Signal
     order: int                                   # position within its timeline layer (model order)
     values: dict[int, float] = field(default_factory=dict)  # step -> value
     layer_name: str | None = None                # the model layer of a per-layer quantity
     counts: dict[int, float] = field(default_factory=dict)  # step -> tokens the value is a mean of (if so)
     cache: dict = field(default_factory=dict, repr=False)  # scores() by guard settings: a run with several
-                                                           # incidents is scored once, searched from each
+    # incidents is searched several times from different starts, and a quantity's statistics do not depend
+    # on where the search starts: each is computed once (linear in steps, whatever the incident count)
 
 
 def mix_weights(config: dict) -> dict[str, float]:
@@ -164,26 +149,21 @@ def typical_mix(mix: dict, weights: dict) -> bool:
     return chi2 <= k * (1 - 2 / (9 * k) + z * math.sqrt(2 / (9 * k))) ** 3
 
 
-def timeline(records: list[dict], config: dict) -> dict[str, Series]:
-    """Every numeric quantity of the records, keyed by name, in timeline order.
+def timeline(records: list[dict], config: dict, floors: dict | None = None) -> dict[str, Series]:
+    """Every registered signal of the records (stability/signals.py), keyed by series name, in timeline
+    order: within a timeline layer, series are ordered as first read (declaration order, model order).
 
-    NOTE: wall-clock quantities (tokens_per_s, step time, memory) are left out: a slow step changes no
+    NOTE: wall-clock quantities (tokens_per_s, step time, memory) are not signals: a slow step changes no
     number, so it cannot be where a numerical incident starts; doctor/invariants.py system_change reads
-    them as shares of the step. Exact invariants (sample ids, tokens, sharding) are there too.
+    them as shares of the step. Exact invariants (sample ids, tokens, sharding, content) are there too.
+    `floors`: the data's exact per-source floors, for records that lack their batch's own (before v4).
     """
     tl: dict[str, Series] = {}
-
-    def put(name: str, spec: Spec, step: int, value, layer_name: str | None = None, count=None) -> None:
-        if value is None or isinstance(value, (dict, list, str)):
-            return
-        s = tl.get(name)
-        if s is None:
-            s = tl[name] = Series(spec, len([x for x in tl.values() if x.spec.layer == spec.layer]),
-                                  layer_name=layer_name)
-        s.values[step] = float(value)
-        if count:
-            s.counts[step] = float(count)
-
+    per_layer = dict.fromkeys(LAYERS, 0)
+    gfloor = float((((config.get("guard") or {}).get("detector") or {}).get("log_floor", 0.2)))
+    specs: dict[str, Signal] = {}
+    for sig in SIGNALS.values():  # GUARD_FLOOR: one step of a guard-watched quantity is judged at its noise floor
+        specs[sig.name] = replace(sig, point_floor=gfloor) if sig.point_floor == GUARD_FLOOR else sig
     schedule = lr_schedule(config)
     # NOTE: config.yaml is the last process's: LR records from before a declared config change (a resume with
     # resume.allow_config_change, e.g. a longer train.steps) followed another schedule, and are not compared
@@ -191,102 +171,27 @@ def timeline(records: list[dict], config: dict) -> dict[str, Series]:
                                                             for e in r.get("events", []))), default=0)
     restart = -HIST_WARM  # the step of the last process start (a resume)
     weights = mix_weights(config)
-    # NOTE: one step of the quantities the guard watches is judged with the guard's own noise floor: with the
-    # doctor's 0.05 a ×2.2 grad-norm blip on a calm stretch deviated (8 clean runs of the default job in 20),
-    # which the guard's 0.2 lets pass as the batch noise it is; the guard's own test still scores them
-    gfloor = float((((config.get("guard") or {}).get("detector") or {}).get("log_floor", 0.2)))
+    ctx = ReadContext(floors=floors)
     for i_rec, r in enumerate(records):
         t = r["step"]
         if r.get("resume") or any(str(e).startswith("resumed from") for e in r.get("events", [])):
             restart = t
-        # input: what the batch was, before any forward
-        inp = r.get("inputs", {})
-        # NOTE: two-sided: noise raises the entropy and lowers the top-token share, repetition does
-        # the opposite; both are a batch unlike the run's.
-        put("input.label_alignment", Spec(INPUT, "down", exact=1.0), t, inp.get("label_alignment"))
-        # NOTE: the token-distribution statistics of a batch whose source mix is itself improbable under the
-        # declared weights are explained by that mix (a mixture change is the fingerprint's and the
-        # per-source losses' to find), so they are not scored at that step
-        typical = typical_mix(r.get("source_mix") or {}, weights)
-        put("input.top_token_frac", Spec(INPUT, "both", rel_floor=0.25), t, inp.get("top_token_frac") if typical else None)
-        put("input.doc_start_frac", Spec(INPUT, "both", rel_floor=0.1), t, inp.get("doc_start_frac"))
-        put("input.valid_frac", Spec(INPUT, "both", rel_floor=0.1), t, inp.get("valid_frac"))
-        put("input.entropy", Spec(INPUT, "both", rel_floor=0.02), t, inp.get("entropy") if typical else None)
-        # WARN: the running histogram starts empty in every process (it is not in the checkpoint): after a
-        # resume every token is "rare" for a few steps (rare share 0.26 at the first scored step of a clean
-        # resumed run, 0 again 5 steps later), so both are left out for HIST_WARM steps after a resume
-        warm = t - restart >= HIST_WARM
-        put("input.kl_running", Spec(INPUT, "up", rel_floor=0.1, abs_floor=0.02), t,
-            inp.get("kl_running") if warm and typical else None)
-        put("input.foreign_frac", Spec(INPUT, exact=0.0, rel_floor=0.0, abs_floor=0.0), t, inp.get("foreign_frac"))
-        put("input.rare_frac", Spec(INPUT, "up", rel_floor=0.1, abs_floor=0.03), t, inp.get("rare_frac") if warm else None)
-        switched = "input.data_fingerprint" in r.get("guard", {}).get("triggers", [])
-        put("input.data_fingerprint_changed", Spec(INPUT, exact=0.0), t, float(switched))
-        rk = r.get("ranks") or {}
-        if len(rk.get("loss", [])) > 1 and all(math.isfinite(v) for v in rk["loss"]):
-            # per-rank inputs: one rank's local loss apart from the others' (its data, not the model's)
-            put("ranks.loss_spread", Spec(INPUT, "up", log=True, rel_floor=0.05), t, max(rk["loss"]) - min(rk["loss"]))
-        # forward: activations in model order, then what is computed from them
-        for name, q in r.get("layers", {}).items():
-            if "act_rms" in q:
-                put(f"act_rms/{name}", Spec(FORWARD, "both", log=True, rel_floor=FLOOR_LOG, point="up"), t, q["act_rms"], name)
-        for name, q in r.get("layers", {}).items():
-            if "clamp_hit_rate" in q:
-                put(f"clamp_hit_rate/{name}", Spec(FORWARD, abs_floor=0.01), t, q["clamp_hit_rate"], name)
+        ctx.typical = typical_mix(r.get("source_mix") or {}, weights)
+        ctx.warm = t - restart >= HIST_WARM
         nf = r.get("nonfinite", {})
-        put("nonfinite.logits", Spec(FORWARD, exact=0.0), t, float(bool(nf.get("logits"))))
-        put("logit_max", Spec(FORWARD, "both", log=True, rel_floor=FLOOR_LOG, point="up"), t, r.get("logit_max"))
-        put("z_loss", Spec(FORWARD, log=True, rel_floor=FLOOR_LOG), t, r.get("z_loss"))
-        # NOTE: a per-source loss is a mean over that source's tokens in the batch: its one-step tests scale
-        # by √(n / n̄) below the usual count (stability/detector.py), as the guard does
-        for src, v in r.get("loss_by_source", {}).items():
-            put(f"loss_by_source/{src}", Spec(FORWARD, rel_floor=0.01, guard=True), t, v,
-                count=(r.get("tokens_by_source") or {}).get(src))
-        put("nonfinite.loss", Spec(FORWARD, exact=0.0), t, float(bool(nf.get("loss"))))
-        put("loss", Spec(FORWARD, rel_floor=0.01, guard=True), t, r.get("loss"))
-        # backward / update: the LR the update used, gradients, then the update itself
-        if schedule is not None and r.get("lr") is not None and i_rec >= declared:
-            expect = schedule(t)
-            put("lr/schedule", Spec(BACKWARD, "both", exact=1.0, rel_floor=1e-6), t,
-                r["lr"] / expect if expect else math.nan)
-        # NOTE: under FP16 loss scaling an inf gradient with a finite loss is the scaler's routine
-        # overflow (it skips and backs off; the guard ignores it too): not an anomaly, and no gradient
-        # to score. The loss scale itself is left out for the same reason: backing off is its job.
-        overflow = r.get("loss_scale") is not None and math.isfinite(r.get("loss", math.nan)) and nf.get("grads")
-        if not overflow:
-            put("nonfinite.grads", Spec(BACKWARD, exact=0.0), t, float(bool(nf.get("grads"))))
-            for name, q in r.get("layers", {}).items():
-                if "grad_rms" in q:
-                    # NOTE: one layer's gradient RMS is heavy-tailed on a clean run (attention layers of the
-                    # default job: ×10-×100 for one step, the loss and the global norm within their noise):
-                    # it says where, and counts only at a step where the run's gradient norm deviates too
-                    put(f"grad_rms/{name}", Spec(BACKWARD, "both", log=True, rel_floor=FLOOR_LOG, point="up",
-                                                 needs="grad_norm"), t, q["grad_rms"], name)
-            put("grad_norm", Spec(BACKWARD, log=True, rel_floor=FLOOR_LOG, guard=True, point_floor=gfloor), t,
-                r.get("grad_norm"))
-        if not r.get("skipped"):  # a vetoed update moved nothing: its ρ = 0 says nothing about the optimizer
-            for name, q in r.get("layers", {}).items():
-                if "update_ratio" in q:
-                    # NOTE: one step is judged at the guard's floor, as update_ratio_max is: one layer's ratio
-                    # follows its gradient's bursts (×2.4 for a step on a clean run); a shift of the optimizer
-                    # moves every layer's and is found by the change test at FLOOR_LOG
-                    put(f"update_ratio/{name}", Spec(BACKWARD, "both", log=True, rel_floor=FLOOR_LOG, point="up",
-                                                     point_floor=gfloor), t, q["update_ratio"], name)
-            put("update_ratio_max", Spec(BACKWARD, log=True, rel_floor=FLOOR_LOG, guard=True, point_floor=gfloor), t,
-                r.get("update_ratio_max"))
-        put("nonfinite.optim_state", Spec(BACKWARD, exact=0.0), t, float(bool(nf.get("optim_state"))))
-        # optimizer state after the update (‖m‖, ‖v‖ per group) and the MoE balancing bias: what a resume
-        # must restore exactly; after the gradients in order, so a gradient spike that moves m wins the tie
-        # NOTE: downward only. ‖v‖ cannot fall faster than β₂ a step (v ← β₂v + (1−β₂)g² ≥ β₂v) and ‖m‖, the
-        # balancing bias, only as fast as their EMAs forget: a fall past that is state lost or altered. A rise
-        # follows the gradient (one attention layer's ×20 burst lifted ‖v‖ ×2.4 on a clean default run): the
-        # gradient's quantities judge it, and an altered state that lifts ‖v‖ shows as a falling update ratio.
-        for name, v in (r.get("state") or {}).items():
-            if not r.get("skipped"):
-                put(f"state.{name}", Spec(BACKWARD, "down", log=True, rel_floor=FLOOR_STATE), t, v)
-        # system: cross-rank consistency (exactly 0 on healthy DDP)
-        for name, v in r.get("replica", {}).items():
-            put(f"replica.{name}", Spec(SYSTEM, exact=0.0, rel_floor=0.0, abs_floor=0.0), t, v)
+        ctx.overflow = bool(r.get("loss_scale") is not None and math.isfinite(r.get("loss", math.nan)) and nf.get("grads"))
+        ctx.lr_expected = schedule(t) if schedule is not None and r.get("lr") is not None and i_rec >= declared else None
+        for name, sig in specs.items():
+            for series, value, layer_name, count in sig.read(r, ctx):
+                if value is None:
+                    continue
+                s = tl.get(series)
+                if s is None:
+                    s = tl[series] = Series(sig, per_layer[sig.layer], layer_name=layer_name)
+                    per_layer[sig.layer] += 1
+                s.values[t] = float(value)
+                if count:
+                    s.counts[t] = float(count)
     return tl
 
 
@@ -348,6 +253,9 @@ class Deviation:
         where = f" ({self.layer_name})" if self.layer_name else ""
         if self.baseline is None:
             return f"{self.quantity}{where} = {self.value:.4g} at step {self.step}"
+        if self.kind == "bound":
+            return (f"{self.quantity}{where} = {self.value:.4g} at step {self.step}, past its bound "
+                    f"{self.baseline:.4g}: better than the exact floor allows")
         z = ("off its exact value" if math.isinf(self.z) else
              f"robust z ≥ {self.z:.1f} for {K} steps" if self.kind == "sustained" else
              f"level shift: two-window robust z {self.z:.1f}" if self.kind == "change" else
@@ -358,10 +266,19 @@ class Deviation:
 
 def earliest(devs: dict[str, Deviation]) -> Deviation | None:
     """Earliest step; ties by timeline layer (input < forward < backward/update < system), then by
-    position within the layer (model order: the first layer to go wrong is the one upstream)."""
+    position within the layer. Where several model layers of one per-layer quantity deviate at that step,
+    the one that moved most (largest z): many layers moving at once are one cause, and the layer nearest
+    it moves most (first in model order would name the embedding whenever the whole model moved). A
+    non-finite or exact departure keeps model order: the first layer to go wrong is the one upstream."""
     if not devs:
         return None
-    return min(devs.values(), key=lambda d: (d.step, LAYERS.index(d.layer), d.order))
+    first = min(devs.values(), key=lambda d: (d.step, LAYERS.index(d.layer), d.order))
+    if first.layer_name is None or math.isinf(first.z):
+        return first
+    fam = first.quantity.split("/", 1)[0]
+    peers = [d for d in devs.values() if d.step == first.step and d.layer == first.layer and d.layer_name
+             and d.quantity.split("/", 1)[0] == fam and math.isfinite(d.z)]
+    return max(peers, key=lambda d: (d.z, -d.order))
 
 
 def scoring_start(config: dict) -> int:

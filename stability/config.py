@@ -12,6 +12,7 @@ from typing import Mapping
 
 from omegaconf import DictConfig, OmegaConf
 
+from stability.signals import SIGNALS, guard_defaults
 from run.schema import ConfigError, check, choice, fail, from_mapping, unused_keys
 
 ACTIONS = ("log", "skip", "rollback")
@@ -48,8 +49,8 @@ class MetricSpec:
 
 
 def _default_metrics() -> dict[str, MetricSpec]:
-    return {"loss": MetricSpec(), "loss_by_source": MetricSpec(),
-            "grad_norm": MetricSpec(log=True), "update_ratio_max": MetricSpec(log=True)}
+    """The signals the registry marks guard_default (stability/signals.py)."""
+    return {name: MetricSpec(**spec) for name, spec in guard_defaults().items()}
 
 
 @dataclass
@@ -79,6 +80,9 @@ class DetectorConfig:
         if not self.metrics:
             raise ConfigError(f"{p}.metrics: empty; watch at least one metric (e.g. loss)")
         for name, spec in self.metrics.items():
+            if name not in SIGNALS:
+                raise ConfigError(f"{p}.metrics.{name}: not a registered signal (stability/signals.py); "
+                                  f"one of {', '.join(SIGNALS)}")
             choice(f"{p}.metrics.{name}.direction", spec.direction, DIRECTIONS)
 
     @classmethod

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 
 from stability.config import ACTIONS, GuardConfig  # noqa: F401  (ACTIONS: re-exported)
 from stability.detector import SpikeDetector, Trigger
+from stability.signals import guard_values
 
 class GuardAbort(RuntimeError):
     """The guard cannot act as configured (nothing to roll back to)."""
@@ -68,6 +69,8 @@ class Guard:
         d = cfg.detector
         self.detector = SpikeDetector({n: vars(m) for n, m in d.metrics.items()}, d.window, d.threshold,
                                       d.min_history, d.cooldown, d.warmup, log_floor=d.log_floor)
+        # the watched signals beyond the step's own arguments (loss, loss by source, grad norm, max ρ)
+        self._others = [n for n in d.metrics if n not in ("loss", "loss_by_source", "grad_norm", "update_ratio_max")]
         self.action, self.replica_tol = cfg.action, float(cfg.replica_tol)
         self.rb, self.an = vars(cfg.rollback).copy(), vars(cfg.anticipatory).copy()
         self.state, self.ckpt, self.events = state, ckpt, events
@@ -92,7 +95,7 @@ class Guard:
     def before_update(self, step: int, loss: float, grad_norm: float, nonfinite: dict[str, bool],
                       scaled: bool = False, fingerprint: str | None = None,
                       loss_by_source: dict[str, float] | None = None,
-                      tokens_by_source: dict[str, int] | None = None) -> bool:
+                      tokens_by_source: dict[str, int] | None = None, extra: dict | None = None) -> bool:
         """Score the pre-update metrics; return True to veto the update.
 
         `scaled`: an FP16 loss scaler is on — a non-finite gradient with a finite loss is then its
@@ -101,6 +104,8 @@ class Guard:
         §5: check LR / batch / data switches at the step): logged as a trigger at once, but never
         vetoed or rolled back — the objective changed, and no earlier state can undo that.
         `tokens_by_source`: the tokens each per-source loss is the mean of (its noise scales with them).
+        `extra`: what else the step knows before its update (a partial StepRecord: inputs, logit_max, ...),
+        from which any other registered signal the config watches is read (stability/signals.py).
         """
         self.verdict = Verdict()
         if fingerprint is not None:
@@ -112,7 +117,9 @@ class Guard:
                   **{f"loss_by_source/{k}": v for k, v in (loss_by_source or {}).items()}}
         if scaled and math.isfinite(loss):
             values["grad_norm"] = grad_norm if math.isfinite(grad_norm) else None
-        triggers = self.detector.observe(step, values, {f"loss_by_source/{k}": n for k, n in (tokens_by_source or {}).items()})
+        counts = {f"loss_by_source/{k}": n for k, n in (tokens_by_source or {}).items()}
+        more, more_counts = guard_values(extra or {}, self._others, "before")
+        triggers = self.detector.observe(step, {**values, **more}, {**counts, **more_counts})
         seen = {t.metric for t in triggers if t.nonfinite}
         # NOTE: a flag the detector already reported as a non-finite value is not reported twice
         covered = {"loss": "loss", "grads": "grad_norm"}
@@ -125,11 +132,16 @@ class Guard:
         return self.verdict.vetoed
 
     def after_update(self, step: int, first_id: int, valid_tokens: int, post: dict, loss: float,
-                     expert_violation: float | None) -> Verdict:
-        """Score the post-update metrics; log every trigger; decide on a rollback."""
+                     expert_violation: float | None, extra: dict | None = None) -> Verdict:
+        """Score the post-update metrics; log every trigger; decide on a rollback. `extra`: the rest of
+        the step's partial StepRecord after its update (moe, state, clip_coef, ...), for other registered
+        signals the config watches."""
         v = self.verdict
         values = {k: post.get(k) for k in ("update_ratio_max",)}
-        new = self.detector.observe(step, values) if any(x is not None for x in values.values()) else []
+        more, more_counts = guard_values({**(extra or {}), "layers": post.get("layers", {})}, self._others, "after")
+        values.update(more)
+        new = (self.detector.observe(step, values, more_counts)
+               if any(x is not None for x in values.values()) else [])
         if post.get("nonfinite", {}).get("optim_state"):
             new.append(Trigger("nonfinite.optim_state", math.nan, math.inf, None, None, 0))
         for name, spread in post.get("replica", {}).items():

@@ -77,10 +77,10 @@ def test_unseen_fault_set_and_clean_seeds(tmp_path):
         list(pool.map(lambda j: j(), jobs))
     rows = [score_fault(f, diagnose(run_dir(tmp_path, f), f.name)) for f in FAULTS]
     assert sum(r["ok"] for r in rows) >= len(rows) - 2, [r for r in rows if not r["ok"]]
-    from bench.doctor_score import guard_at
-    alarms = [(s, rep["summary"], g) for s in range(10)
-              if (rep := diagnose(tmp_path / f"clean_seed{s}", None))["class"] != "healthy"
-              and "silent" in (g := guard_at(tmp_path / f"clean_seed{s}", rep))]
+    # NOTE: scored on the headline: a natural incident (the guard may have fired on it) is judged natural and
+    # leaves the run healthy; any other headline on a clean run is a false fault
+    alarms = [(s, rep["summary"]) for s in range(10)
+              if (rep := diagnose(tmp_path / f"clean_seed{s}", None))["class"] != "healthy"]
     assert not alarms, alarms
 
 

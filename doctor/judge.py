@@ -1,0 +1,202 @@
+"""Judgement: is an incident a fault, or the run learning? (docs/design.md §9)
+
+A deviation is not yet a fault. An incident is judged `natural` only when all of this holds:
+  - what moved first can move on its own (its Signal's `recover`; never an input statistic, an invariant,
+    a non-finite value or the optimizer state falling),
+  - the deviating quantities returned to their band within RECOVER steps, or a level they moved to stayed
+    while the run was learning (a layer's activations grow as an induction head forms),
+  - the loss did not stay above where it was before the incident (no damage that persists),
+  - and it coincides with the run learning: a source's loss starts falling towards its floor around the
+    step (an onset: the fall after is steeper than before), or the LR warm-up ends there.
+Otherwise it is a `fault`, and the evidence says which condition failed. The course notes' distinction:
+a bad batch the run recovers from and a state poisoned for good need different handling, and a spike
+that comes with a phase transition of learning is neither.
+
+    j = judge(ctx, diag)   # Judgement(verdict, reason, evidence)
+"""
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, field
+
+from doctor.checks import Context
+from doctor.timeline import MAD_SIGMA, WINDOW, Series
+from stability.signals import family
+
+RECOVER = 10     # steps within which a transient is back in its band (a telemetry step later for sparse layers)
+BAND_Z = 4.0     # in its band: the directed robust z against the window before the incident is below this
+PERSIST_Z = 4.0  # a level persists: the median after the recovery window is this far out of the band
+LEARN = 20       # steps either side of the incident in which a learning transition coincides with it
+ONSET = 2.0      # an onset of learning: the loss falls at least this many times faster after than before
+FALL_MIN = 0.05  # nats: the least fall of a source's loss over LEARN steps that counts as learning
+FALL_GAP = 0.1   # ... and the least share of its gap to the exact floor (when the floor is known)
+WARMUP_NEAR = 3  # steps from the end of the LR warm-up within which an incident coincides with it
+SUDDEN = 0.6     # a level reached with this share of its move in one reading is a step change, not growth
+
+
+@dataclass
+class Judgement:
+    verdict: str                 # natural | fault
+    reason: str                  # one line
+    evidence: dict = field(default_factory=dict)
+
+
+def _values(s: Series, lo: int, hi: int) -> list[tuple[int, float]]:
+    return [(t, v) for t, v in sorted(s.values.items()) if lo <= t < hi and math.isfinite(v)]
+
+
+def _y(s: Series, v: float) -> float:
+    return math.log(max(v, 1e-30)) if s.spec.log else v
+
+
+def _band(s: Series, t0: int) -> tuple[float, float] | None:
+    """(median, noise scale) of the series over the WINDOW steps before t0, on its scoring scale."""
+    ys = [_y(s, v) for _, v in _values(s, t0 - WINDOW, t0)]
+    if len(ys) < 5:
+        return None
+    med = statistics.median(ys)
+    mad = statistics.median(abs(y - med) for y in ys)
+    floor = s.spec.rel_floor if s.spec.log else s.spec.rel_floor * abs(med)
+    pf = s.spec.point_floor if isinstance(s.spec.point_floor, float) else 0.0
+    return med, max(MAD_SIGMA * mad, floor, pf if s.spec.log else 0.0) + s.spec.abs_floor
+
+
+def _z(s: Series, v: float, med: float, scale: float, sign: float) -> float:
+    return sign * (_y(s, v) - med) / scale
+
+
+def recovery(s: Series, t0: int, last: int) -> dict:
+    """How one deviating series behaved after t0: the steps until it was back in its band (and stayed for
+    the next two values), and the level it held after the recovery window."""
+    band = _band(s, t0)
+    at = s.values.get(t0)
+    if band is None or at is None or not math.isfinite(at):
+        return {"returned": None, "level_z": None}
+    med, scale = band
+    sign = 1.0 if _y(s, at) >= med else -1.0
+    after = _values(s, t0 + 1, last + 1)
+    back = None
+    for i, (t, v) in enumerate(after):
+        nxt = after[i:i + 3]
+        if len(nxt) == 3 and all(_z(s, x, med, scale, sign) < BAND_Z for _, x in nxt):
+            back = t - t0
+            break
+    late = [v for _, v in _values(s, t0 + RECOVER, t0 + RECOVER + WINDOW)]
+    level = (_z(s, statistics.median(late), med, scale, sign) if len(late) >= 5 else None)
+    # NOTE: how much of the move happened at t0 itself, against its value one reading before: a layer
+    # that grows as the model learns gets there over several readings; a fault moves it in one
+    prev = [v for _, v in _values(s, t0 - WINDOW, t0)][-1:]
+    jump = _z(s, at, _y(s, prev[0]), scale, sign) if prev else None
+    end = late or [v for _, v in after]
+    total = _z(s, statistics.median(end), med, scale, sign) if end else None
+    sudden = jump is not None and total is not None and total > 0 and jump > SUDDEN * total
+    return {"returned": back, "level_z": level, "direction": "up" if sign > 0 else "down", "sudden": sudden}
+
+
+def learning(ctx: Context, t0: int) -> tuple[str | None, str | None]:
+    """(onset, falling): a source's loss starting to fall around t0 (steeper after than before), and a
+    source's loss falling towards its floor at all around t0 — each as one line of evidence, or None."""
+    floors = _floors(ctx)
+    onset = falling = None
+    for q, s in ctx.tl.items():
+        if not (q.startswith("loss_by_source/") or q == "loss"):
+            continue
+        src = q.split("/", 1)[1] if "/" in q else None
+        pre = [v for _, v in _values(s, t0 - 2 * LEARN, t0 - LEARN)]
+        before = [v for _, v in _values(s, t0 - LEARN, t0 - 1)]
+        after = [v for _, v in _values(s, t0 + 2, t0 + LEARN + 1)]
+        if len(before) < 5 or len(after) < 5:
+            continue
+        a, b = statistics.median(before), statistics.median(after)
+        fall = a - b
+        gap = a - floors[src] if src in floors else None
+        need = max(FALL_MIN, FALL_GAP * gap) if gap is not None and gap > 0 else FALL_MIN
+        if fall < need:
+            continue
+        what = (f"{src or 'the'} loss falling from {a:.3f} to {b:.3f} over steps {t0 - LEARN}..{t0 + LEARN}"
+                + (f" (floor {floors[src]:.3f})" if src in floors else ""))
+        falling = falling or what
+        prior = statistics.median(before) - statistics.median(pre) if len(pre) >= 5 else None
+        # NOTE: before the incident the loss was flat or falling slower: the run started learning here
+        if prior is None or -prior * ONSET <= fall:
+            onset = onset or what + (f", after {-prior:+.3f} over the {LEARN} steps before" if prior is not None else "")
+    warm = (((ctx.run.config.get("optim") or {}).get("schedule") or {}).get("warmup_steps")) or 0
+    if warm and abs(t0 - int(warm)) <= WARMUP_NEAR:
+        onset = onset or f"the LR warm-up ends at step {warm}"
+        falling = falling or onset
+    return onset, falling
+
+
+def _floors(ctx: Context) -> dict:
+    return ctx.floors or {}
+
+
+def loss_damage(ctx: Context, t0: int) -> str | None:
+    """The loss (total, or any source's) held above its pre-incident level after the recovery window."""
+    for q, s in ctx.tl.items():
+        if not (q == "loss" or q.startswith("loss_by_source/")):
+            continue
+        before = [v for _, v in _values(s, t0 - WINDOW, t0)]
+        late = [v for _, v in _values(s, t0 + RECOVER, t0 + RECOVER + WINDOW)]
+        if len(before) < 10 or len(late) < 10:
+            continue
+        med = statistics.median(before)
+        mad = statistics.median(abs(v - med) for v in before)
+        up = statistics.median(late) - med
+        if up > max(PERSIST_Z * MAD_SIGMA * mad / math.sqrt(len(late)), 0.02 * abs(med), FALL_MIN):
+            return (f"{q} held at {statistics.median(late):.4g} over steps {t0 + RECOVER}..{t0 + RECOVER + WINDOW - 1} "
+                    f"against {med:.4g} before the incident")
+    return None
+
+
+def judge(ctx: Context, diag) -> Judgement:
+    a, t0 = diag.anomaly, diag.step
+    last = ctx.seg[-1]["step"]
+    sig = family(a.quantity) if a is not None else None
+    ev: dict = {}
+    if a is None or t0 is None:
+        return Judgement("fault", "no anomalous step", ev)
+    if a.kind in ("invariant", "exact", "nonfinite") or sig is None or not sig.recover:
+        why = ("an exact invariant broke" if a.kind in ("invariant", "exact") else
+               "a non-finite value" if a.kind == "nonfinite" else f"{a.quantity} does not move this way on its own")
+        return Judgement("fault", f"{why}: {a.quantity} at step {t0}", ev)
+    moved = {q: d for q, d in diag.devs.items() if t0 <= d.step <= t0 + 1 and q in ctx.tl and d.kind not in
+             ("invariant", "exact", "nonfinite")}
+    moved.setdefault(a.quantity, a)
+    rec = {q: recovery(ctx.tl[q], d.step, last) for q, d in moved.items() if q in ctx.tl}
+    ev["recovery"] = {q: r for q, r in rec.items()}
+    onset, falling = learning(ctx, t0)
+    ev["learning"] = onset or falling
+    damage = loss_damage(ctx, t0)
+    ev["loss_damage"] = damage
+    # per-layer series are read every telemetry step: a return is allowed one cadence later
+    cadence = max((_cadence(ctx.tl[q]) for q in rec), default=1)
+    stuck = [q for q, r in rec.items() if r["returned"] is None or r["returned"] > RECOVER + cadence]
+    persists = [q for q, r in rec.items() if r["level_z"] is not None and r["level_z"] > PERSIST_Z]
+    if damage:
+        return Judgement("fault", f"damage persists: {damage}", ev)
+    if stuck or persists:
+        q = (stuck + persists)[0]
+        held = ("had not returned to its band" + (f" by the run's end (step {last})" if last - t0 <= RECOVER + cadence
+                                                  else f" {RECOVER + cadence} steps after step {t0}")
+                if q in stuck else f"held a new level after step {t0}")
+        sudden = [x for x in stuck + persists if rec[x].get("sudden")]
+        if falling and not sudden:  # NOTE: a model that learns changes its internals: a level grows as the loss falls
+            return Judgement("natural", f"{q} {held}, reached gradually while the run learned ({falling}); the "
+                             f"loss took no damage", ev)
+        if sudden:
+            return Judgement("fault", f"{sudden[0]} stepped to a new level at step {t0} in one reading and held it", ev)
+        return Judgement("fault", f"{q} {held}, with no source's loss falling", ev)
+    if onset:
+        back = max(r["returned"] for r in rec.values())
+        return Judgement("natural", f"back in its band within {back} step(s), nothing persists, at a learning "
+                         f"transition: {onset}", ev)
+    return Judgement("fault", f"back in its band, but at no learning transition (no source's loss starts falling "
+                     f"within {LEARN} steps, no warm-up end): a fault the run recovered from", ev)
+
+
+def _cadence(s: Series) -> int:
+    steps = sorted(s.values)
+    gaps = [b - a for a, b in zip(steps, steps[1:])]
+    return statistics.median(gaps) if gaps else 1

@@ -1,0 +1,381 @@
+"""The signal registry: every quantity a StepRecord carries that the guard or the doctor can score,
+declared once (docs/design.md §9).
+
+A Signal says where its values live in a record (`read`), which layer of the course's timeline it belongs
+to (input → forward → backward/update → system), how it is scored (log scale, anomalous direction, noise
+floors, an exact value a healthy run holds), when in the step the online guard can see it (`phase`), and
+what it means when it is the first quantity that moved: the fault class and the fix hint. Telemetry writes
+the fields (tests/test_signals.py checks that every key a record holds is declared here), the guard takes
+any signal by name (`guard.detector.metrics.<name>`), and the doctor builds its timeline by iterating this
+registry — so a new signal is one `declare(...)` plus its computation.
+
+    for sig in SIGNALS.values():                 # declaration order is timeline order within a layer
+        for name, value, model_layer, count in sig.read(record, ctx): ...
+
+NOTE: plain Python, no torch: the doctor reads records without the training stack.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+LAYERS = ("input", "forward", "backward/update", "system")
+INPUT, FORWARD, BACKWARD, SYSTEM = LAYERS
+GUARD_FLOOR = "guard"  # point_floor placeholder: the run's guard.detector.log_floor
+
+
+@dataclass
+class ReadContext:
+    """What a reader needs beside the record (doctor/timeline.py fills it per record; the guard leaves
+    the defaults): whether the batch's source mix is typical of the declared weights, whether the input
+    histogram is warm after a (re)start, whether an FP16 overflow explains a non-finite gradient, and the
+    LR the schedule gives this step (None: not compared)."""
+    typical: bool = True
+    warm: bool = True
+    overflow: bool = False
+    lr_expected: float | None = None
+    floors: dict | None = None  # exact per-source floors of the run's data (synthetic data only)
+
+
+Reading = tuple  # (series name, value, model layer or None, count or None)
+
+
+@dataclass(frozen=True)
+class Signal:
+    name: str                     # the family: a series is `name` or `name/<member>` (a layer, a source, a group)
+    layer: str                    # timeline layer
+    read: Callable[[dict, ReadContext], Iterable[Reading]] = field(compare=False, repr=False)
+    cls: str | None = None        # the doctor class it implies when it moves first (None: decided by context)
+    fix: str = ""                 # what to look at when it moved first
+    doc: str = ""
+    direction: str = "up"         # up | down | both: which moves are anomalous
+    log: bool = False             # scored on log(x): scale-free quantities (norms, ratios, RMS)
+    rel_floor: float = 0.05       # relative moves below this never deviate (log units for a log signal)
+    abs_floor: float = 1e-12
+    exact: float | None = None    # the value a healthy run holds exactly (any departure deviates)
+    point: str | None = None      # the one-step test's direction when it differs from `direction`
+    point_floor: float | str = 0.0  # the one-step test's noise floor (log units); GUARD_FLOOR: the guard's
+    needs: str | None = None      # a run-level series that must deviate at the same step for this one to count
+    per_layer: bool = False       # one series per model layer (the doctor's stricter change threshold)
+    guard_default: bool = False   # watched by the online guard unless the config says otherwise
+    phase: str = "after"          # when the guard can score it: before (can veto the update) | after
+    recover: bool = True          # a deviation of it may be natural (it can return to its band on its own)
+    bound: float | None = None    # a healthy run never exceeds this (one-sided invariant) ...
+    confirm: int = 1              # ... for this many consecutive values
+
+    def series(self, member: str | None = None) -> str:
+        return self.name if member is None else f"{self.name}/{member}"
+
+
+SIGNALS: dict[str, Signal] = {}
+
+
+def declare(name: str, layer: str, read, **kw) -> Signal:
+    if name in SIGNALS:
+        raise ValueError(f"signal {name!r} declared twice")
+    sig = SIGNALS[name] = Signal(name, layer, read, **kw)
+    return sig
+
+
+def family(series: str) -> Signal | None:
+    """The Signal a series name belongs to (`act_rms/block0.mlp` -> act_rms, `replica.params` -> replica)."""
+    head = series.split("/", 1)[0]
+    return SIGNALS.get(head) or SIGNALS.get(head.split(".", 1)[0])
+
+
+def guard_defaults() -> dict[str, dict]:
+    """The guard's default metrics: {name: {"direction", "log"}} of the signals declared guard_default."""
+    # NOTE: the step's own scalars first (loss, then by source), then the gradient, then after the update
+    picked = sorted((s for s in SIGNALS.values() if s.guard_default), key=lambda s: (s.phase != "before", s.name != "loss"))
+    return {s.name: {"direction": s.direction if s.direction != "down" else "both", "log": s.log} for s in picked}
+
+
+def guard_values(rec: dict, names: Iterable[str], phase: str) -> tuple[dict[str, float], dict[str, float]]:
+    """(values, counts) of the named signals readable at `phase` from a partial record (the guard's view:
+    what the step knows before or after its update). A signal the guard watches but cannot see at that
+    phase is simply absent."""
+    vals, counts, ctx = {}, {}, ReadContext()
+    for n in names:
+        sig = SIGNALS.get(n)
+        if sig is None or sig.phase != phase:
+            continue
+        for series, v, _, c in sig.read(rec, ctx):
+            vals[series] = v
+            if c:
+                counts[series] = c
+    return vals, counts
+
+
+# ---- readers ------------------------------------------------------------------------------------------
+def _num(v) -> bool:
+    return v is not None and not isinstance(v, (dict, list, str, bool))
+
+
+def field_(key: str, when=lambda r, c: True):
+    """A top-level number of the record."""
+    def read(r, c):
+        v = r.get(key)
+        return [(key, v, None, None)] if _num(v) and when(r, c) else []
+    return read
+
+
+def inputs_(key: str, when=lambda r, c: True):
+    def read(r, c):
+        v = (r.get("inputs") or {}).get(key)
+        return [(f"input.{key}", v, None, None)] if _num(v) and when(r, c) else []
+    return read
+
+
+def per_layer(key: str, when=lambda r, c: True):
+    """layers[<model layer>][key] on telemetry steps, in model order."""
+    def read(r, c):
+        if not when(r, c):
+            return []
+        return [(f"{key}/{name}", q[key], name, None) for name, q in (r.get("layers") or {}).items()
+                if key in q and _num(q[key])]
+    return read
+
+
+def flag(key: str, when=lambda r, c: True):
+    def read(r, c):
+        return [(f"nonfinite.{key}", float(bool((r.get("nonfinite") or {}).get(key))), None, None)] if when(r, c) else []
+    return read
+
+
+def state_(prefixes: tuple):
+    """state[<prefix>/<member>] in the record's order (after the update; a vetoed update moved nothing)."""
+    def read(r, c):
+        if r.get("skipped"):
+            return []
+        return [(f"state.{k}", v, None, None) for k, v in (r.get("state") or {}).items()
+                if k.split("/", 1)[0] in prefixes and _num(v)]
+    return read
+
+
+def _typical(r, c):
+    return c.typical
+
+
+def _warm_typical(r, c):
+    return c.warm and c.typical
+
+
+def _warm(r, c):
+    return c.warm
+
+
+def _not_overflow(r, c):
+    return not c.overflow
+
+
+def _not_skipped(r, c):
+    return not r.get("skipped")
+
+
+def _fingerprint_switch(r, c):
+    return [("input.data_fingerprint_changed", float("input.data_fingerprint" in (r.get("guard") or {}).get("triggers", [])),
+             None, None)]
+
+
+def _rank_loss_spread(r, c):
+    loss = (r.get("ranks") or {}).get("loss") or []
+    if len(loss) > 1 and all(math.isfinite(v) for v in loss):
+        return [("ranks.loss_spread", max(loss) - min(loss), None, None)]
+    return []
+
+
+def _by_source(key: str):
+    def read(r, c):
+        counts = r.get("tokens_by_source") or {}
+        return [(f"{key}/{src}", v, None, counts.get(src)) for src, v in (r.get(key) or {}).items() if _num(v)]
+    return read
+
+
+S_TOK = 2.0  # nats: a generous per-token loss spread (the copy source's is bimodal, 0 or log V: ≤ 1.8)
+
+
+def _deficit(loss: float, floor: float, n) -> float:
+    """How far below its exact floor a mean loss over n tokens is, in standard errors of a model AT the
+    floor (σ ≤ S_TOK per token): > 0 is better than possible; a few is batch noise."""
+    return (floor - loss) * math.sqrt(max(float(n or 1), 1.0)) / S_TOK
+
+
+def _floor_deficit(r, c):
+    """Per source, the train batch's loss against its exact floor: the batch's own (record v4
+    `floor_by_source`, the expected loss of those very labels) or else the data's stationary floor."""
+    floors = r.get("floor_by_source") or c.floors or {}
+    counts = r.get("tokens_by_source") or {}
+    out = []
+    for src, v in (r.get("loss_by_source") or {}).items():
+        f = floors.get(src)
+        if _num(v) and _num(f) and math.isfinite(v) and src in counts:
+            out.append((f"below_floor/{src}", _deficit(v, f, counts[src]), None, None))
+    return out
+
+
+def _eval_deficit(r, c):
+    """The evaluation's loss against its exact floor (overall; by source where the record has the floors)."""
+    ev = r.get("eval") or {}
+    out = []
+    if _num(ev.get("loss")) and _num(ev.get("floor")):
+        out.append(("eval_below_floor", _deficit(ev["loss"], ev["floor"], ev.get("tokens")), None, None))
+    floors = ev.get("floor_by_source") or {}
+    for src, v in (ev.get("by_source") or {}).items():
+        f, n = floors.get(src), (ev.get("tokens_by_source") or {}).get(src)
+        if _num(v) and _num(f) and n:
+            out.append((f"eval_below_floor/{src}", _deficit(v, f, n), None, None))
+    return out
+
+
+def _lr_schedule(r, c):
+    if c.lr_expected is None or not _num(r.get("lr")):
+        return []
+    return [("lr/schedule", r["lr"] / c.lr_expected if c.lr_expected else math.nan, None, None)]
+
+
+def _moe(key: str, fn):
+    """One number per MoE layer from record.moe[layer] (every step)."""
+    def read(r, c):
+        out = []
+        for layer, m in (r.get("moe") or {}).items():
+            v = fn(m)
+            if v is not None:
+                out.append((f"{key}/moe{layer}", v, f"moe{layer}", None))
+        return out
+    return read
+
+
+def _load_entropy(m: dict):
+    """exp(entropy) of the expert load: the effective number of experts in use (E when balanced)."""
+    load = [x for x in (m.get("load") or []) if x is not None]
+    tot = sum(load)
+    if not load or tot <= 0:
+        return None
+    return math.exp(-sum(x / tot * math.log(x / tot) for x in load if x > 0))
+
+
+def _out_rms_min(m: dict):
+    """The smallest expert output RMS relative to the median of the layer's experts (record v4 out_rms):
+    an expert whose output vanished keeps its load but goes to 0 here."""
+    rms = [x for x in (m.get("out_rms") or []) if x is not None]
+    if len(rms) < 2:
+        return None
+    med = sorted(rms)[len(rms) // 2]
+    return min(rms) / med if med > 0 else None
+
+
+def _replica(r, c):
+    return [(f"replica.{k}", v, None, None) for k, v in (r.get("replica") or {}).items() if _num(v)]
+
+
+# ---- the registry, in timeline order ----------------------------------------------------------------
+# input: what the batch was, before any forward. NOTE: two-sided where noise and repetition move a
+# statistic opposite ways; both are a batch unlike the run's.
+CORRUPT = "data.corrupted_batch"
+declare("input.label_alignment", INPUT, inputs_("label_alignment"), cls=CORRUPT, direction="down", exact=1.0,
+        doc="labels[t] == tokens[t+1] where both are real", fix="labels misaligned or shuffled (labels[t] != tokens[t+1])",
+        recover=False)
+# NOTE: the token-distribution statistics of a batch whose source mix is itself improbable under the declared
+# weights are explained by that mix (the fingerprint and per-source losses judge a mixture change)
+declare("input.top_token_frac", INPUT, inputs_("top_token_frac", _typical), cls=CORRUPT, direction="both",
+        rel_floor=0.25, recover=False,
+        fix="the most frequent token's share moved (repeated / degenerate text, or noise)")
+declare("input.doc_start_frac", INPUT, inputs_("doc_start_frac"), cls=CORRUPT, direction="both", rel_floor=0.1,
+        recover=False, fix="rows that start no document: one overlong, unsegmented document")
+declare("input.valid_frac", INPUT, inputs_("valid_frac"), cls=CORRUPT, direction="both", rel_floor=0.1,
+        recover=False, fix="the share of valid label positions moved (padding / mask / length change)")
+declare("input.entropy", INPUT, inputs_("entropy", _typical), cls=CORRUPT, direction="both", rel_floor=0.02,
+        recover=False, fix="the batch's token entropy moved (noise raises it, repetition lowers it)")
+# WARN: the running histogram starts empty in every process (it is not in the checkpoint): after a resume
+# every token is "rare" for a few steps, so kl and the rare share wait HIST_WARM steps (ReadContext.warm)
+declare("input.kl_running", INPUT, inputs_("kl_running", _warm_typical), cls=CORRUPT, rel_floor=0.1, abs_floor=0.02,
+        recover=False, fix="the batch's token histogram left the run's running histogram (another distribution)")
+declare("input.foreign_frac", INPUT, inputs_("foreign_frac"), cls=CORRUPT, exact=0.0, rel_floor=0.0, abs_floor=0.0,
+        recover=False, fix="tokens outside their document's vocabulary block (noise, foreign or spliced text)")
+declare("input.rare_frac", INPUT, inputs_("rare_frac", _warm), cls=CORRUPT, rel_floor=0.1, abs_floor=0.03,
+        recover=False, fix="tokens the run has (almost) never seen (out-of-vocabulary / foreign text)")
+declare("input.data_fingerprint_changed", INPUT, _fingerprint_switch, exact=0.0, recover=False,
+        doc="the guard's input.data_fingerprint trigger (a mixture switch)", fix="the data mixture weights")
+declare("ranks.loss_spread", INPUT, _rank_loss_spread, cls="rank.data", log=True, rel_floor=0.05, recover=False,
+        fix="one rank's local loss apart from the others' (its data, not the model's)")
+# forward: activations in model order, then what is computed from them
+declare("act_rms", FORWARD, per_layer("act_rms"), cls="numerics.activation_outlier", direction="both", log=True,
+        point="up", per_layer=True, fix="the named layer's output grew: its inputs, norm, clamp")
+declare("clamp_hit_rate", FORWARD, per_layer("clamp_hit_rate"), cls="numerics.activation_outlier", abs_floor=0.01,
+        per_layer=True, fix="the SwiGLU clamp bites more often: the MLP's pre-activations grew")
+declare("attn_logit_max", FORWARD, per_layer("attn_logit_max"), cls="numerics.attention_logits", log=True,
+        per_layer=True, fix="the attention logits of the named block grew (QK-norm / QK-clip bound them)")
+declare("nonfinite.logits", FORWARD, flag("logits"), cls="numerics.nonfinite", exact=0.0, recover=False,
+        phase="before", fix="a non-finite logit")
+declare("logit_max", FORWARD, field_("logit_max"), cls="numerics.activation_outlier", direction="both", log=True,
+        point="up", phase="before", fix="the output logits grew (z-loss bounds them)")
+declare("z_loss", FORWARD, field_("z_loss"), cls="numerics.activation_outlier", log=True, phase="before",
+        fix="the softmax normaliser drifted (z-loss coefficient)")
+# NOTE: a per-source loss is a mean over that source's tokens in the batch: its one-step tests scale by
+# √(n / n̄) below the usual count (the record's tokens_by_source), as the guard does
+declare("loss_by_source", FORWARD, _by_source("loss_by_source"), cls="forward.loss_spike", rel_floor=0.01,
+        guard_default=True, phase="before", fix="the loss of one source rose")
+# NOTE: the floor is exact (known data): a loss below it, beyond batch noise, is a model that sees what it
+# predicts. One-sided and needing no baseline: the deficit in standard errors stays under `bound`
+LEAK = "the model sees what it predicts: a causal-mask, label or eval/train leak"
+declare("below_floor", FORWARD, _floor_deficit, cls="forward.below_floor", recover=False, phase="before",
+        bound=4.0, confirm=3, doc="(exact floor − loss)·√n / S_TOK per source: > 0 is better than any model can do",
+        fix=LEAK)
+declare("eval_below_floor", FORWARD, _eval_deficit, cls="forward.below_floor", recover=False, bound=4.0,
+        doc="the evaluation's loss against its exact floor, in standard errors", fix=LEAK)
+declare("nonfinite.loss", FORWARD, flag("loss"), cls="numerics.nonfinite", exact=0.0, recover=False, phase="before",
+        fix="a non-finite loss")
+declare("loss", FORWARD, field_("loss"), cls="forward.loss_spike", rel_floor=0.01, guard_default=True,
+        phase="before", fix="the loss rose with normal inputs and settings")
+# backward / update: the LR the update used, gradients, then the update itself
+declare("lr", BACKWARD, _lr_schedule, cls="optim.lr_switch", direction="both", exact=1.0, rel_floor=1e-6,
+        recover=False, phase="before", fix="the LR left its schedule")
+# NOTE: under FP16 loss scaling an inf gradient with a finite loss is the scaler's routine overflow (it skips
+# and backs off; the guard ignores it too): not an anomaly, and no gradient to score
+declare("nonfinite.grads", BACKWARD, flag("grads", _not_overflow), cls="numerics.nonfinite", exact=0.0,
+        recover=False, phase="before", fix="a non-finite gradient")
+# NOTE: one layer's gradient RMS is heavy-tailed on a clean run (attention layers of the default job burst for
+# one step with the loss and the global norm within their noise): it says where, and counts only at a step
+# where the run's gradient norm deviates too
+declare("grad_rms", BACKWARD, per_layer("grad_rms", _not_overflow), cls="optim.gradient_spike", direction="both",
+        log=True, point="up", needs="grad_norm", per_layer=True, fix="the named layer's gradient burst")
+declare("grad_norm", BACKWARD, field_("grad_norm", _not_overflow), cls="optim.gradient_spike", log=True,
+        point_floor=GUARD_FLOOR, guard_default=True, phase="before", fix="the gradient moved first")
+declare("clip_coef", BACKWARD, field_("clip_coef", _not_overflow), cls="optim.heavy_clipping", direction="down",
+        log=True, point_floor=GUARD_FLOOR,
+        doc="min(1, c/‖g‖): under constant heavy clipping a clean loss curve hides a recipe problem",
+        fix="the clip threshold against the gradient's own scale (train.max_grad_norm, the loss / gradient scale)")
+# NOTE: one step of a layer's ratio is judged at the guard's floor, as update_ratio_max is: it follows its
+# gradient's bursts; a shift of the optimizer moves every layer's and is found by the change test
+declare("update_ratio", BACKWARD, per_layer("update_ratio", _not_skipped), cls="optim.state", direction="both",
+        log=True, point="up", point_floor=GUARD_FLOOR, per_layer=True,
+        fix="the update of the named layer jumped against its gradient")
+declare("update_ratio_max", BACKWARD, field_("update_ratio_max", _not_skipped), cls="optim.state", log=True,
+        point_floor=GUARD_FLOOR, guard_default=True, fix="the update jumped against the gradient")
+declare("nonfinite.optim_state", BACKWARD, flag("optim_state"), cls="numerics.nonfinite", exact=0.0, recover=False,
+        fix="a non-finite optimizer moment")
+# optimizer state after the update: what a resume must restore exactly; after the gradients in order, so a
+# gradient spike that moves m wins the tie. NOTE: downward only: ‖v‖ cannot fall faster than β₂ a step and ‖m‖,
+# the balancing bias, only as fast as their EMAs forget: a fall past that is state lost or altered. A rise
+# follows the gradient, whose own quantities judge it.
+FLOOR_STATE = 0.15
+declare("state", BACKWARD, state_(("m", "v", "moe_bias")), cls="optim.state", direction="down", log=True,
+        rel_floor=FLOOR_STATE, recover=False, doc="‖m‖, ‖v‖ per param group, ‖bias‖ per MoE layer",
+        fix="the optimizer state fell faster than its EMA can forget: lost or altered")
+# NOTE: ‖θ‖ per group moves by lr·wd·‖θ‖ of decay plus the updates a step: smooth, so a shrink far past it is a
+# setting (weight decay, a multiplier) that changed without the config saying so
+declare("state.w", BACKWARD, state_(("w",)), cls="optim.settings", direction="both", log=True, rel_floor=0.01,
+        recover=False, fix="the weights shrank faster than decay and updates explain (a silent weight decay)")
+# MoE health per layer, every step (record.moe): the effective number of experts in use and the smallest
+# expert's output against the layer's median
+declare("moe.experts_used", FORWARD, _moe("moe.experts_used", _load_entropy), cls="moe.load_collapse",
+        direction="down", log=True, rel_floor=0.15, per_layer=True, recover=False,
+        doc="exp(entropy) of the expert load: E when balanced, k when routing collapsed onto k experts",
+        fix="the router of the named layer: balancing bias / aux loss, router logits, a forced route")
+declare("moe.out_rms_min", FORWARD, _moe("moe.out_rms_min", _out_rms_min), cls="moe.dead_expert",
+        direction="down", log=True, rel_floor=0.3, per_layer=True, recover=False,
+        doc="the smallest expert output RMS / the layer's median", fix="the expert whose output vanished")
+# system: cross-rank consistency (exactly 0 on healthy DDP)
+declare("replica", SYSTEM, _replica, cls="system.rank_divergence", exact=0.0, rel_floor=0.0, abs_floor=0.0,
+        recover=False, fix="the replicas stopped holding the same bits")

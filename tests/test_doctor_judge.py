@@ -1,0 +1,227 @@
+"""The doctor judges what it finds (issue 26): an incident is natural (the run learning) or a fault, the
+headline is the first fault, and the classes it could not see before — each on synthetic records
+(tests/test_doctor.py fake_run), where the answer is known and the opposite case is one edit away.
+"""
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from test_doctor import fake_run
+from doctor.cli import doctor
+
+T0 = 70
+
+
+def learning_onset(t, r, at=T0):
+    """Source a sits on a plateau (3.4) until `at`, then falls towards 2.0 (an induction head forming)."""
+    if t >= at:
+        drop = min(1.4, 0.05 * (t - at))
+        r["loss_by_source"]["a"] += 1.4 - drop
+    else:
+        r["loss_by_source"]["a"] += 1.4
+    r["loss"] = sum(r["loss_by_source"].values()) / 2
+
+
+def spike(t, r, at=T0):
+    if t == at:
+        r["grad_norm"] *= 12
+        r["loss"] += 1.0
+        r["loss_by_source"] = {k: v + 1.0 for k, v in r["loss_by_source"].items()}
+
+
+@pytest.mark.parametrize("damage", [False, True])
+def test_a_spike_at_a_learning_transition_is_natural_unless_damage_persists(tmp_path, damage):
+    """The same gradient + loss spike at the onset of a source's fall: natural when everything returns; a fault
+    when the loss holds +0.5 above where it was for the rest of the run (damage that persists)."""
+    def tweak(t, r):
+        learning_onset(t, r)
+        spike(t, r)
+        if damage and t > T0:
+            r["loss_by_source"]["b"] += 0.5
+            r["loss"] = sum(r["loss_by_source"].values()) / 2
+    rep = doctor(fake_run(tmp_path, n=140, tweak=tweak), plots=False)
+    inc = [i for i in rep["incidents"] if i["step"] == T0]
+    assert inc, rep["incidents"]
+    if damage:
+        assert inc[0]["judgement"] == "fault", inc[0]
+        assert rep["class"] != "healthy" and rep["earliest"]["step"] == T0, rep["summary"]
+        assert rep["fix"] is not None
+    else:
+        assert inc[0]["judgement"] == "natural", inc[0]
+        assert "learning transition" in inc[0]["reason"], inc[0]["reason"]
+        assert rep["class"] == "healthy" and rep["earliest"] is None and rep["fix"] is None, rep["summary"]
+        md = (tmp_path / "report.md").read_text()
+        assert "Natural incidents" in md and "Verdict: healthy" in md
+
+
+def test_the_same_spike_without_a_learning_transition_is_a_fault(tmp_path):
+    """A spike that returns at once but coincides with nothing the run learned: a fault it recovered from."""
+    rep = doctor(fake_run(tmp_path, n=140, tweak=spike), plots=False)
+    assert rep["class"] == "forward.loss_spike" and rep["earliest"]["step"] == T0, rep["summary"]
+    assert rep["incidents"][0]["judgement"] == "fault" and "no learning transition" in rep["incidents"][0]["reason"]
+
+
+def test_a_fault_behind_a_natural_incident_is_the_headline(tmp_path):
+    """A natural spike at the transition (70), then one layer's activation ×6 from step 85 on: the headline
+    is the fault at 85, not the first incident; the natural one is listed with its reason."""
+    def tweak(t, r):
+        learning_onset(t, r)
+        spike(t, r)
+        if t >= 85:
+            r["layers"]["emb"]["act_rms"] *= 6
+    rep = doctor(fake_run(tmp_path, n=140, tweak=tweak), plots=False)
+    assert rep["earliest"] and rep["earliest"]["step"] == 85, (rep["summary"], rep["incidents"])
+    assert rep["class"] == "numerics.activation_outlier"
+    assert [i["judgement"] for i in rep["incidents"]][:2] == ["natural", "fault"], rep["incidents"]
+
+
+@pytest.mark.parametrize("leak", [False, True])
+def test_a_loss_below_the_exact_floor_is_found_at_its_step(tmp_path, leak):
+    """Records carrying each batch's exact floor by source: a loss at the floor with batch noise is healthy;
+    from step 80 the loss of source a sits 1.5 nats below its floor (a leak): forward.below_floor at 80."""
+    def tweak(t, r):
+        r["floor_by_source"] = {"a": 2.0, "b": 3.0}
+        if leak and t >= 80:
+            r["loss_by_source"]["a"] = 0.5 + 0.02 * ((t * 7919) % 5)
+            r["loss"] = sum(r["loss_by_source"].values()) / 2
+    rep = doctor(fake_run(tmp_path, n=120, tweak=tweak), plots=False)
+    if not leak:
+        assert rep["class"] == "healthy", rep["summary"]
+        return
+    assert rep["class"] == "forward.below_floor" and rep["earliest"]["step"] == 80, rep["summary"]
+    assert rep["earliest"]["quantity"] == "below_floor/a"
+
+
+@pytest.mark.parametrize("repeat", [False, True])
+def test_a_batch_that_repeats_under_advancing_ids_is_found_at_its_step(tmp_path, repeat):
+    """Each step's content hash differs (ids advance); from step 75 the same content every step: the stream
+    stopped varying — data.repeated_batch at 76, the first step whose content was read before."""
+    def tweak(t, r):
+        h = 1_000_003 * t % 2_147_483_629
+        if repeat and t >= 75:
+            h = 1_000_003 * 75 % 2_147_483_629
+        r["ranks"] = {"first": [r["batch"]["first"]], "n": [8], "hash": [h], "loss": [r["loss"]]}
+    rep = doctor(fake_run(tmp_path, n=100, tweak=tweak), plots=False)
+    if not repeat:
+        assert rep["class"] == "healthy", rep["summary"]
+        return
+    assert rep["class"] == "data.repeated_batch" and rep["earliest"]["step"] == 76, rep["summary"]
+
+
+def test_routing_collapse_and_a_dead_expert_are_named(tmp_path):
+    """record.moe every step: loads over 8 experts (balanced with noise) and per-expert output RMS. From
+    step 80 layer 1 routes onto experts 0 and 1 only: moe.load_collapse at 80."""
+    rng = random.Random(3)
+
+    def tweak(t, r):
+        load = [100 + rng.randint(-20, 20) for _ in range(8)]
+        if t >= 80:
+            load = [400, 400, 0, 0, 0, 0, 0, 0]
+        r["moe"] = {"1": {"load": load, "max_violation": 1.0, "dead": load.count(0),
+                          "out_rms": [0.5 + 0.05 * rng.random() for _ in range(8)]}}
+    rep = doctor(fake_run(tmp_path / "collapse", n=110, tweak=tweak), plots=False)
+    assert rep["class"] == "moe.load_collapse" and rep["earliest"]["step"] == 80, rep["summary"]
+
+    def dead(t, r):
+        out = [0.5 + 0.05 * rng.random() for _ in range(8)]
+        if t >= 80:
+            out[3] = 0.0
+        r["moe"] = {"1": {"load": [100 + rng.randint(-20, 20) for _ in range(8)], "max_violation": 1.0, "dead": 0,
+                          "out_rms": out}}
+    rep = doctor(fake_run(tmp_path / "dead", n=110, tweak=dead), plots=False)
+    assert rep["class"] == "moe.dead_expert" and rep["earliest"]["step"] == 80, rep["summary"]
+
+
+def test_every_layer_update_x10_with_a_normal_gradient_is_an_optimizer_setting(tmp_path):
+    """Four layers' update ratios ×10 from step 80 with the gradient, LR and inputs normal: optim.settings
+    (not a gradient spike: the next step's gradient, computed after the bad update, does not explain it)."""
+    layers = ("emb", "block0.attn", "block0.mlp", "head")
+
+    def tweak(t, r):
+        rng = random.Random(t)
+        r["layers"] = {k: {"act_rms": 0.1 * (1 + 0.05 * rng.uniform(-1, 1)), "grad_rms": 0.01,
+                           "update_ratio": 0.01 * (1 + 0.1 * rng.uniform(-1, 1))} for k in layers}
+        if t >= 80:
+            for k in layers:
+                r["layers"][k]["update_ratio"] *= 10
+            if t == 81:
+                r["grad_norm"] *= 6  # the bad update's consequence, one step later
+        r["update_ratio_max"] = max(q["update_ratio"] for q in r["layers"].values())
+    rep = doctor(fake_run(tmp_path, n=110, tweak=tweak), plots=False)
+    assert rep["class"] == "optim.settings" and rep["earliest"]["step"] == 80, rep["summary"]
+
+
+def test_the_clip_coefficient_falling_and_staying_is_heavy_clipping(tmp_path):
+    """The gradient norm normal, the clip coefficient 1 → 0.003 from step 80 (a silent threshold)."""
+    def tweak(t, r):
+        if t >= 80:
+            r["clip_coef"] = 0.003 * (1 + 0.05 * ((t * 31) % 7 - 3) / 3)
+    rep = doctor(fake_run(tmp_path, n=110, tweak=tweak), plots=False)
+    assert rep["class"] == "optim.heavy_clipping" and rep["earliest"]["step"] == 80, rep["summary"]
+
+
+def test_the_layer_that_moved_most_is_named(tmp_path):
+    """Three layers' activations deviate at step 80; block1's by far the most: it is named, not emb."""
+    def tweak(t, r):
+        rng = random.Random(t)
+        r["layers"] = {k: {"act_rms": 0.1 * (1 + 0.05 * rng.uniform(-1, 1))} for k in ("emb", "block0", "block1")}
+        if t == 80:
+            r["layers"]["emb"]["act_rms"] *= 2
+            r["layers"]["block0"]["act_rms"] *= 2
+            r["layers"]["block1"]["act_rms"] *= 20
+    rep = doctor(fake_run(tmp_path, n=110, tweak=tweak), plots=False)
+    assert rep["earliest"]["step"] == 80 and rep["earliest"]["model_layer"] == "block1", rep["earliest"]
+
+
+def test_a_second_incident_soon_after_the_first_is_not_hidden(tmp_path):
+    """A loss spike at 70, then the loss below the floor... no: then the clip coefficient collapsing at 76 —
+    inside the 30 steps the old search waited after an incident. Both are reported, in order."""
+    def tweak(t, r):
+        spike(t, r)
+        if t >= 76:
+            r["clip_coef"] = 0.003
+    rep = doctor(fake_run(tmp_path, n=120, tweak=tweak), plots=False)
+    got = [(i["step"], i["class"]) for i in rep["incidents"]]
+    assert (76, "optim.heavy_clipping") in got, got
+
+
+STUDENT = """
+from doctor.classes import declare_class
+from stability.signals import FORWARD, declare, per_layer
+
+declare_class("numerics.probe_growth", "the student's probe grew")
+declare("probe_x", FORWARD, per_layer("probe_x"), cls="numerics.probe_growth", log=True, per_layer=True,
+        recover=False, fix="the probe's module")
+"""
+
+
+def test_a_new_signal_is_one_declaration(tmp_path, monkeypatch):
+    """A student's signal: one declaration in a module of their own, the telemetry field it reads, and the
+    doctor names its class when it moves first — no list elsewhere is edited."""
+    import importlib
+    import sys
+
+    from doctor.classes import CLASSES
+    from stability.signals import SIGNALS
+    (tmp_path / "student_probe.py").write_text(STUDENT)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        importlib.import_module("student_probe")
+
+        def tweak(t, r):
+            rng = random.Random(t)
+            r["layers"]["block0.attn"] = {"probe_x": 3.0 * (1 + 0.05 * rng.uniform(-1, 1))}
+            if t >= 80:
+                r["layers"]["block0.attn"]["probe_x"] *= 8
+        d = fake_run(tmp_path / "run", n=110, tweak=tweak)
+        rep = doctor(d, plots=False)
+    finally:
+        SIGNALS.pop("probe_x", None)
+        CLASSES.pop("numerics.probe_growth", None)
+        sys.modules.pop("student_probe", None)
+    assert rep["class"] == "numerics.probe_growth" and rep["earliest"]["step"] == 80, rep["summary"]
+    assert rep["earliest"]["model_layer"] == "block0.attn"
+    assert json.loads((d / "report.json").read_text())["class"] == "numerics.probe_growth"
