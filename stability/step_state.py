@@ -17,12 +17,9 @@ import time
 
 import torch
 
+from data.batch import content_hash
 from parallel.dist import all_reduce_max, all_reduce_sum
 from stability.telemetry_layers import is_sharded, local, norms
-
-# NOTE: a fixed odd multiplier per position mod a prime below 2^31: the hash stays an exact integer in
-# float64 after the all-reduce (every other rank adds 0 to this rank's slot).
-_HASH_MOD = 2_147_483_629
 
 
 def state_summary(optimizer: torch.optim.Optimizer, model) -> dict[str, float]:
@@ -93,9 +90,7 @@ def rank_inputs(local_batch, sums, world: int, rank: int, device) -> dict[str, l
     """Per rank: first sample id, sample count, a content hash of its tokens, its local loss per valid
     token. One SUM all-reduce of a (4, world) table in which each rank fills its own column."""
     ids = local_batch.sample_ids
-    tok = local_batch.tokens.cpu().long().flatten()
-    w = torch.arange(1, tok.numel() + 1, dtype=torch.int64) * 2 + 1
-    h = int(((tok + 1) * w % _HASH_MOD).sum() % _HASH_MOD)
+    h = content_hash(local_batch.tokens)
     n_valid = float(sums.tokens_by_source.sum())
     loss = float(sums.loss_sum) / n_valid if n_valid else math.nan
     table = torch.zeros(4, world, dtype=torch.float64)
