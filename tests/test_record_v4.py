@@ -1,13 +1,27 @@
-"""The per-rank content hash of StepRecord.ranks (data/batch.py content_hash) against the formula it had
-before it moved out of stability/step_state.py: the hashes of records already written stay comparable."""
+"""StepRecord fields the doctor reads (stability/record.py): the per-rank content hash a reader can recompute
+from the recorded sample ids, and ‖θ‖ per param group.
+
+Each against a reference that does not call the code under test: the hash from the formula it had before
+it moved into data/batch.py, norms in FP64 over the group's parameters.
+"""
 from __future__ import annotations
 
 import pytest
 import torch
 
+from data import build_data
 from data.batch import content_hash
+from data.loader import Loader
+from model import ModelConfig, Transformer
+from optim.accumulate import count_valid_tokens, forward_backward, reduce_step_sums
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+
+DATA = {"kind": "synthetic", "seq_len": 16, "min_doc_len": 4, "seed": 5,
+        "sources": [{"name": "markov", "kind": "markov", "weight": 0.5, "alphabet": 8, "order": 1, "support": 2},
+                    {"name": "copy", "kind": "copy", "weight": 0.5, "alphabet": 8, "segment": 3}]}
+MODEL = {"d_model": 16, "n_layers": 2, "n_heads": 2,
+         "moe": {"n_experts": 4, "top_k": 2, "expert_hidden": 16, "first_dense": 1, "every": 1}}
 
 
 def old_hash(tokens: torch.Tensor) -> int:
@@ -31,3 +45,40 @@ def test_content_hash_is_the_formula_the_records_used():
     swapped = tok.clone()
     swapped[0, :2] = tok[0, :2].flip(0)
     assert tok[0, 0] == tok[0, 1] or content_hash(swapped) != content_hash(tok)  # positions count
+
+
+# ---------------------------------------------------------------- ‖θ‖ per param group
+
+
+def tiny(seed: int = 0):
+    torch.manual_seed(seed)
+    ds = build_data(DATA)
+    model = Transformer(ModelConfig.from_dict({**MODEL, "vocab_size": ds.vocab_size, "seq_len": ds.seq_len}))
+    return ds, model
+
+
+def step_stats(model, micro, n_sources: int = 2) -> dict:
+    n = count_valid_tokens(micro, "cpu")
+    return reduce_step_sums(forward_backward(model, micro, n, 1e-4, 1, n_sources), n.item())
+
+
+def test_weight_norms_per_group_equal_fp64_norms_of_the_parameters():
+    from optim import build_optimizer
+    from stability.step_state import state_summary
+
+    ds, model = tiny()
+    opt, _ = build_optimizer(model, {"name": "adamw", "lr": 1e-2, "weight_decay": 0.1, "groups": [
+        {"name": "no_decay", "kinds": ["bias", "norm", "embedding", "router"], "weight_decay": 0.0}]})
+    assert len(opt.param_groups) >= 2
+    loader = Loader(ds, 8)
+    for _ in range(2):
+        step_stats(model, loader.next().micro_batches(2))
+        opt.step()
+        opt.zero_grad()
+    model.blocks[0].attn.qkv.weight.data.view(-1)[0] = 1e25  # FP32's square overflows: redone in FP64
+    got = state_summary(opt, model)
+    for i, g in enumerate(opt.param_groups):
+        name = g.get("name", f"group{i}")
+        ref = torch.linalg.vector_norm(torch.cat([p.detach().double().flatten() for p in g["params"]])).item()
+        assert got[f"w/{name}"] == pytest.approx(ref, rel=1e-6), name
+    assert sum(1 for k in got if k.startswith("w/")) == len(opt.param_groups)

@@ -395,7 +395,7 @@ def test_ddp_and_fsdp_match_one_process_and_replica_spread_catches_a_lost_reduct
         assert all(o["replica"] == {} for o in got["fsdp"]["outs"])  # shards differ by design: no spread
 
 
-def test_state_summary_equals_fp64_norms_of_the_moments():
+def test_state_summary_equals_fp64_norms_of_the_moments_and_weights():
     """stability/step_state.py takes FP32 fused norms (cheap enough for every step); the doctor compares
     them across a resume, so they must equal the exact FP64 norms to FP32 precision, per group."""
     from stability.step_state import state_summary
@@ -415,7 +415,10 @@ def test_state_summary_equals_fp64_norms_of_the_moments():
         for slot, short in (("exp_avg", "m"), ("exp_avg_sq", "v")):
             sq = sum(opt.state[p][slot].double().square().sum().item() for p in g["params"])
             expect[f"{short}/{g.get('name', f'group{i}')}"] = math.sqrt(sq)
+        # ‖θ‖ per group: torch's own FP64 norm over the group's parameters, the moments' reference above
+        expect[f"w/{g.get('name', f'group{i}')}"] = torch.linalg.vector_norm(
+            torch.cat([p.detach().double().flatten() for p in g["params"]])).item()
     expect.update({f"moe_bias/{i}": m.bias_E.double().norm().item() for i, m in model.moe_layers()})
-    assert got.keys() == expect.keys() and len(expect) == 2 * len(opt.param_groups) + 2
+    assert got.keys() == expect.keys() and len(expect) == 3 * len(opt.param_groups) + 2
     for k, v in expect.items():
         assert v > 0 and abs(got[k] - v) <= 1e-6 * v, (k, got[k], v)
