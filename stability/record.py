@@ -80,6 +80,9 @@ class StepRecord:
     ranks: dict[str, list] = field(default_factory=dict)  # first, n, hash, loss: one entry per rank
     # version 3
     fingerprint: dict[str, str] = field(default_factory=dict)  # config group -> 8 hex; "data" -> manifest (12 hex)
+    # version 4
+    floor: float | None = None  # mean Batch.floor per valid label of the global batch (None: no floor)
+    floor_by_source: dict[str, float] = field(default_factory=dict)  # the same per source present
     version: int = RECORD_VERSION
 
     def to_json(self) -> str:
@@ -109,6 +112,7 @@ def step_record(s: StepState, *, tokens: int, world: int, batch_size: int, seq_l
         routing=s.routing, time_s=s.time_s, tokens_per_s=batch_size * seq_len / s.time_s["total"],
         memory_mb=peak_memory_mb(device), events=s.events, eval=s.eval, ckpt_id=ckpt_id,
         resume=resume_marker(s.events), state=s.opt_state, ranks=s.ranks, fingerprint=fingerprint or {},
+        floor=batch_floor(st), floor_by_source=floor_by_source(st, names),
     )
 
 
@@ -132,6 +136,20 @@ def config_fingerprint(config) -> dict[str, str]:
 def loss_by_source(stats: dict, names: list[str]) -> dict[str, float]:
     """CE per valid token of each source present in the global batch."""
     return {n: s / c for n, s, c in zip(names, stats["loss_sum_by_source"], stats["tokens_by_source"]) if c}
+
+
+def floor_by_source(stats: dict, names: list[str]) -> dict[str, float]:
+    """Mean exact floor per valid token of each source present in the global batch ({} without a floor)."""
+    sums = stats.get("floor_sum_by_source")
+    if sums is None:
+        return {}
+    return {n: f / c for n, f, c in zip(names, sums, stats["tokens_by_source"]) if c}
+
+
+def batch_floor(stats: dict) -> float | None:
+    """Mean exact floor per valid token of the global batch (None without a floor or without a token)."""
+    sums, n = stats.get("floor_sum_by_source"), sum(stats["tokens_by_source"])
+    return sum(sums) / n if sums is not None and n else None
 
 
 def peak_memory_mb(device) -> float:

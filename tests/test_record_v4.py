@@ -1,19 +1,20 @@
 """StepRecord fields the doctor reads (stability/record.py): the per-rank content hash a reader can recompute
-from the recorded sample ids, and ‖θ‖ per param group.
+from the recorded sample ids, ‖θ‖ per param group, and the training batch's exact floor by source.
 
 Each against a reference that does not call the code under test: the hash from the formula it had before
-it moved into data/batch.py, norms in FP64 over the group's parameters.
+it moved into data/batch.py, norms in FP64 over the group's parameters, floors from the batch's own tensors.
 """
 from __future__ import annotations
 
 import pytest
 import torch
 
-from data import build_data
-from data.batch import content_hash
+from data import build_data, eval_batches
+from data.batch import IGNORE_INDEX, Batch, content_hash
 from data.loader import Loader
 from model import ModelConfig, Transformer
 from optim.accumulate import count_valid_tokens, forward_backward, reduce_step_sums
+from stability.record import batch_floor, floor_by_source
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -29,6 +30,18 @@ def old_hash(tokens: torch.Tensor) -> int:
     tok = tokens.cpu().long().flatten()
     w = torch.arange(1, tok.numel() + 1, dtype=torch.int64) * 2 + 1
     return int(((tok + 1) * w % 2_147_483_629).sum() % 2_147_483_629)
+
+
+def direct_floors(batch: Batch, names: list[str]) -> tuple[float, dict[str, float]]:
+    """Mean Batch.floor over valid labels, overall and per source, in FP64 from the batch's tensors."""
+    valid = batch.labels != IGNORE_INDEX
+    f = batch.floor.double()
+    by = {}
+    for s, n in enumerate(names):
+        m = valid & (batch.sources == s)[:, None]
+        if m.any():
+            by[n] = f[m].mean().item()
+    return f[valid].mean().item(), by
 
 
 # ---------------------------------------------------------------- content hash
@@ -47,7 +60,7 @@ def test_content_hash_is_the_formula_the_records_used():
     assert tok[0, 0] == tok[0, 1] or content_hash(swapped) != content_hash(tok)  # positions count
 
 
-# ---------------------------------------------------------------- ‖θ‖ per param group
+# ---------------------------------------------------------------- floor by source
 
 
 def tiny(seed: int = 0):
@@ -60,6 +73,50 @@ def tiny(seed: int = 0):
 def step_stats(model, micro, n_sources: int = 2) -> dict:
     n = count_valid_tokens(micro, "cpu")
     return reduce_step_sums(forward_backward(model, micro, n, 1e-4, 1, n_sources), n.item())
+
+
+def test_floor_by_source_is_the_batch_floor_over_valid_labels():
+    ds, model = tiny()
+    batch = Loader(ds, 8).next()
+    stats = step_stats(model, batch.micro_batches(2))
+    overall, by = direct_floors(batch, ds.source_names)
+    assert len(by) == 2 and all(v > 0 for v in by.values())
+    got = floor_by_source(stats, ds.source_names)
+    assert got.keys() == by.keys()
+    for k in by:
+        assert got[k] == pytest.approx(by[k], rel=1e-6), k
+    assert batch_floor(stats) == pytest.approx(overall, rel=1e-6)
+
+    # a floor planted at ignored positions must not count (Batch.floor is 0 there by convention only)
+    planted = Batch(**{**vars(batch), "floor": torch.where(batch.labels == IGNORE_INDEX, 99.0, batch.floor)})
+    assert batch_floor(step_stats(model, planted.micro_batches(2))) == pytest.approx(overall, rel=1e-6)
+
+
+def test_no_floor_when_any_micro_batch_lacks_one():
+    ds, model = tiny()
+    batch = Loader(ds, 8).next()
+    a, b = batch.micro_batches(2)
+    for micro in ([Batch(**{**vars(a), "floor": None}), b], [Batch(**{**vars(m), "floor": None}) for m in (a, b)]):
+        stats = step_stats(model, micro)
+        assert stats["floor_sum_by_source"] is None
+        assert floor_by_source(stats, ds.source_names) == {} and batch_floor(stats) is None
+        assert stats["loss"] == pytest.approx(step_stats(model, [a, b])["loss"], rel=1e-6)
+
+
+def test_eval_floor_by_source_is_the_eval_batches_floor():
+    from train import evaluate
+
+    ds, model = tiny()
+    batches = eval_batches(ds, 32, 16)
+    got = evaluate(model, batches, ds.source_names, torch.device("cpu"))
+    overall, by = direct_floors(Batch.concat(batches), ds.source_names)
+    assert got["floor"] == pytest.approx(overall, rel=1e-9)
+    assert got["floor_by_source"].keys() == by.keys() == got["by_source"].keys()
+    for k in by:
+        assert got["floor_by_source"][k] == pytest.approx(by[k], rel=1e-9), k
+
+
+# ---------------------------------------------------------------- ‖θ‖ per param group
 
 
 def test_weight_norms_per_group_equal_fp64_norms_of_the_parameters():
