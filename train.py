@@ -125,7 +125,7 @@ def train(run: Run) -> None:
 
         for layer, moe in model.moe_layers() if not res.skipped else ():  # a vetoed step moves no state
             moe.update_bias(s.stats["moe_load"][layer].to(dev))  # aux-loss-free balancing, global loads
-        s.moe = moe_summary(s.stats["moe_load"])
+        s.moe = moe_summary(s.stats["moe_load"], s.stats["moe_out_sq"])
         s.opt_state = state_summary(optimizer, model)  # ‖m‖, ‖v‖ per group, MoE bias norms (collective)
         # from those norms, every step: the optimizer state holds no inf/NaN (the guard's post-update check);
         # state beside the moments (Muon's momentum) on telemetry steps only (s.post is theirs)

@@ -1,20 +1,28 @@
 """StepRecord fields the doctor reads (stability/record.py): the per-rank content hash a reader can recompute
-from the recorded sample ids, ‖θ‖ per param group, and the training batch's exact floor by source.
+from the recorded sample ids, ‖θ‖ per param group, the training batch's exact floor by source, and the
+per-expert output RMS.
 
 Each against a reference that does not call the code under test: the hash from the formula it had before
-it moved into data/batch.py, norms in FP64 over the group's parameters, floors from the batch's own tensors.
+it moved into data/batch.py, norms in FP64 over the group's parameters, floors from the batch's own tensors,
+expert outputs from the expert weights by hand.
 """
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
+import torch.nn.functional as F
 
 from data import build_data, eval_batches
 from data.batch import IGNORE_INDEX, Batch, content_hash
 from data.loader import Loader
 from model import ModelConfig, Transformer
+from model.config import MoEConfig
+from model.moe import MoE, grouped_mm_runs
 from optim.accumulate import count_valid_tokens, forward_backward, reduce_step_sums
 from stability.record import batch_floor, floor_by_source
+from stability.telemetry import moe_summary
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -139,3 +147,102 @@ def test_weight_norms_per_group_equal_fp64_norms_of_the_parameters():
         ref = torch.linalg.vector_norm(torch.cat([p.detach().double().flatten() for p in g["params"]])).item()
         assert got[f"w/{name}"] == pytest.approx(ref, rel=1e-6), name
     assert sum(1 for k in got if k.startswith("w/")) == len(opt.param_groups)
+
+
+# ---------------------------------------------------------------- per-expert output RMS
+
+D, H, E = 8, 8, 4
+# forced routes of 6 tokens, k = 2; token 4 is padding and the only one sent to expert 3
+ROUTES = torch.tensor([[0, 1], [0, 2], [1, 2], [0, 1], [2, 3], [1, 0]])
+VALID = torch.tensor([True, True, True, True, False, True])
+
+
+def tiny_moe(grouped: bool) -> MoE:
+    torch.manual_seed(1)
+    moe = MoE(MoEConfig(n_experts=E, top_k=2, expert_hidden=H, balance_coef=0.0), D, limit=None)
+    moe.init_weights(0.5, 0.5)
+    moe.experts.grouped = grouped
+    return moe
+
+
+def hand_out_rms(moe: MoE, x_ND: torch.Tensor, zeroed: int | None = None) -> list[float | None]:
+    """RMS over the valid tokens routed to each expert of its output, from the expert weights, in FP64."""
+    w_gu, w_dn = moe.experts.w_gate_up.detach().double(), moe.experts.w_down.detach().double()
+    sq, n = [0.0] * E, [0] * E
+    for t in range(x_ND.shape[0]):
+        if not VALID[t]:
+            continue
+        for e in ROUTES[t].tolist():
+            gate, up = (w_gu[e] @ x_ND[t].double()).chunk(2)
+            y = w_dn[e] @ (F.silu(gate) * up)
+            sq[e] += 0.0 if e == zeroed else y.square().sum().item()
+            n[e] += D
+    return [math.sqrt(s / c) if c else None for s, c in zip(sq, n)]
+
+
+def moe_out_rms(moe: MoE, x_ND: torch.Tensor) -> tuple[list, list]:
+    out = moe(x_ND, ROUTES, VALID)
+    got = moe_summary({1: out.load_E}, {1: out.out_sq_E})["1"]
+    return got["out_rms"], got["load"]
+
+
+def expert_path(moe: MoE, monkeypatch) -> list[str]:
+    taken = []
+    for path in ("_grouped", "_loop"):
+        plain = getattr(type(moe.experts), path)
+
+        def spy(self, *a, plain=plain, path=path):
+            taken.append(path)
+            return plain(self, *a)
+        monkeypatch.setattr(type(moe.experts), path, spy)
+    return taken
+
+
+@pytest.mark.parametrize("grouped", [True, False])
+def test_out_rms_equals_a_hand_computation_on_forced_routes(grouped, monkeypatch):
+    if grouped and not grouped_mm_runs(torch.zeros(1)):
+        pytest.skip("no torch._grouped_mm on this CPU build")
+    moe = tiny_moe(grouped)
+    taken = expert_path(moe, monkeypatch)
+    x = torch.randn(6, D, generator=torch.Generator().manual_seed(2))
+    rms, load = moe_out_rms(moe, x)
+    assert taken == ["_grouped" if grouped else "_loop"]
+    assert load == [4, 4, 2, 0]  # expert 3 got only the padding token
+    ref = hand_out_rms(moe, x)
+    assert rms[3] is None and ref[3] is None
+    for e in range(3):
+        assert rms[e] == pytest.approx(ref[e], rel=1e-5) and rms[e] > 0, e
+
+
+@pytest.mark.parametrize("grouped", [True, False])
+def test_a_zeroed_expert_keeps_its_load_and_reads_zero(grouped, monkeypatch):
+    if grouped and not grouped_mm_runs(torch.zeros(1)):
+        pytest.skip("no torch._grouped_mm on this CPU build")
+    moe = tiny_moe(grouped)
+    x = torch.randn(6, D, generator=torch.Generator().manual_seed(2))
+    before, load_before = moe_out_rms(moe, x)
+
+    def zero_expert_1(module, args, out):  # rows are sorted by expert: expert 1's follow expert 0's
+        counts = torch.as_tensor(args[1]).tolist()
+        out = out.clone()
+        out[counts[0]:counts[0] + counts[1]] = 0
+        return out
+    handle = moe.experts.register_forward_hook(zero_expert_1)
+    after, load_after = moe_out_rms(moe, x)
+    handle.remove()
+    assert load_after == load_before and load_after[1] == 4
+    assert before[1] > 0 and after[1] == 0.0
+    assert after[0] == before[0] and after[2] == before[2] and after[3] is None
+    assert after[:3] == pytest.approx(hand_out_rms(moe, x, zeroed=1)[:3], rel=1e-5)
+
+
+def test_out_rms_accumulates_over_micro_batches():
+    """The step's figure is over all its micro-batches: the same as one forward of the whole batch."""
+    ds, model = tiny()
+    batch = Loader(ds, 8).next()
+    whole = moe_summary(*[step_stats(model, [batch])[k] for k in ("moe_load", "moe_out_sq")])
+    split = moe_summary(*[step_stats(model, batch.micro_batches(4))[k] for k in ("moe_load", "moe_out_sq")])
+    assert whole.keys() == split.keys() == {"1"}
+    assert whole["1"]["load"] == split["1"]["load"]
+    assert split["1"]["out_rms"] == pytest.approx(whole["1"]["out_rms"], rel=1e-5)
+    assert len(whole["1"]["out_rms"]) == E
