@@ -13,6 +13,11 @@ Record versions (`version`; a record without one is version 1):
        must match: checkpoint/resume.py MUST_MATCH) and of the data manifest, so a reader sees a
        config or data change across a resume without the first process's config.yaml (a resume
        rewrites it); a declared change is named in that step's events (resume.allow_*_change).
+    4  floor, floor_by_source: the exact loss floor (Batch.floor) per valid label of the global batch,
+       overall and by source (None / {} where the batch has none: real text, a corrupted batch), so a
+       loss can be read as its gap to the floor; state "w/<group>": ‖θ‖ per param group after the update;
+       moe[layer]["out_rms"]: per expert, the RMS of its output (before the gate) over its valid tokens
+       this step (null for an expert with none), so an expert that keeps its load but outputs nothing shows.
 """
 from __future__ import annotations
 
@@ -26,9 +31,11 @@ from typing import Any
 from stability.callbacks import StepState
 
 
-RECORD_VERSION = 3
+RECORD_VERSION = 4
 V2_FIELDS = ("resume", "state", "ranks")  # what a version-1 record lacks (beside inputs.entropy, time_s.cpu)
 V3_FIELDS = ("fingerprint",)              # what a version-2 record lacks
+V4_FIELDS = ("floor", "floor_by_source")  # what a version-3 record lacks (beside V4_SUBFIELDS)
+V4_SUBFIELDS = ("state.w/<group>", "moe.<layer>.out_rms")  # keys inside older fields, new in version 4
 
 
 @dataclass

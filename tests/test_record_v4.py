@@ -1,18 +1,19 @@
-"""StepRecord fields the doctor reads (stability/record.py): the per-rank content hash a reader can recompute
-from the recorded sample ids, ‖θ‖ per param group, the training batch's exact floor by source, and the
-per-expert output RMS.
+"""StepRecord version 4 (stability/record.py): the batch's exact floor by source, ‖θ‖ per param group, the
+per-expert output RMS, and the per-rank content hash a reader can recompute from the recorded sample ids.
 
-Each against a reference that does not call the code under test: the hash from the formula it had before
-it moved into data/batch.py, norms in FP64 over the group's parameters, floors from the batch's own tensors,
-expert outputs from the expert weights by hand.
+Each against a reference that does not call the code under test: floors from the batch's own tensors,
+norms in FP64 over the group's parameters, expert outputs from the expert weights by hand, the hash from
+the formula it had before it moved into data/batch.py.
 """
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
+import yaml
 
 from data import build_data, eval_batches
 from data.batch import IGNORE_INDEX, Batch, content_hash
@@ -21,8 +22,9 @@ from model import ModelConfig, Transformer
 from model.config import MoEConfig
 from model.moe import MoE, grouped_mm_runs
 from optim.accumulate import count_valid_tokens, forward_backward, reduce_step_sums
-from stability.record import batch_floor, floor_by_source
+from stability.record import RECORD_VERSION, V4_FIELDS, batch_floor, floor_by_source
 from stability.telemetry import moe_summary
+from helpers import TINY, run_train
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -246,3 +248,39 @@ def test_out_rms_accumulates_over_micro_batches():
     assert whole["1"]["load"] == split["1"]["load"]
     assert split["1"]["out_rms"] == pytest.approx(whole["1"]["out_rms"], rel=1e-5)
     assert len(whole["1"]["out_rms"]) == E
+
+
+# ---------------------------------------------------------------- a real run
+
+
+def test_a_run_records_v4_fields_and_its_hashes_rebuild_from_the_sample_ids(tmp_path):
+    d = tmp_path / "run"
+    r = run_train(d, *TINY, "train.steps=3", "train.eval_every=3")
+    assert r.returncode == 0, r.stderr[-3000:]
+    records = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    config = yaml.safe_load((d / "config.yaml").read_text())
+    ds = build_data(config["data"])
+    assert len(records) == 3
+    for rec in records:
+        assert rec["version"] == RECORD_VERSION == 4 and all(k in rec for k in V4_FIELDS)
+        first, n = rec["ranks"]["first"], rec["ranks"]["n"]
+        assert first == [rec["batch"]["first"]] and n == [rec["batch"]["size"]]
+        # the loader's next(): samples(range(start, start + b), "train"); micro-batches are contiguous
+        # slices of it, and rank_inputs hashes the rank's whole batch before the split
+        batch = ds.samples(range(first[0], first[0] + n[0]), "train")
+        assert rec["ranks"]["hash"] == [content_hash(batch.tokens)]
+        overall, by = direct_floors(batch, ds.source_names)
+        assert rec["floor"] == pytest.approx(overall, rel=1e-6)
+        assert rec["floor_by_source"].keys() == by.keys() == rec["loss_by_source"].keys()
+        for k in by:
+            assert rec["floor_by_source"][k] == pytest.approx(by[k], rel=1e-6)
+        groups = {k[2:] for k in rec["state"] if k.startswith("m/")}
+        assert groups and groups == {k[2:] for k in rec["state"] if k.startswith("w/")}
+        assert all(rec["state"][f"w/{g}"] > 0 for g in groups)
+        assert rec["moe"]
+        for layer, m in rec["moe"].items():
+            assert len(m["out_rms"]) == len(m["load"])
+            assert all((v is None) == (c == 0) for v, c in zip(m["out_rms"], m["load"])), layer
+            assert all(v > 0 for v in m["out_rms"] if v is not None)
+    ev = records[-1]["eval"]
+    assert ev["floor_by_source"].keys() == ev["by_source"].keys() and ev["floor"] is not None

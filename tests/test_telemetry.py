@@ -16,7 +16,7 @@ from data import build_data
 from data.loader import Loader
 from model import ModelConfig, Transformer
 from optim import build_optimizer
-from optim.accumulate import count_valid_tokens, forward_backward
+from optim.accumulate import count_valid_tokens, forward_backward, reduce_step_sums
 from optim.scaler import DynamicLossScaler
 from parallel import Dist, wrap_model
 from precision import optimizer_step
@@ -46,11 +46,12 @@ def build(tied: bool = True, seed: int = 0):
     return ds, model
 
 
-def step(model, wrapped, opt, tel, mbs, n, scaler=None, world=1, before=None, after=None):
-    """One train.py-shaped step with telemetry; `before` runs after backward, `after` after the update."""
+def step(model, wrapped, opt, tel, mbs, n, scaler=None, world=1, before=None, after=None, record=None):
+    """One train.py-shaped step with telemetry; `before` runs after backward, `after` after the update.
+    With a `record` dict: the step's reduced sums and state_summary (as train.py takes them) land there."""
     tel.start(n)
-    forward_backward(wrapped, mbs, count_valid_tokens(mbs, "cpu"), 1e-4, world, 2,
-                     loss_scale=scaler.scale if scaler else None)
+    n_valid = count_valid_tokens(mbs, "cpu")
+    sums = forward_backward(wrapped, mbs, n_valid, 1e-4, world, 2, loss_scale=scaler.scale if scaler else None)
     if before:
         before(model)
     tel.before_update()
@@ -59,6 +60,12 @@ def step(model, wrapped, opt, tel, mbs, n, scaler=None, world=1, before=None, af
         after(model)
     out = tel.finish(res.coef)
     opt.zero_grad(set_to_none=True)
+    if record is not None:
+        from stability.record import floor_by_source
+        from stability.step_state import state_summary
+        stats = reduce_step_sums(sums, n_valid.item())
+        record.update(floor_by_source=floor_by_source(stats, ["markov", "copy"]), state=state_summary(opt, model),
+                      moe=moe_summary(stats["moe_load"], stats["moe_out_sq"]))
     return out, res
 
 
@@ -356,15 +363,18 @@ def run_steps(dist: Dist, mode: str, micro: int, perturb_rank: int | None = None
     wrapped = wrap_model(model, mode, dist)
     opt, _ = build_optimizer(model, {"lr": 1e-2, "weight_decay": 0.1})  # after sharding: DTensor params
     loader, tel = Loader(ds, BATCH, dist.rank, dist.world), Telemetry(model, every=1)
-    outs = [step(model, wrapped, opt, tel, loader.next().micro_batches(micro), n, world=dist.world)[0]
-            for n in range(1, STEPS + 1)]
+    outs, records = [], []
+    for n in range(1, STEPS + 1):
+        records.append({})
+        outs.append(step(model, wrapped, opt, tel, loader.next().micro_batches(micro), n, world=dist.world,
+                         record=records[-1])[0])
     if perturb_rank is not None:
         def nudge(m):
             if dist.rank == perturb_rank:
                 m.blocks[0].attn.qkv.weight.grad.view(-1)[0] += 1e-3
         outs.append(step(model, wrapped, opt, tel, loader.next().micro_batches(micro), STEPS + 1,
                          world=dist.world, before=nudge)[0])
-    return {"outs": outs}
+    return {"outs": outs, "records": records}
 
 
 def _worker(rank, world, store, out):
@@ -376,11 +386,29 @@ def _worker(rank, world, store, out):
 @pytest.mark.distributed
 def test_ddp_and_fsdp_match_one_process_and_replica_spread_catches_a_lost_reduction(tmp_path):
     # 4 micro-batches of 2 samples = the 2 ranks × 2 micro-batches of the same global batch
-    single = run_steps(Dist(0, 1, 0, torch.device("cpu"), None), "none", micro=4)["outs"]
+    one = run_steps(Dist(0, 1, 0, torch.device("cpu"), None), "none", micro=4)
+    single = one["outs"]
     spawn(_worker, args=(2, str(tmp_path / "store"), str(tmp_path / "out")))
-    for rank in range(2):
-        got = torch.load(tmp_path / f"out.{rank}")
+    ranks = [torch.load(tmp_path / f"out.{rank}") for rank in range(2)]
+    for rank, got in enumerate(ranks):
         for mode in ("ddp", "fsdp"):
+            # record v4: ‖θ‖ per group (FSDP shards summed, DDP replicas once), the global batch's floor by
+            # source, per-expert output RMS: the 1-process figures, and the same on both ranks
+            for ref, rec, other in zip(one["records"], got[mode]["records"], ranks[1 - rank][mode]["records"]):
+                assert rec == other, (mode, rank)
+                assert rec["floor_by_source"].keys() == ref["floor_by_source"].keys() == {"markov", "copy"}
+                for k, v in ref["floor_by_source"].items():
+                    assert close(rec["floor_by_source"][k], v, rel=1e-6), (mode, k)
+                w = [k for k in ref["state"] if k.startswith("w/")]
+                assert w and rec["state"].keys() == ref["state"].keys()
+                for k in w:
+                    assert close(rec["state"][k], ref["state"][k]), (mode, k)
+                assert rec["moe"].keys() == ref["moe"].keys() == {"1", "2"}
+                for layer, m in ref["moe"].items():
+                    assert rec["moe"][layer]["load"] == m["load"]
+                    got_rms = rec["moe"][layer]["out_rms"]
+                    assert [v is None for v in got_rms] == [v is None for v in m["out_rms"]], (mode, layer)
+                    assert all(close(a, b, rel=1e-4) for a, b in zip(got_rms, m["out_rms"]) if b is not None)
             for ref, out in zip(single, got[mode]["outs"][:STEPS]):
                 assert list(out["layers"]) == list(ref["layers"])
                 for k, v in ref["layers"].items():
