@@ -43,6 +43,7 @@ def state_summary(optimizer: torch.optim.Optimizer, model) -> dict[str, float]:
         # the weights the moments belong to, read the same way (a parameter's storage, never its .grad)
         keys.append(f"w/{name}")
         sq.append(_sq_norm([t for t in (local(p.detach()) for p in g["params"]) if t.numel()]))
+    n_param = len(keys)  # entries of parameters and their moments; the MoE biases after them are buffers
     moe = model.moe_layers() if hasattr(model, "moe_layers") else []
     for layer, m in moe:
         keys.append(f"moe_bias/{layer}")
@@ -54,8 +55,9 @@ def state_summary(optimizer: torch.optim.Optimizer, model) -> dict[str, float]:
     world, sharded = _world_and_sharding(model)
     if world > 1:
         vals = all_reduce_sum(vals)
-        if not sharded:  # replicas hold the same state: the sum counted it `world` times
-            vals = vals / world
+        # replicas hold the same state: the sum counted it `world` times. FSDP shards the parameters (and so
+        # their moments) but no buffer: the MoE biases are whole on every rank under FSDP too
+        vals[n_param if sharded else 0:] /= world
     return {k: math.sqrt(v) for k, v in zip(keys, vals.tolist())}
 
 

@@ -20,6 +20,8 @@ from optim.accumulate import count_valid_tokens, forward_backward, reduce_step_s
 from optim.scaler import DynamicLossScaler
 from parallel import Dist, wrap_model
 from precision import optimizer_step
+from stability.record import floor_by_source
+from stability.step_state import state_summary
 from stability.telemetry import Telemetry, first_nonfinite, moe_summary, nonfinite_flags
 from helpers import in_group, spawn
 
@@ -61,8 +63,6 @@ def step(model, wrapped, opt, tel, mbs, n, scaler=None, world=1, before=None, af
     out = tel.finish(res.coef)
     opt.zero_grad(set_to_none=True)
     if record is not None:
-        from stability.record import floor_by_source
-        from stability.step_state import state_summary
         stats = reduce_step_sums(sums, n_valid.item())
         record.update(floor_by_source=floor_by_source(stats, ["markov", "copy"]), state=state_summary(opt, model),
                       moe=moe_summary(stats["moe_load"], stats["moe_out_sq"]))
@@ -374,7 +374,10 @@ def run_steps(dist: Dist, mode: str, micro: int, perturb_rank: int | None = None
                 m.blocks[0].attn.qkv.weight.grad.view(-1)[0] += 1e-3
         outs.append(step(model, wrapped, opt, tel, loader.next().micro_batches(micro), STEPS + 1,
                          world=dist.world, before=nudge)[0])
-    return {"outs": outs, "records": records}
+    with torch.no_grad():  # a bias as the balancing update leaves it: the same on every rank
+        for i, m in model.moe_layers():
+            m.bias_E.copy_(torch.linspace(-1.0, 0.5 * i, m.n_experts))
+    return {"outs": outs, "records": records, "biased": state_summary(opt, model)}
 
 
 def _worker(rank, world, store, out):
@@ -409,6 +412,8 @@ def test_ddp_and_fsdp_match_one_process_and_replica_spread_catches_a_lost_reduct
                     got_rms = rec["moe"][layer]["out_rms"]
                     assert [v is None for v in got_rms] == [v is None for v in m["out_rms"]], (mode, layer)
                     assert all(close(a, b, rel=1e-4) for a, b in zip(got_rms, m["out_rms"]) if b is not None)
+            bias = {k: v for k, v in got[mode]["biased"].items() if k.startswith("moe_bias/")}
+            assert len(bias) == 2 and all(close(v, one["biased"][k], rel=1e-12) for k, v in bias.items()), (mode, bias)
             for ref, out in zip(single, got[mode]["outs"][:STEPS]):
                 assert list(out["layers"]) == list(ref["layers"])
                 for k, v in ref["layers"].items():
