@@ -129,7 +129,7 @@ def train(run: Run) -> None:
 
         for layer, moe in model.moe_layers() if not res.skipped else ():  # a vetoed step moves no state
             moe.update_bias(s.stats["moe_load"][layer].to(dev))  # aux-loss-free balancing, global loads
-        s.moe = moe_summary(s.stats["moe_load"])
+        s.moe = moe_summary(s.stats["moe_load"], s.stats["moe_out_sq"])
         s.opt_state = state_summary(optimizer, model)  # ‖m‖, ‖v‖ per group, MoE bias norms (collective)
         # from those norms, every step: the optimizer state holds no inf/NaN (the guard's post-update check);
         # state beside the moments (Muon's momentum) on telemetry steps only (s.post is theirs)
@@ -169,7 +169,8 @@ def train(run: Run) -> None:
 def evaluate(model, batches, names, device) -> dict:
     """Loss per valid token on the fixed validation samples, by source, beside the exact floor."""
     S = len(names)
-    acc = torch.zeros(3 + 2 * S, dtype=torch.float64)  # loss, tokens, floor, loss by source, tokens by source
+    # loss, tokens, floor, loss by source, tokens by source, floor by source
+    acc = torch.zeros(3 + 3 * S, dtype=torch.float64)
     for b in batches:
         b = b.to(device)
         out = model(b.tokens, b.labels)
@@ -177,12 +178,15 @@ def evaluate(model, batches, names, device) -> dict:
         acc[1] += out.n_valid.item()
         if b.floor is not None:
             acc[2] += b.floor.double().sum().item()
+            acc[3 + 2 * S:].index_add_(0, b.sources.cpu(), b.floor.double().sum(-1).cpu())
         acc[3:3 + S].index_add_(0, b.sources.cpu(), out.loss_sum_B.double().cpu())
-        acc[3 + S:].index_add_(0, b.sources.cpu(), out.n_valid_B.double().cpu())
+        acc[3 + S:3 + 2 * S].index_add_(0, b.sources.cpu(), out.n_valid_B.double().cpu())
     acc = all_reduce_sum(acc.to(device)).cpu().tolist()
-    result = {"loss": acc[0] / acc[1], "tokens": int(acc[1]),
-              "floor": acc[2] / acc[1] if batches and batches[0].floor is not None else None}
+    has_floor = bool(batches) and batches[0].floor is not None
+    result = {"loss": acc[0] / acc[1], "tokens": int(acc[1]), "floor": acc[2] / acc[1] if has_floor else None}
     result["by_source"] = {n: acc[3 + i] / acc[3 + S + i] for i, n in enumerate(names) if acc[3 + S + i]}
+    result["floor_by_source"] = ({n: acc[3 + 2 * S + i] / acc[3 + S + i] for i, n in enumerate(names)
+                                  if acc[3 + S + i]} if has_floor else {})
     return result
 
 

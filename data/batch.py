@@ -8,6 +8,19 @@ import torch
 # Same value as torch.nn.functional.cross_entropy's default ignore_index, so labels go straight in.
 IGNORE_INDEX = -100
 
+# NOTE: a fixed odd multiplier per position mod a prime below 2^31: the hash stays an exact integer in
+# float64 after stability/step_state.py's all-reduce (every other rank adds 0 to this rank's slot).
+HASH_MOD = 2_147_483_629
+
+
+def content_hash(tokens: torch.Tensor) -> int:
+    """A position-weighted hash of the tokens in row-major order, in [0, HASH_MOD): the per-rank hash of
+    StepRecord.ranks, so a reader can recompute it from the sample ids a record names
+    (dataset.samples(range(first, first + n), "train").tokens)."""
+    tok = tokens.detach().cpu().long().flatten()
+    w = torch.arange(1, tok.numel() + 1, dtype=torch.int64) * 2 + 1
+    return int(((tok + 1) * w % HASH_MOD).sum() % HASH_MOD)
+
 
 @dataclass
 class Batch:

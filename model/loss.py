@@ -22,6 +22,7 @@ class ModelOutput:
     logit_max: Tensor  # scalar detached: max |logit| over the batch
     moe_load: dict[int, Tensor] = field(default_factory=dict)  # layer -> load_E (detached)
     moe_aux: dict[int, Tensor] = field(default_factory=dict)   # layer -> detached [balance, router z]
+    moe_out_sq: dict[int, Tensor] = field(default_factory=dict)  # layer -> MoEOutput.out_sq_E (detached)
     logits: Tensor | None = None  # (B, T, V), only when asked for (or labels is None)
 
 

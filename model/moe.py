@@ -23,6 +23,9 @@ class MoEOutput(NamedTuple):
     router_z: Tensor       # scalar z_router, with grad
     load_E: Tensor         # (E,) fp32 detached: assignments of valid tokens per expert (sums to k·n_valid)
     route_ids_Nk: Tensor   # (N, k) int64: the experts each token went to
+    # (E,) fp32 detached: Σ over the valid assignments of expert e of its output row's mean square, before
+    # the gate weight (÷ load_E → the expert's output mean square; 0 where load_E is 0)
+    out_sq_E: Tensor | None = None
 
 
 class GroupedExperts(nn.Module):
@@ -216,12 +219,13 @@ class MoE(nn.Module):
 
         if valid_N is None:
             load_E, n = counts_E.detach().to(torch.float32), N
-            valid_N = torch.ones(N, dtype=torch.bool, device=x.device)
+            valid_N, valid_M = torch.ones(N, dtype=torch.bool, device=x.device), None
         else:
             valid_N = valid_N.reshape(N)
             valid_M = valid_N.repeat_interleave(k)  # (n k) order, like ids_M
             load_E = torch.zeros(E, dtype=torch.float32, device=x.device).index_add_(0, ids_M, valid_M.float())
             n = valid_N.sum()
+        out_sq_E = self._out_sq(out_MD, ids_M[order_M], valid_M[order_M] if valid_M is not None else None)
         n_f = torch.as_tensor(n, dtype=logits_NE.dtype, device=x.device).clamp(min=1)  # all-padding: losses 0
         # Switch balance loss: E·Σ_e f_e·P_e is 1 at uniform routing; f carries no gradient, P does.
         probs_NE = scores_NE if self.cfg.score == "softmax" else scores_NE / scores_NE.sum(-1, keepdim=True)
@@ -232,7 +236,18 @@ class MoE(nn.Module):
         # Router z-loss (ST-MoE): keeps router logits small so the softmax stays out of saturation.
         router_z = torch.where(valid_N, torch.logsumexp(logits_NE, dim=-1).square(), 0.0).sum() / n_f
         aux = self.cfg.balance_coef * balance + self.cfg.router_z_coef * router_z
-        return MoEOutput(y_ND.to(x.dtype).reshape(x.shape), aux, balance, router_z, load_E, route_ids_Nk)
+        return MoEOutput(y_ND.to(x.dtype).reshape(x.shape), aux, balance, router_z, load_E, route_ids_Nk,
+                         out_sq_E)
+
+    @torch.no_grad()
+    def _out_sq(self, out_MD: Tensor, ids_M: Tensor, valid_M: Tensor | None) -> Tensor:
+        """(E,) Σ over valid rows of each expert of ‖row‖²/D: read from the expert output already computed
+        (whichever path produced it, after any forward hook on self.experts), one norm per row."""
+        ms_M = torch.linalg.vector_norm(out_MD.detach(), dim=-1, dtype=torch.float32).square() / out_MD.shape[-1]
+        if valid_M is not None:
+            # NOTE: where, not multiply-by-mask: a padding row's inf must not reach a valid expert's sum as NaN
+            ms_M = torch.where(valid_M, ms_M, 0.0)
+        return torch.zeros(self.n_experts, dtype=torch.float32, device=out_MD.device).index_add_(0, ids_M, ms_M)
 
     @torch.no_grad()
     def update_bias(self, load_E: Tensor) -> None:

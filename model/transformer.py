@@ -137,6 +137,7 @@ class Transformer(nn.Module):
             logit_max=logits_BTV.detach().abs().max().float(),
             moe_load={i: m.load_E for i, m in moe_outs.items()},
             moe_aux={i: torch.stack([m.balance_loss, m.router_z]).detach() for i, m in moe_outs.items()},
+            moe_out_sq={i: m.out_sq_E for i, m in moe_outs.items() if m.out_sq_E is not None},
             logits=logits_BTV if (return_logits or losses is None) else None,
         )
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from data.batch import IGNORE_INDEX
 from parallel.dist import all_reduce_max, all_reduce_sum
 from parallel.wrap import no_sync
 
@@ -35,6 +36,9 @@ class StepSums:
     tokens_by_source: torch.Tensor  # (S,) valid-token counts
     samples_by_source: torch.Tensor  # (S,) documents
     moe_load: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> (E,) summed over micro-batches
+    # layer -> (E,) Σ over valid assignments of the expert output's mean square per row (before the gate)
+    moe_out_sq: dict[int, torch.Tensor] = field(default_factory=dict)
+    floor_by_source: torch.Tensor | None = None  # (S,) Σ of Batch.floor over valid labels; None: no floor
 
 
 def count_valid_tokens(micro_batches, device) -> torch.Tensor:
@@ -63,6 +67,9 @@ def forward_backward(wrapped, micro_batches, n_valid_global: torch.Tensor, z_coe
         tokens_by_source=torch.zeros(n_sources, device=device),
         samples_by_source=torch.zeros(n_sources, device=device),
     )
+    # NOTE: every micro-batch or none: a floor known for only part of the batch is no floor of the batch
+    if all(mb.floor is not None for mb in micro_batches):
+        sums.floor_by_source = torch.zeros(n_sources, device=device)
     for i, mb in enumerate(micro_batches):
         last = i == len(micro_batches) - 1
         with no_sync(wrapped, last):
@@ -82,6 +89,12 @@ def forward_backward(wrapped, micro_batches, n_valid_global: torch.Tensor, z_coe
         sums.samples_by_source.index_add_(0, mb.sources, torch.ones_like(mb.sources, dtype=torch.float32))
         for layer, load in out.moe_load.items():
             sums.moe_load[layer] = sums.moe_load.get(layer, 0) + load
+        for layer, sq in out.moe_out_sq.items():
+            sums.moe_out_sq[layer] = sums.moe_out_sq.get(layer, 0) + sq
+        if sums.floor_by_source is not None:
+            valid = mb.labels != IGNORE_INDEX
+            floor_B = torch.where(valid, mb.floor, 0.0).sum(-1, dtype=torch.float32)
+            sums.floor_by_source.index_add_(0, mb.sources, floor_B)
     return sums
 
 
@@ -90,13 +103,22 @@ def reduce_step_sums(sums: StepSums, n_valid_global: float) -> dict:
     """Every rank's sums → global step statistics, in one SUM all-reduce (+ one MAX when distributed).
 
     The MoE loads ride in the same collective because the balancing-bias update needs them global on
-    every rank anyway (each rank must move its bias copy identically).
+    every rank anyway (each rank must move its bias copy identically). The floor sums and the expert
+    output squares ride after them, so the entries before keep their positions.
     """
     layers = sorted(sums.moe_load)
     S = sums.loss_by_source.numel()
+    dev = sums.loss_by_source.device
+    # NOTE: a rank without a floor (real text, a corrupted shard) adds 1 to `floorless`: the global floor
+    # exists only when no rank lacks one, and every rank must enter the same collective either way
+    has_floor = sums.floor_by_source is not None
+    floor_S = sums.floor_by_source if has_floor else torch.zeros(S, device=dev)
+    out_layers = [l for l in layers if l in sums.moe_out_sq]
     packed = torch.cat([torch.stack([sums.loss_sum, sums.z_sum, sums.aux_weighted]).float(),
                         sums.loss_by_source, sums.tokens_by_source, sums.samples_by_source,
-                        *[sums.moe_load[l].float() for l in layers]])
+                        *[sums.moe_load[l].float() for l in layers],
+                        floor_S.float(), torch.tensor([0.0 if has_floor else 1.0], device=dev),
+                        *[sums.moe_out_sq[l].float() for l in out_layers]])
     packed = all_reduce_sum(packed).tolist()
     logit_max = all_reduce_max(sums.logit_max.detach().clone().float()).item()
     by_src = packed[3:3 + 3 * S]
@@ -104,6 +126,13 @@ def reduce_step_sums(sums: StepSums, n_valid_global: float) -> dict:
     for l in layers:
         E = sums.moe_load[l].numel()
         loads[l] = torch.tensor(packed[at:at + E])
+        at += E
+    floor_by_source, floorless = packed[at:at + S], packed[at + S]
+    at += S + 1
+    out_sq = {}
+    for l in out_layers:
+        E = sums.moe_out_sq[l].numel()
+        out_sq[l] = packed[at:at + E]
         at += E
     return {
         "loss": packed[0] / n_valid_global,
@@ -114,4 +143,6 @@ def reduce_step_sums(sums: StepSums, n_valid_global: float) -> dict:
         "samples_by_source": by_src[2 * S:],
         "logit_max": logit_max,
         "moe_load": loads,
+        "floor_sum_by_source": floor_by_source if floorless == 0 else None,
+        "moe_out_sq": out_sq,
     }

@@ -13,6 +13,11 @@ Record versions (`version`; a record without one is version 1):
        must match: checkpoint/resume.py MUST_MATCH) and of the data manifest, so a reader sees a
        config or data change across a resume without the first process's config.yaml (a resume
        rewrites it); a declared change is named in that step's events (resume.allow_*_change).
+    4  floor, floor_by_source: the exact loss floor (Batch.floor) per valid label of the global batch,
+       overall and by source (None / {} where the batch has none: real text, a corrupted batch), so a
+       loss can be read as its gap to the floor; state "w/<group>": ‖θ‖ per param group after the update;
+       moe[layer]["out_rms"]: per expert, the RMS of its output (before the gate) over its valid tokens
+       this step (null for an expert with none), so an expert that keeps its load but outputs nothing shows.
 """
 from __future__ import annotations
 
@@ -26,9 +31,11 @@ from typing import Any
 from stability.callbacks import StepState
 
 
-RECORD_VERSION = 3
+RECORD_VERSION = 4
 V2_FIELDS = ("resume", "state", "ranks")  # what a version-1 record lacks (beside inputs.entropy, time_s.cpu)
 V3_FIELDS = ("fingerprint",)              # what a version-2 record lacks
+V4_FIELDS = ("floor", "floor_by_source")  # what a version-3 record lacks (beside V4_SUBFIELDS)
+V4_SUBFIELDS = ("state.w/<group>", "moe.<layer>.out_rms")  # keys inside older fields, new in version 4
 
 
 @dataclass
@@ -80,6 +87,9 @@ class StepRecord:
     ranks: dict[str, list] = field(default_factory=dict)  # first, n, hash, loss: one entry per rank
     # version 3
     fingerprint: dict[str, str] = field(default_factory=dict)  # config group -> 8 hex; "data" -> manifest (12 hex)
+    # version 4
+    floor: float | None = None  # mean Batch.floor per valid label of the global batch (None: no floor)
+    floor_by_source: dict[str, float] = field(default_factory=dict)  # the same per source present
     version: int = RECORD_VERSION
 
     def to_json(self) -> str:
@@ -109,6 +119,7 @@ def step_record(s: StepState, *, tokens: int, world: int, batch_size: int, seq_l
         routing=s.routing, time_s=s.time_s, tokens_per_s=batch_size * seq_len / s.time_s["total"],
         memory_mb=peak_memory_mb(device), events=s.events, eval=s.eval, ckpt_id=ckpt_id,
         resume=resume_marker(s.events), state=s.opt_state, ranks=s.ranks, fingerprint=fingerprint or {},
+        floor=batch_floor(st), floor_by_source=floor_by_source(st, names),
     )
 
 
@@ -132,6 +143,20 @@ def config_fingerprint(config) -> dict[str, str]:
 def loss_by_source(stats: dict, names: list[str]) -> dict[str, float]:
     """CE per valid token of each source present in the global batch."""
     return {n: s / c for n, s, c in zip(names, stats["loss_sum_by_source"], stats["tokens_by_source"]) if c}
+
+
+def floor_by_source(stats: dict, names: list[str]) -> dict[str, float]:
+    """Mean exact floor per valid token of each source present in the global batch ({} without a floor)."""
+    sums = stats.get("floor_sum_by_source")
+    if sums is None:
+        return {}
+    return {n: f / c for n, f, c in zip(names, sums, stats["tokens_by_source"]) if c}
+
+
+def batch_floor(stats: dict) -> float | None:
+    """Mean exact floor per valid token of the global batch (None without a floor or without a token)."""
+    sums, n = stats.get("floor_sum_by_source"), sum(stats["tokens_by_source"])
+    return sum(sums) / n if sums is not None and n else None
 
 
 def peak_memory_mb(device) -> float:

@@ -1,7 +1,7 @@
 """StepRecord fields the doctor needs at resume boundaries, per rank and per step of CPU (record
 version 2; stability/record.py). Each is cheap enough for every step.
 
-    state = state_summary(optimizer, model)     # ‖m‖, ‖v‖ per param group; ‖bias‖ per MoE layer
+    state = state_summary(optimizer, model)     # ‖m‖, ‖v‖, ‖θ‖ per param group; ‖bias‖ per MoE layer
     ranks = rank_inputs(local_batch, sums, world, rank)   # per-rank sample ids, content hash, local loss
     resume = resume_marker(events_now)          # stability/record.py: {"from": checkpoint, "step": s} on a resume's first step
     cpu = cpu_clock()                           # process CPU seconds (all threads)
@@ -17,17 +17,14 @@ import time
 
 import torch
 
+from data.batch import content_hash
 from parallel.dist import all_reduce_max, all_reduce_sum
 from stability.telemetry_layers import is_sharded, local, norms
 
-# NOTE: a fixed odd multiplier per position mod a prime below 2^31: the hash stays an exact integer in
-# float64 after the all-reduce (every other rank adds 0 to this rank's slot).
-_HASH_MOD = 2_147_483_629
-
 
 def state_summary(optimizer: torch.optim.Optimizer, model) -> dict[str, float]:
-    """{"m/<group>": ‖exp_avg‖, "v/<group>": ‖exp_avg_sq‖, "moe_bias/<layer>": ‖bias_E‖}. Global norms
-    (one SUM all-reduce of squares: FSDP shards add up; DDP replicas are divided by the world)."""
+    """{"m/<group>": ‖exp_avg‖, "v/<group>": ‖exp_avg_sq‖, "w/<group>": ‖θ‖, "moe_bias/<layer>": ‖bias_E‖}.
+    Global norms (one SUM all-reduce of squares: FSDP shards add up; DDP replicas are divided by the world)."""
     keys, sq = [], []
     for i, g in enumerate(optimizer.param_groups):
         name = str(g.get("name", f"group{i}"))
@@ -42,7 +39,11 @@ def state_summary(optimizer: torch.optim.Optimizer, model) -> dict[str, float]:
             # trailing baseline for a resume's first step needs the steps before it. It reads them on a log
             # scale with a 15 % floor (doctor/timeline.py FLOOR_STATE): FP32's ~1e-7 is nothing. A finite
             # norm proves every element finite: state_nonfinite() reads the flag from these same norms.
-            sq.append(norms(ts, ts[0].device).square().sum() if ts else torch.zeros((), dtype=torch.float64))
+            sq.append(_sq_norm(ts))
+        # the weights the moments belong to, read the same way (a parameter's storage, never its .grad)
+        keys.append(f"w/{name}")
+        sq.append(_sq_norm([t for t in (local(p.detach()) for p in g["params"]) if t.numel()]))
+    n_param = len(keys)  # entries of parameters and their moments; the MoE biases after them are buffers
     moe = model.moe_layers() if hasattr(model, "moe_layers") else []
     for layer, m in moe:
         keys.append(f"moe_bias/{layer}")
@@ -54,9 +55,15 @@ def state_summary(optimizer: torch.optim.Optimizer, model) -> dict[str, float]:
     world, sharded = _world_and_sharding(model)
     if world > 1:
         vals = all_reduce_sum(vals)
-        if not sharded:  # replicas hold the same state: the sum counted it `world` times
-            vals = vals / world
+        # replicas hold the same state: the sum counted it `world` times. FSDP shards the parameters (and so
+        # their moments) but no buffer: the MoE biases are whole on every rank under FSDP too
+        vals[n_param if sharded else 0:] /= world
     return {k: math.sqrt(v) for k, v in zip(keys, vals.tolist())}
+
+
+def _sq_norm(ts: list[torch.Tensor]) -> torch.Tensor:
+    """Σ‖t‖² in FP64 (0 for no tensor) from one fused norm per tensor (telemetry_layers.norms)."""
+    return norms(ts, ts[0].device).square().sum() if ts else torch.zeros((), dtype=torch.float64)
 
 
 def state_nonfinite(optimizer: torch.optim.Optimizer, summary: dict[str, float], others: bool = True) -> bool:
@@ -93,9 +100,7 @@ def rank_inputs(local_batch, sums, world: int, rank: int, device) -> dict[str, l
     """Per rank: first sample id, sample count, a content hash of its tokens, its local loss per valid
     token. One SUM all-reduce of a (4, world) table in which each rank fills its own column."""
     ids = local_batch.sample_ids
-    tok = local_batch.tokens.cpu().long().flatten()
-    w = torch.arange(1, tok.numel() + 1, dtype=torch.int64) * 2 + 1
-    h = int(((tok + 1) * w % _HASH_MOD).sum() % _HASH_MOD)
+    h = content_hash(local_batch.tokens)
     n_valid = float(sums.tokens_by_source.sum())
     loss = float(sums.loss_sum) / n_valid if n_valid else math.nan
     table = torch.zeros(4, world, dtype=torch.float64)

@@ -255,9 +255,13 @@ def _mlp_out(out):
     return out if isinstance(out, Tensor) else out.y  # an MoE returns MoEOutput
 
 
-def moe_summary(loads: dict[int, Tensor]) -> dict[str, dict]:
-    """{layer: {"load": tokens per expert, "max_violation": max_e load_e/mean(load) − 1, "dead": #zero}}
-    from the global (all-reduced) assignment counts; cheap enough for every step."""
+def moe_summary(loads: dict[int, Tensor], out_sq: dict[int, list[float]] | None = None) -> dict[str, dict]:
+    """{layer: {"load": tokens per expert, "max_violation": max_e load_e/mean(load) − 1, "dead": #zero,
+    "out_rms": per expert the RMS of its output before the gate (None for an expert with no token)}} from
+    the global (all-reduced) assignment counts and output squares; cheap enough for every step.
+
+    out_rms tells an expert that still receives tokens but outputs nothing (a zeroed or collapsed expert:
+    load unchanged, out_rms → 0) from one that receives none (dead)."""
     out = {}
     for layer in sorted(loads):
         load_E = torch.as_tensor(loads[layer]).detach().to("cpu", torch.float64)
@@ -268,6 +272,10 @@ def moe_summary(loads: dict[int, Tensor]) -> dict[str, dict]:
         violation = load_E.max().item() / mean - 1.0 if mean > 0 else 0.0
         out[str(layer)] = {"load": [round(v) for v in load_E.tolist()], "max_violation": violation,
                            "dead": int((load_E == 0).sum())}
+        if out_sq and layer in out_sq:
+            sq_E = torch.as_tensor(out_sq[layer]).detach().to("cpu", torch.float64).tolist()
+            out[str(layer)]["out_rms"] = [math.sqrt(sq / n) if n > 0 else None
+                                          for sq, n in zip(sq_E, load_E.tolist())]
     return out
 
 

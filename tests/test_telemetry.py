@@ -16,10 +16,12 @@ from data import build_data
 from data.loader import Loader
 from model import ModelConfig, Transformer
 from optim import build_optimizer
-from optim.accumulate import count_valid_tokens, forward_backward
+from optim.accumulate import count_valid_tokens, forward_backward, reduce_step_sums
 from optim.scaler import DynamicLossScaler
 from parallel import Dist, wrap_model
 from precision import optimizer_step
+from stability.record import floor_by_source
+from stability.step_state import state_summary
 from stability.telemetry import Telemetry, first_nonfinite, moe_summary, nonfinite_flags
 from helpers import in_group, spawn
 
@@ -46,11 +48,12 @@ def build(tied: bool = True, seed: int = 0):
     return ds, model
 
 
-def step(model, wrapped, opt, tel, mbs, n, scaler=None, world=1, before=None, after=None):
-    """One train.py-shaped step with telemetry; `before` runs after backward, `after` after the update."""
+def step(model, wrapped, opt, tel, mbs, n, scaler=None, world=1, before=None, after=None, record=None):
+    """One train.py-shaped step with telemetry; `before` runs after backward, `after` after the update.
+    With a `record` dict: the step's reduced sums and state_summary (as train.py takes them) land there."""
     tel.start(n)
-    forward_backward(wrapped, mbs, count_valid_tokens(mbs, "cpu"), 1e-4, world, 2,
-                     loss_scale=scaler.scale if scaler else None)
+    n_valid = count_valid_tokens(mbs, "cpu")
+    sums = forward_backward(wrapped, mbs, n_valid, 1e-4, world, 2, loss_scale=scaler.scale if scaler else None)
     if before:
         before(model)
     tel.before_update()
@@ -59,6 +62,10 @@ def step(model, wrapped, opt, tel, mbs, n, scaler=None, world=1, before=None, af
         after(model)
     out = tel.finish(res.coef)
     opt.zero_grad(set_to_none=True)
+    if record is not None:
+        stats = reduce_step_sums(sums, n_valid.item())
+        record.update(floor_by_source=floor_by_source(stats, ["markov", "copy"]), state=state_summary(opt, model),
+                      moe=moe_summary(stats["moe_load"], stats["moe_out_sq"]))
     return out, res
 
 
@@ -356,15 +363,21 @@ def run_steps(dist: Dist, mode: str, micro: int, perturb_rank: int | None = None
     wrapped = wrap_model(model, mode, dist)
     opt, _ = build_optimizer(model, {"lr": 1e-2, "weight_decay": 0.1})  # after sharding: DTensor params
     loader, tel = Loader(ds, BATCH, dist.rank, dist.world), Telemetry(model, every=1)
-    outs = [step(model, wrapped, opt, tel, loader.next().micro_batches(micro), n, world=dist.world)[0]
-            for n in range(1, STEPS + 1)]
+    outs, records = [], []
+    for n in range(1, STEPS + 1):
+        records.append({})
+        outs.append(step(model, wrapped, opt, tel, loader.next().micro_batches(micro), n, world=dist.world,
+                         record=records[-1])[0])
     if perturb_rank is not None:
         def nudge(m):
             if dist.rank == perturb_rank:
                 m.blocks[0].attn.qkv.weight.grad.view(-1)[0] += 1e-3
         outs.append(step(model, wrapped, opt, tel, loader.next().micro_batches(micro), STEPS + 1,
                          world=dist.world, before=nudge)[0])
-    return {"outs": outs}
+    with torch.no_grad():  # a bias as the balancing update leaves it: the same on every rank
+        for i, m in model.moe_layers():
+            m.bias_E.copy_(torch.linspace(-1.0, 0.5 * i, m.n_experts))
+    return {"outs": outs, "records": records, "biased": state_summary(opt, model)}
 
 
 def _worker(rank, world, store, out):
@@ -376,11 +389,31 @@ def _worker(rank, world, store, out):
 @pytest.mark.distributed
 def test_ddp_and_fsdp_match_one_process_and_replica_spread_catches_a_lost_reduction(tmp_path):
     # 4 micro-batches of 2 samples = the 2 ranks × 2 micro-batches of the same global batch
-    single = run_steps(Dist(0, 1, 0, torch.device("cpu"), None), "none", micro=4)["outs"]
+    one = run_steps(Dist(0, 1, 0, torch.device("cpu"), None), "none", micro=4)
+    single = one["outs"]
     spawn(_worker, args=(2, str(tmp_path / "store"), str(tmp_path / "out")))
-    for rank in range(2):
-        got = torch.load(tmp_path / f"out.{rank}")
+    ranks = [torch.load(tmp_path / f"out.{rank}") for rank in range(2)]
+    for rank, got in enumerate(ranks):
         for mode in ("ddp", "fsdp"):
+            # record v4: ‖θ‖ per group (FSDP shards summed, DDP replicas once), the global batch's floor by
+            # source, per-expert output RMS: the 1-process figures, and the same on both ranks
+            for ref, rec, other in zip(one["records"], got[mode]["records"], ranks[1 - rank][mode]["records"]):
+                assert rec == other, (mode, rank)
+                assert rec["floor_by_source"].keys() == ref["floor_by_source"].keys() == {"markov", "copy"}
+                for k, v in ref["floor_by_source"].items():
+                    assert close(rec["floor_by_source"][k], v, rel=1e-6), (mode, k)
+                w = [k for k in ref["state"] if k.startswith("w/")]
+                assert w and rec["state"].keys() == ref["state"].keys()
+                for k in w:
+                    assert close(rec["state"][k], ref["state"][k]), (mode, k)
+                assert rec["moe"].keys() == ref["moe"].keys() == {"1", "2"}
+                for layer, m in ref["moe"].items():
+                    assert rec["moe"][layer]["load"] == m["load"]
+                    got_rms = rec["moe"][layer]["out_rms"]
+                    assert [v is None for v in got_rms] == [v is None for v in m["out_rms"]], (mode, layer)
+                    assert all(close(a, b, rel=1e-4) for a, b in zip(got_rms, m["out_rms"]) if b is not None)
+            bias = {k: v for k, v in got[mode]["biased"].items() if k.startswith("moe_bias/")}
+            assert len(bias) == 2 and all(close(v, one["biased"][k], rel=1e-12) for k, v in bias.items()), (mode, bias)
             for ref, out in zip(single, got[mode]["outs"][:STEPS]):
                 assert list(out["layers"]) == list(ref["layers"])
                 for k, v in ref["layers"].items():
@@ -395,7 +428,7 @@ def test_ddp_and_fsdp_match_one_process_and_replica_spread_catches_a_lost_reduct
         assert all(o["replica"] == {} for o in got["fsdp"]["outs"])  # shards differ by design: no spread
 
 
-def test_state_summary_equals_fp64_norms_of_the_moments():
+def test_state_summary_equals_fp64_norms_of_the_moments_and_weights():
     """stability/step_state.py takes FP32 fused norms (cheap enough for every step); the doctor compares
     them across a resume, so they must equal the exact FP64 norms to FP32 precision, per group."""
     from stability.step_state import state_summary
@@ -415,7 +448,10 @@ def test_state_summary_equals_fp64_norms_of_the_moments():
         for slot, short in (("exp_avg", "m"), ("exp_avg_sq", "v")):
             sq = sum(opt.state[p][slot].double().square().sum().item() for p in g["params"])
             expect[f"{short}/{g.get('name', f'group{i}')}"] = math.sqrt(sq)
+        # ‖θ‖ per group: torch's own FP64 norm over the group's parameters, the moments' reference above
+        expect[f"w/{g.get('name', f'group{i}')}"] = torch.linalg.vector_norm(
+            torch.cat([p.detach().double().flatten() for p in g["params"]])).item()
     expect.update({f"moe_bias/{i}": m.bias_E.double().norm().item() for i, m in model.moe_layers()})
-    assert got.keys() == expect.keys() and len(expect) == 2 * len(opt.param_groups) + 2
+    assert got.keys() == expect.keys() and len(expect) == 3 * len(opt.param_groups) + 2
     for k, v in expect.items():
         assert v > 0 and abs(got[k] - v) <= 1e-6 * v, (k, got[k], v)
