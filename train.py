@@ -185,6 +185,7 @@ def evaluate(model, batches, names, device) -> dict:
     has_floor = bool(batches) and batches[0].floor is not None
     result = {"loss": acc[0] / acc[1], "tokens": int(acc[1]), "floor": acc[2] / acc[1] if has_floor else None}
     result["by_source"] = {n: acc[3 + i] / acc[3 + S + i] for i, n in enumerate(names) if acc[3 + S + i]}
+    result["tokens_by_source"] = {n: int(acc[3 + S + i]) for i, n in enumerate(names) if acc[3 + S + i]}
     result["floor_by_source"] = ({n: acc[3 + 2 * S + i] / acc[3 + S + i] for i, n in enumerate(names)
                                   if acc[3 + S + i]} if has_floor else {})
     return result

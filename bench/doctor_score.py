@@ -192,6 +192,7 @@ def main(argv=None) -> int:
     ap.add_argument("--reuse", help="a directory of runs trained before (skip training)")
     ap.add_argument("--keep", help="train into this directory (default: a temporary one)")
     ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--out", help="also write the table and the summary lines (markdown) to this file")
     args = ap.parse_args(argv)
     use_job(args.job, args.step, args.seed)
     unknown = [n for n in args.faults if n not in BY_NAME]
@@ -217,20 +218,31 @@ def main(argv=None) -> int:
         nat = [i for i in rep.get("incidents") or [] if i.get("judgement") == "natural"]
         clean.append({"seed": s, "class": rep["class"], "ok": rep["class"] == "healthy", "natural": len(nat),
                       "scored": scored_steps(root / f"clean_seed{s}"), "summary": rep["summary"][:110] + g})
+    lines: list[str] = []
+
+    def emit(x: str = "") -> None:
+        print(x)
+        lines.append(x)
     early = any(r["before"] for r in rows)  # incidents before the fault: a column only when there are any
-    print("| fault | expected class / layer / step | doctor | class | layer | step ±1 |" + (" before S |" if early else ""))
-    print("|---|---|---|---|---|---|" + ("---|" if early else ""))
+    emit("| fault | expected class / layer / step | doctor | class | layer | step ±1 |" + (" before S |" if early else ""))
+    emit("|---|---|---|---|---|---|" + ("---|" if early else ""))
     for r in rows:
         m = lambda b: "✓" if b else "✗"  # noqa: E731
-        print(f"| {r['fault']} | {r['expect']} | {r['got']} | {m(r['class'])} | {m(r['layer'])} | {m(r['step'])} |"
+        emit(f"| {r['fault']} | {r['expect']} | {r['got']} | {m(r['class'])} | {m(r['layer'])} | {m(r['step'])} |"
               + (f" {r['before'] or '—'} |" if early else ""))
-    print(f"\nfaults scored on the headline: {sum(r['ok'] for r in rows)} of {len(rows)} (class, layer and step ±1); "
+    emit()
+    emit(f"faults scored on the headline: {sum(r['ok'] for r in rows)} of {len(rows)} (class, layer and step ±1); "
           f"on the fault's own incident: {sum(r['incident'] for r in rows)} of {len(rows)}")
     for c in clean:
-        print(f"clean seed {c['seed']}: {c['class']} — {c['summary']}")
+        emit(f"clean seed {c['seed']}: {c['class']} — {c['summary']}")
     bad, steps = sum(not c["ok"] for c in clean), sum(c["scored"] for c in clean)
-    print(f"clean runs: {bad} with a false fault in {len(clean)} ({1000 * bad / max(steps, 1):.2f} per 1000 scored "
+    emit(f"clean runs: {bad} with a false fault in {len(clean)} ({1000 * bad / max(steps, 1):.2f} per 1000 scored "
           f"steps); {sum(c['natural'] for c in clean)} incident(s) judged natural")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        head = (f"# Doctor scores: `python bench/doctor_score.py {' '.join(argv if argv is not None else sys.argv[1:])}`\n\n"
+                f"Job {args.job}, fault step {S}; scored on the report's headline (class, timeline layer, step ±1).\n")
+        Path(args.out).write_text(head + "\n" + "\n".join(lines) + "\n")
     print(f"runs: {root}")
     if not args.keep and not args.reuse:
         shutil.rmtree(root, ignore_errors=True)

@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 
 from doctor import report as doctor_report
+from doctor.fixes import fix_for
 from doctor.rules import Diagnosis, diagnose
 from doctor.timeline import Run
 
@@ -109,136 +110,6 @@ def state_and_env(run: Run, diag: Diagnosis, ckpt) -> dict:
         "data_fingerprint": fp[:16] if fp else None,
         "guard_action": (run.config.get("guard") or {}).get("action"),
     }
-
-
-# ---- the fix and the commands -------------------------------------------------------------------------
-def fix_for(diag: Diagnosis, run: Run, ckpt) -> dict:
-    """One single-variable change that tests the diagnosis (never "lower the LR until it stops")."""
-    t, b, action = diag.step, diag.batch, (run.config.get("guard") or {}).get("action")
-    ck = str(ckpt[1]) if ckpt else "<a checkpoint before the incident>"
-    if diag.fault_class == "data.corrupted_batch":
-        ids = f"samples [{b['first']}, {b['first'] + b['size']})"
-        return {"variable": f"the batch of step {t} ({ids})",
-                "change": f"train without it, then repair the data stage that produced it (the replay rebuilds {ids} "
-                          f"from their ids: compare its input stats with the logged ones)",
-                "override": "guard.rollback.data=skip" if action == "rollback" else "guard.action=skip",
-                "expect": f"no second spike when the run reaches {ids} again; loss by source back on its trajectory"}
-    if diag.fault_class == "numerics.nonfinite":
-        return {"variable": f"the update of step {t} (non-finite in {diag.model_layer})",
-                "change": "veto the non-finite update and keep the state; if the float64 replay is finite too, the "
-                          "fault was transient (a kernel / device / injected event), not the state or the batch",
-                "override": None if action in ("skip", "rollback") else "guard.action=skip",
-                "expect": "no non-finite parameter or optimizer state after the step; the loss continues its "
-                          "trajectory"}
-    if diag.fault_class == "optim.lr_switch":
-        return {"variable": f"the LR of steps {t}.. (off its schedule)",
-                "change": "keep the LR on optim.schedule: find what replaced it (a resume with another schedule, a "
-                          "manual change, a scheduler that was not restored)", "override": None,
-                "expect": f"record lr / schedule = 1 at step {t}; no update-ratio jump"}
-    if diag.fault_class == "optim.state":
-        return {"variable": f"the optimizer state entering step {t}",
-                "change": f"restore it from {ck} and rerun; audit what writes optimizer state between steps",
-                "override": f"resume.path={ck}" if ckpt else None,
-                "expect": f"update ratio at step {t} within its baseline"}
-    if diag.fault_class == "system.rank_divergence":
-        return {"variable": f"the gradient reduction of step {t}",
-                "change": "audit the collective (DDP comm hook, buckets, shard ownership, a bad device); compare "
-                          "per-rank grad norms", "override": None,
-                "expect": "replica spreads exactly 0 at every step"}
-    if diag.fault_class in ("objective.mixture", "data.switch"):
-        return {"variable": "the data mixture weights (data.sources[*].weight)",
-                "change": "an objective change, not an optimisation fault: restore the old weights if the switch was "
-                          "unintended, else re-baseline the guard and compare per-source losses with their floors",
-                "override": None,
-                "expect": "per-source losses on their trajectories; total loss at the new mixture floor"}
-    if diag.fault_class == "state.resume_fault":
-        q = diag.anomaly.quantity if diag.anomaly else "the loss"
-        grp = q.split("/", 1)[1] if q.startswith("fingerprint/") else None
-        part = (f"the {'data manifest' if grp == 'data' else f'config group {grp}'} (changed at the resume, not "
-                f"declared in resume.allow_{'data' if grp == 'data' else 'config'}_change)" if grp else
-                "the data cursor (loader samples_consumed)" if q.startswith(("continuity.", "ranks.")) else
-                "the LR scheduler state" if q.startswith("lr/") else
-                "the MoE balancing bias (a model buffer)" if "moe_bias" in q else
-                "the optimizer moments (exp_avg / exp_avg_sq)" if q.startswith(("state.", "update_ratio")) else
-                "the resumed state (optimizer / scheduler / RNG / data cursor)")
-        if grp:
-            return {"variable": f"{part} at the resume of step {t}",
-                    "change": "resume with the checkpoint's config; if the change is meant, list the changed key in "
-                              f"resume.allow_{'data' if grp == 'data' else 'config'}_change (the resume check then "
-                              "logs it) — and find what let the resume through without its check",
-                    "override": None, "expect": f"{q} equal before and after the resume, or a declared change"}
-        return {"variable": f"{part}, as the resume at step {t} loaded it ({q} left its baseline)",
-                "change": "prove the resume: python -m checkpoint.verify with the run's config, then audit what "
-                          f"loads or rewrites {part} after the checkpoint is read",
-                "override": None, "expect": f"straight and resumed runs agree step for step; {q} continuous at step {t}"}
-    if diag.fault_class == "data.distribution_shift":
-        src = diag.anomaly.quantity.split("/", 1)[1]
-        return {"variable": f"the data of source {src} from step {t}",
-                "change": f"compare {src}'s documents before and after step {t} (generator / shard / preprocessing "
-                          "version); restore the old ones or declare the change (a new data fingerprint)",
-                "override": None, "expect": f"loss_by_source/{src} back on its trajectory"}
-    if diag.fault_class == "state.config_change":
-        grp = diag.anomaly.quantity.split("/", 1)[1]
-        return {"variable": f"the {grp} config group (its fingerprint changed at step {t})",
-                "change": "find what rewrote it mid-run; a change meant to happen belongs at a resume with "
-                          "resume.allow_config_change listing the key", "override": None,
-                "expect": "one fingerprint per config group for the whole run"}
-    if diag.fault_class == "data.continuity":
-        return {"variable": "the data cursor (sample ids per step)",
-                "change": f"find what moved the loader's samples_consumed at step {t} (a repeated, skipped or "
-                          "reset window); every id must be read once, in order", "override": None,
-                "expect": f"batch.first of step {t} = batch.first + size of step {t - 1}"}
-    if diag.fault_class == "rank.data":
-        return {"variable": f"the inputs of rank {diag.rank}",
-                "change": f"compare rank {diag.rank}'s sample ids and local loss at step {t} with the sharding "
-                          "(rank r reads ids [first + r·b, first + (r+1)·b)); fix its sampler / data path",
-                "override": None, "expect": "per-rank first ids on the sharding; per-rank losses within their spread"}
-    if diag.fault_class == "system.slow_component":
-        comp = diag.anomaly.quantity.split("/")[-1] if diag.anomaly else "?"
-        return {"variable": f"the {comp} component of the step (from step {t})",
-                "change": {"data": "profile the data path (loader, storage, decoding, workers) from that step",
-                           "fwd_bwd": "profile forward/backward: shapes, routing load, recomputation, communication",
-                           "optim": "profile the optimizer step and the guard / telemetry around it"}.get(comp, "profile it"),
-                "override": None, "expect": f"{comp} time back to its share of the step"}
-    if diag.fault_class in ("numerics.activation_outlier", "optim.gradient_spike"):
-        return localised_fix(diag, run, ck)
-    return {"variable": {"data.slow_worsening": "the data mixture / duplication / mask of the recent data",
-                         "system.throughput": "shapes, routing load, communication of the slow steps"}.get(
-                diag.fault_class, "the quantity that deviated first"),
-            "change": f"change only that and rerun from {ck}", "override": None,
-            "expect": "the earliest anomaly gone, nothing else moved"}
-
-
-def localised_fix(diag: Diagnosis, run: Run, ck: str) -> dict:
-    """The fix follows from the named model layer and quantity: a module upstream of the fault is never
-    named (an embedding row's blow-up cannot be reached by the SwiGLU clamp)."""
-    q, layer = diag.anomaly.quantity, diag.model_layer or "?"
-    model = run.config.get("model") or {}
-    if q.startswith(("act_rms", "clamp_hit_rate")) and layer.endswith(".mlp") and "swiglu_clamp" in model:
-        cur = model.get("swiglu_clamp")
-        return {"variable": f"the SwiGLU clamp bound of {layer} (model.swiglu_clamp, now {cur})",
-                "change": f"lower it and rerun from {ck}; if the outlier persists, the input to {layer} grew: look "
-                          "upstream", "override": f"model.swiglu_clamp={(cur or 100) / 2:g}" if cur else None,
-                "expect": f"act_rms of {layer} within its baseline"}
-    if q.startswith("act_rms") and layer == "emb":
-        return {"variable": "the token-embedding rows the batch used",
-                "change": f"find the rows whose norm grew (compare tok_emb.weight row norms in {ck} and after); "
-                          "audit what writes them (a wrong update, weight tying, a load)", "override": None,
-                "expect": "act_rms of emb within its baseline; no single row far above the others"}
-    if q.startswith(("act_rms", "logit_max", "z_loss")):
-        return {"variable": f"the output of {layer}",
-                "change": f"replay the step (python -m doctor.replay) and compare {layer}'s output and weights "
-                          f"with {ck}: the first module whose output grew is the one to fix", "override": None,
-                "expect": f"act_rms of {layer} within its baseline"}
-    if q.startswith(("grad_rms", "update_ratio")):
-        return {"variable": f"the gradient of {layer}",
-                "change": f"replay the step and compare {layer}'s gradient with its neighbours': a backward "
-                          "hook, a loss term or a reduction that touches only that layer", "override": None,
-                "expect": f"grad_rms of {layer} within its baseline"}
-    clip = (run.config.get("train") or {}).get("max_grad_norm")
-    return {"variable": f"the global-norm clip threshold (train.max_grad_norm, now {clip})",
-            "change": f"lower it and rerun from {ck}", "override": f"train.max_grad_norm={clip / 2:g}" if clip else None,
-            "expect": "the earliest anomaly gone, nothing else moved"}
 
 
 def commands(run: Run, diag: Diagnosis, fix: dict) -> dict:

@@ -7,7 +7,8 @@ A deviation is not yet a fault. An incident is judged `natural` only when all of
     while the run was learning (a layer's activations grow as an induction head forms),
   - the loss did not stay above where it was before the incident (no damage that persists),
   - and it coincides with the run learning: a source's loss starts falling towards its floor around the
-    step (an onset: the fall after is steeper than before), or the LR warm-up ends there.
+    step (an onset: the fall after is steeper than before), or the LR warm-up ends there — or only the
+    online guard's more sensitive test flagged it, the doctor's own calibrated tests reading it as noise.
 Otherwise it is a `fault`, and the evidence says which condition failed. The course notes' distinction:
 a bad batch the run recovers from and a state poisoned for good need different handling, and a spike
 that comes with a phase transition of learning is neither.
@@ -21,7 +22,7 @@ import statistics
 from dataclasses import dataclass, field
 
 from doctor.checks import Context
-from doctor.timeline import MAD_SIGMA, WINDOW, Series
+from doctor.timeline import CHANGE, MAD_SIGMA, SUSTAINED, THRESHOLD, WINDOW, Series
 from stability.signals import family
 
 RECOVER = 10     # steps within which a transient is back in its band (a telemetry step later for sparse layers)
@@ -95,8 +96,10 @@ def recovery(s: Series, t0: int, last: int) -> dict:
 
 
 def learning(ctx: Context, t0: int) -> tuple[str | None, str | None]:
-    """(onset, falling): a source's loss starting to fall around t0 (steeper after than before), and a
-    source's loss falling towards its floor at all around t0 — each as one line of evidence, or None."""
+    """(onset, falling): a source's loss starting to fall around t0 (it falls more over the LEARN steps
+    centred LEARN after t0 than it did over the LEARN before), and a source's loss falling towards its floor
+    at all around t0 — each as one line of evidence, or None. NOTE: the look-ahead is centred a window after
+    the step: the gradient finds a new direction (an induction head) steps before the loss shows it."""
     floors = _floors(ctx)
     onset = falling = None
     for q, s in ctx.tl.items():
@@ -104,8 +107,8 @@ def learning(ctx: Context, t0: int) -> tuple[str | None, str | None]:
             continue
         src = q.split("/", 1)[1] if "/" in q else None
         pre = [v for _, v in _values(s, t0 - 2 * LEARN, t0 - LEARN)]
-        before = [v for _, v in _values(s, t0 - LEARN, t0 - 1)]
-        after = [v for _, v in _values(s, t0 + 2, t0 + LEARN + 1)]
+        before = [v for _, v in _values(s, t0 - LEARN, t0)]
+        after = [v for _, v in _values(s, t0 + LEARN // 2, t0 + LEARN // 2 + LEARN)]
         if len(before) < 5 or len(after) < 5:
             continue
         a, b = statistics.median(before), statistics.median(after)
@@ -114,18 +117,35 @@ def learning(ctx: Context, t0: int) -> tuple[str | None, str | None]:
         need = max(FALL_MIN, FALL_GAP * gap) if gap is not None and gap > 0 else FALL_MIN
         if fall < need:
             continue
-        what = (f"{src or 'the'} loss falling from {a:.3f} to {b:.3f} over steps {t0 - LEARN}..{t0 + LEARN}"
-                + (f" (floor {floors[src]:.3f})" if src in floors else ""))
+        what = (f"{src or 'the'} loss falling from {a:.3f} (steps {t0 - LEARN}..{t0 - 1}) to {b:.3f} (steps "
+                f"{t0 + LEARN // 2}..{t0 + LEARN // 2 + LEARN - 1})" + (f", floor {floors[src]:.3f}" if src in floors else ""))
         falling = falling or what
-        prior = statistics.median(before) - statistics.median(pre) if len(pre) >= 5 else None
-        # NOTE: before the incident the loss was flat or falling slower: the run started learning here
+        prior = a - statistics.median(pre) if len(pre) >= 5 else None
+        # NOTE: before the incident the loss was flat or fell slower: the run started learning here
         if prior is None or -prior * ONSET <= fall:
-            onset = onset or what + (f", after {-prior:+.3f} over the {LEARN} steps before" if prior is not None else "")
+            onset = onset or what + (f", after {prior:+.3f} over the {LEARN} steps before" if prior is not None else "")
     warm = (((ctx.run.config.get("optim") or {}).get("schedule") or {}).get("warmup_steps")) or 0
     if warm and abs(t0 - int(warm)) <= WARMUP_NEAR:
         onset = onset or f"the LR warm-up ends at step {warm}"
         falling = falling or onset
     return onset, falling
+
+
+def own_noise(ctx: Context, a) -> bool:
+    """Did only the guard's own, more sensitive test flag it (the doctor's own tests, calibrated on clean
+    runs, stayed under their thresholds at that step)?"""
+    if a.kind != "guard":
+        return False
+    s = ctx.tl.get(a.quantity)
+    sc = next(iter(s.cache.values()), None) if s is not None else None
+    if sc is None:
+        return False
+    idx = [i for i, t in enumerate(sc.steps[:sc.nf].tolist()) if t == a.step]
+    if not idx:
+        return False
+    i = idx[0]
+    return all(not (sc.z[k][i] > lim) for k, lim in (("point", THRESHOLD), ("change", CHANGE), ("sustained", SUSTAINED))
+               if k in sc.z)
 
 
 def _floors(ctx: Context) -> dict:
@@ -188,10 +208,14 @@ def judge(ctx: Context, diag) -> Judgement:
         if sudden:
             return Judgement("fault", f"{sudden[0]} stepped to a new level at step {t0} in one reading and held it", ev)
         return Judgement("fault", f"{q} {held}, with no source's loss falling", ev)
+    back = max(r["returned"] for r in rec.values())
     if onset:
-        back = max(r["returned"] for r in rec.values())
         return Judgement("natural", f"back in its band within {back} step(s), nothing persists, at a learning "
                          f"transition: {onset}", ev)
+    if own_noise(ctx, a):
+        return Judgement("natural", f"back in its band within {back} step(s), nothing persists, and only the online "
+                         f"guard's more sensitive test flagged it: the doctor's own tests, calibrated on clean runs, "
+                         f"read it as the run's noise", ev)
     return Judgement("fault", f"back in its band, but at no learning transition (no source's loss starts falling "
                      f"within {LEARN} steps, no warm-up end): a fault the run recovered from", ev)
 

@@ -119,6 +119,11 @@ def diagnose(run_dir) -> tuple[Run, Diagnosis, dict]:
     ctx = Context(run, tl, {}, None, 0, floors)
     diag = no_point_anomaly(ctx, env)
     diag.incidents = incidents
+    if incidents and diag.fault_class == "healthy":
+        steps = ", ".join(str(i.step) for i in incidents)
+        diag.summary = (f"healthy: no fault; {len(incidents)} incident(s) (step {steps}) judged natural — the run "
+                        f"learning or its own noise, each returned to its band with nothing persisting"
+                        + (f" ({env})" if env else ""))
     return run, diag, {}
 
 

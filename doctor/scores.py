@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from stability.signals import guard_defaults
+from stability.signals import family, guard_defaults
 
 from doctor.timeline import (B, CHANGE, CHANGE_LAYER, CONFIRM, K, MAD_SIGMA, MIN_HISTORY, SUSTAINED, THRESHOLD,
                              WINDOW, DETREND, Deviation, Series)
@@ -109,8 +109,8 @@ class GuardTest:
     warmup: int = 0          # no score before this step (guard.detector.warmup)
 
     def direction(self, name: str) -> str | None:
-        fam = name.split("/")[0]
-        return dict(self.directions).get(fam)
+        fam = family(name)
+        return dict(self.directions).get(fam.name if fam else name.split("/")[0])
 
 
 def guard_test(config: dict) -> GuardTest:

@@ -26,7 +26,8 @@ import yaml
 
 from stability.events import read_events
 from stability.signals import BACKWARD, FORWARD, GUARD_FLOOR, INPUT, LAYERS, SIGNALS, SYSTEM, ReadContext, Signal
-from stability.record import RECORD_VERSION, V2_FIELDS, V3_FIELDS, read_records, read_records_partial
+from stability.record import (RECORD_VERSION, V2_FIELDS, V3_FIELDS, V4_FIELDS, V4_SUBFIELDS, read_records,
+                              read_records_partial)
 
 WINDOW = 30       # trailing values in a baseline (the guard's detector window)
 MIN_HISTORY = 10  # no score before this many baseline values
@@ -89,7 +90,8 @@ def load_run(run_dir) -> Run:
     notes = [note] if note else []
     old = sorted({r.get("version", 1) for r in records if r.get("version", 1) < RECORD_VERSION})
     if old:
-        lacks = ([*V2_FIELDS, "inputs.entropy/kl_running/rare_frac", "time_s.cpu"] if old[0] < 2 else []) + list(V3_FIELDS)
+        lacks = (([*V2_FIELDS, "inputs.entropy/kl_running/rare_frac", "time_s.cpu"] if old[0] < 2 else [])
+                 + (list(V3_FIELDS) if old[0] < 3 else []) + [*V4_FIELDS, *V4_SUBFIELDS])
         notes.append(f"{path}: record version {old[0]} < {RECORD_VERSION}: no {', '.join(lacks)}; "
                      f"their checks are skipped")
     events = read_events(run_dir / "events.jsonl")

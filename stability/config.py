@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Mapping
+from typing import Any, Mapping
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -56,7 +56,9 @@ def _default_metrics() -> dict[str, MetricSpec]:
 @dataclass
 class DetectorConfig:
     """Robust rolling z-score per metric (stability/detector.py)."""
-    metrics: dict[str, MetricSpec] = field(default_factory=_default_metrics)
+    # NOTE: Any, not MetricSpec: a signal added from the command line (+guard.detector.metrics.NAME={log:true})
+    # arrives as a plain dict, which OmegaConf refuses into a typed dict of dataclasses; __post_init__ types it
+    metrics: dict[str, Any] = field(default_factory=_default_metrics)
     window: int = 50       # accepted values kept per metric
     threshold: float = 6.0  # robust z above which a value is a spike
     min_history: int = 20  # no z-score before this many accepted values (non-finite fires at once)
@@ -79,6 +81,8 @@ class DetectorConfig:
         check(math.isfinite(self.log_floor) and self.log_floor >= 0, f"{p}.log_floor", self.log_floor, "must be >= 0")
         if not self.metrics:
             raise ConfigError(f"{p}.metrics: empty; watch at least one metric (e.g. loss)")
+        self.metrics = {n: m if isinstance(m, MetricSpec) else from_mapping(MetricSpec, dict(m or {}), f"{p}.metrics.{n}")
+                        for n, m in self.metrics.items()}
         for name, spec in self.metrics.items():
             if name not in SIGNALS:
                 raise ConfigError(f"{p}.metrics.{name}: not a registered signal (stability/signals.py); "

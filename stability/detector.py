@@ -34,6 +34,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from stability.config import DIRECTIONS, DetectorConfig  # noqa: F401  (DIRECTIONS: re-exported)
+from stability.signals import family
 
 
 @dataclass
@@ -60,6 +61,13 @@ class Trigger:
                 f"{self.threshold:g}" + (" (in cooldown)" if self.suppressed else ""))
 
 
+def _family(series: str) -> str:
+    """The watched metric a series belongs to (`loss_by_source/copy` -> loss_by_source, `state.v/default` ->
+    state): its signal's name in the registry."""
+    sig = family(series)
+    return sig.name if sig is not None else series.split("/")[0]
+
+
 class SpikeDetector:
     def __init__(self, metrics: dict, window: int = 50, threshold: float = 6.0, min_history: int = 20,
                  cooldown: int = 10, warmup: int = 0, rel_floor: float = 1e-3, log_floor: float = 0.2):
@@ -82,7 +90,7 @@ class SpikeDetector:
             return None
         med = statistics.median(hist)
         mad = statistics.median(abs(h - med) for h in hist)
-        if self.metrics[name.split("/")[0]]["log"]:
+        if self.metrics[_family(name)]["log"]:
             return med, (x - med) / max(1.4826 * mad, self.log_floor, 1e-12)
         z = (x - med) / (1.4826 * mad + self.rel_floor * abs(med) + 1e-12)
         seen = self.counts.get(name)
@@ -102,7 +110,7 @@ class SpikeDetector:
         """
         triggers = []
         for name, x in values.items():
-            spec = self.metrics.get(name.split("/")[0])
+            spec = self.metrics.get(_family(name))
             if spec is None or x is None:
                 continue
             if name not in self.history:
@@ -145,7 +153,7 @@ class SpikeDetector:
 
     def load_state_dict(self, sd: dict) -> None:
         self.history = {m: deque(h, maxlen=self.window) for m, h in sd["history"].items()
-                        if m.split("/")[0] in self.metrics}  # a metric dropped since the save is forgotten
+                        if _family(m) in self.metrics}  # a metric dropped since the save is forgotten
         self.quiet_until = {m: sd["quiet_until"].get(m, 0) for m in self.history}
         # NOTE: a checkpoint from before counts were kept has none: those metrics score unscaled until seen
         self.counts = {m: deque(c, maxlen=self.window) for m, c in sd.get("counts", {}).items() if m in self.history}

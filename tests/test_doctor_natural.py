@@ -94,8 +94,10 @@ def test_guard_spike_before_the_doctor_start_is_named(tmp_path):
 @pytest.mark.parametrize("tokens, named", [(5, False), (75, True)])
 def test_per_source_loss_is_judged_with_its_token_count(tmp_path, tokens, named):
     """A source's loss 0.5 above its median (uniform ±0.1 noise at 75 tokens a batch): with 5 tokens of that
-    source in the batch it is the noise of a 5-token mean (healthy), with 75 a loss spike at its step. The
-    online guard's detector (the real class, fed the same counts) agrees with the doctor either way."""
+    source in the batch it is the noise of a 5-token mean (no incident), with 75 an incident at its step. The
+    online guard's detector (the real class, fed the same counts) agrees with the doctor either way. NOTE: only
+    the guard's test (threshold 6) flags the 75-token blip; the doctor's own tests read z ≈ 5 < 8, and the blip
+    returns at once: judged natural (doctor/judge.py own_noise), so the headline stays healthy."""
     from stability.detector import SpikeDetector
 
     def tweak(t, r):
@@ -115,9 +117,9 @@ def test_per_source_loss_is_judged_with_its_token_count(tmp_path, tokens, named)
                             {f"loss_by_source/{k}": n for k, n in r["tokens_by_source"].items()})]
     rep = doctor(d, plots=False)
     assert fired == ([70] if named else []), fired
-    assert (rep["class"] != "healthy") == named, rep["summary"]
-    if named:
-        assert rep["earliest"]["step"] == 70 and rep["earliest"]["quantity"] == "loss_by_source/a", rep["earliest"]
+    assert rep["class"] == "healthy", rep["summary"]
+    got = [(i["step"], i["quantity"], i["judgement"]) for i in rep["incidents"]]
+    assert got == ([(70, "loss_by_source/a", "natural")] if named else []), got
 
 
 @pytest.mark.parametrize("update_follows", [False, True])

@@ -59,6 +59,12 @@ def quickstart_records(tmp_path_factory):
     return [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
 
 
+def test_every_fault_class_has_its_fix():
+    from doctor.fixes import FIXES
+    assert sorted(set(CLASSES) - set(FIXES)) == ["healthy"]
+    assert set(FIXES) <= set(CLASSES)
+
+
 def test_the_guard_accepts_any_registered_signal_and_refuses_others():
     for name in SIGNALS:
         assert name in DetectorConfig.from_dict({"metrics": {name: {}}}).metrics
