@@ -37,7 +37,7 @@ def test_each_drill_declares_what_it_is(kind):
 
 
 def test_a_drill_must_define_exactly_the_points_it_declares():
-    with pytest.raises(AssertionError, match="declares points"):
+    with pytest.raises(TypeError, match="declares points"):
         class Sloppy(Drill):  # noqa: F841
             kind, expects, lifetime, points = "sloppy", "x.y", LIFETIMES[0], ("on_batch",)
 

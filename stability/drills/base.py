@@ -61,12 +61,18 @@ class Drill:
         super().__init_subclass__(**kw)
         if "kind" not in cls.__dict__:  # an intermediate base (BatchDrill)
             return
-        assert cls.lifetime in LIFETIMES, f"{cls.kind}: lifetime {cls.lifetime!r} not in {LIFETIMES}"
         defined = {p for p in POINTS if getattr(cls, p) is not getattr(Drill, p)}
-        assert set(cls.points) <= set(POINTS) and defined == set(cls.points), \
-            f"{cls.kind}: declares points {sorted(cls.points)} but defines {sorted(defined)}"
-        assert dataclasses.is_dataclass(cls.Config), f"{cls.kind}: Config must be a dataclass"
-        assert cls.kind not in REGISTRY, f"fault.kind={cls.kind} is declared twice"
+        problems = []
+        if cls.lifetime not in LIFETIMES:
+            problems.append(f"lifetime {cls.lifetime!r} not in {LIFETIMES}")
+        if defined != set(cls.points):
+            problems.append(f"declares points {sorted(cls.points)} but defines {sorted(defined)}")
+        if not dataclasses.is_dataclass(cls.Config):
+            problems.append("Config must be a dataclass")
+        if cls.kind in REGISTRY:
+            problems.append("is declared twice")
+        if problems:  # NOTE: a raise, not an assert: python -O must not register a broken drill
+            raise TypeError(f"fault.kind={cls.kind}: {'; '.join(problems)}")
         REGISTRY[cls.kind] = cls
 
     def __init__(self, cfg, step: int, ctx: Context):
