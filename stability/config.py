@@ -12,7 +12,7 @@ from typing import Mapping, Optional, get_type_hints
 
 from omegaconf import DictConfig, OmegaConf
 
-from run.schema import ConfigError, check, choice, fail, from_mapping, unused_keys
+from run.schema import ConfigError, check, choice, from_mapping, unused_keys
 from stability.drills import NONE, registry
 
 ACTIONS = ("log", "skip", "rollback")

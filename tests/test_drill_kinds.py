@@ -7,7 +7,6 @@ rank_content on 2 processes): the tiny model of tests/helpers.py, fault at step 
 """
 from __future__ import annotations
 
-import dataclasses
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
