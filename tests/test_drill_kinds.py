@@ -159,6 +159,21 @@ def test_expert_collapse_and_dead_expert_refuse_a_dense_model():
         assert "\n" not in str(e.value)
 
 
+def test_a_persistent_drill_stays_on_after_a_rollback_and_a_resume():
+    inj, _, _, loader = build({"kind": "repeat_batch", "step": 2})
+    b = [loader.next() for _ in range(3)]  # steps 1-3: batch ids 0, 8, 16
+    out = [inj.corrupt(t, 8 * (t - 1), b[t - 1]) for t in (1, 2, 3)]
+    assert out[0] is b[0] and torch.equal(out[2].tokens, b[1].tokens) and torch.equal(out[2].sample_ids, b[2].sample_ids)
+    assert torch.equal(inj.corrupt(1, 0, b[0]).tokens, b[1].tokens)  # a rollback to before s: still on
+    resumed, *_ = build({"kind": "repeat_batch", "step": 2})
+    resumed.load_state_dict(inj.state_dict())  # the step-2 content rebuilt from its batch ID
+    assert torch.equal(resumed.corrupt(7, 48, b[0]).labels, b[1].labels)
+    assert fault_steps(inj) == [2] and fault_steps(resumed) == []
+    leak, model, _, _ = build({"kind": "causal_leak", "step": 2})
+    leak.load_state_dict({"kind": "causal_leak", "fired": True})
+    assert not any(blk.attn.causal for blk in model.blocks)
+
+
 # ---- through train.py --------------------------------------------------------------------------------
 S_RUN, STEPS = 5, 9
 RUN = [*TINY, f"train.steps={STEPS}", f"train.eval_every={STEPS}", "logging.plot=false", "guard=log",
