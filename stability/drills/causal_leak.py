@@ -1,6 +1,6 @@
 """causal_leak: from step s the attention of every block sees the future (the causal mask dropped, in the
-training forward and in eval): position t reads token t+1, its own label, and the loss falls below the
-data's exact floor — a loss no honest predictor reaches."""
+training forward and in eval): position t can read token t+1, its own label, so once the model learns to
+look there the loss falls below the data's exact floor, a loss no honest predictor reaches."""
 from __future__ import annotations
 
 from stability.drills.base import PERSISTENT, Drill
