@@ -82,7 +82,7 @@ def train(run: Run) -> None:
     cfg_fp = config_fingerprint(run.cfg)  # per group: a resume that changed the config shows in the records
     while step < ckpt.last_step:  # last_step < train.steps under checkpoint.stop_after
         step += 1  # NOTE: a while loop, because a guard rollback moves the step back
-        s = StepState(step)
+        s = StepState(step, max_grad_norm=tc.max_grad_norm)
         t0, c0 = time.perf_counter(), cpu_clock()
         cb.before_batch(s)
         s.first_id = loader.samples_consumed  # the global batch is sample ids [first_id, first_id + batch_size)
@@ -117,7 +117,7 @@ def train(run: Run) -> None:
                                               "loss_by_source": s.loss_by_source, "ranks": s.ranks})
 
         # unscale → global norm → finite check agreed by all ranks → clip → guard veto → step, or a counted skip
-        s.result = res = optimizer_step(model.parameters(), optimizer, run.scaler, tc.max_grad_norm, veto=veto,
+        s.result = res = optimizer_step(model.parameters(), optimizer, run.scaler, s.max_grad_norm, veto=veto,
                                         clip=run.clip)  # clip: None (fixed threshold) or the adaptive z-score policy
         cb.after_update(s)  # QK-clip; telemetry reads the gradients and Δθ into s.post
         if res.skipped and not res.vetoed:  # NOTE: a non-finite gradient would poison the weights and moments

@@ -8,7 +8,7 @@ would then not test what it says.
     python -m bench.drills_quiet --drills drill_labels_shuffle moe_spike_drill --seeds 0 1 2 3 --threads 1
     python -m bench.drills_quiet --drills drill_lr_spike -- optim.lr=2e-3          # overrides after --
 
-drill_missing_reduce runs on 2 processes (torchrun), the others on one; --jobs (default 2) runs at a time.
+A drill whose module needs 2+ processes (stability/drills/, min_world) runs under torchrun, the others on one; --jobs (default 2) runs at a time.
 """
 from __future__ import annotations
 
@@ -25,7 +25,6 @@ from bench.quickstart_grid import QUIET, map_jobs
 
 ROOT = Path(__file__).resolve().parents[1]
 DRILLS = sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("drill_*.yaml")) + ["moe_spike_drill"]
-TWO_PROCESSES = {"drill_missing_reduce"}
 
 
 def fault_step(drill: str, overrides: list[str]) -> int:
@@ -40,7 +39,10 @@ def one(drill: str, seed: int, threads: int, extra: list[str], root: Path, step:
     run_dir = root / f"{drill}-s{seed}-t{threads}"
     args = [f"hydra.run.dir={run_dir}", f"+experiment={drill}", f"seed={seed}", f"threads={threads}",
             f"checkpoint.stop_after={step - 1}", *QUIET, *extra]
-    nproc = 2 if drill in TWO_PROCESSES else 1
+    from stability.drills import registry
+
+    kind = drill.removeprefix("drill_")
+    nproc = registry()[kind].min_world if kind in registry() else 1  # moe_spike_drill: one process
     launch = [sys.executable, "train.py"] if nproc == 1 else \
         [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "train.py"]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "WANDB_MODE": "disabled"}

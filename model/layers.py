@@ -105,6 +105,7 @@ class Attention(nn.Module):
         self.q_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
         self.probe_logits = False
+        self.causal = True  # False lets every position attend to the future (a fault drill: causal_leak)
         self._logit_parts: list[Tensor] = []  # one (H,) max per probed forward
 
     def init_weights(self, std: float, resid_std: float) -> None:
@@ -158,5 +159,5 @@ class Attention(nn.Module):
             self._logit_parts.append(m_H)
         # NOTE: enable_gqa lets SDPA share each kv head across n_heads/n_kv_heads query heads
         # without materialising the repeated k, v.
-        y_BHTd = F.scaled_dot_product_attention(q_BHTd, k_BKTd, v_BKTd, is_causal=True, enable_gqa=K != H)
+        y_BHTd = F.scaled_dot_product_attention(q_BHTd, k_BKTd, v_BKTd, is_causal=self.causal, enable_gqa=K != H)
         return self.proj_out(rearrange(y_BHTd, "b h t d -> b t (h d)"))

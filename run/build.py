@@ -99,7 +99,7 @@ def build_run(cfg: DictConfig, dist: Dist) -> Run:
     # the stability pieces validate their config here too, before anything is written
     events = EventLog(run_dir, dist.is_main)
     faults = FaultInjector(config["fault"], model=model, optimizer=optimizer, loader=loader,
-                           data_cfg=config["data"], dist=dist)
+                           data_cfg=config["data"], train_cfg=config["train"], dist=dist)
     faults.wrap(wrapped)  # a missing-reduction drill hooks DDP's gradient communication
     telemetry = Telemetry(model, cfg.telemetry.every)
     is_moe = bool(model.moe_layers())

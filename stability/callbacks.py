@@ -9,7 +9,8 @@ or anticipatory routing is one object attached at start, and the loop does not g
                                                                 routing sets s.routes / s.routing
     before_forward(s)   right before the first micro-batch      telemetry hooks on; NaN / reduce drills arm
     before_update(s)    gradients final (after the backward),   telemetry snapshots θ; an LR drill scales
-                        before clip, guard and optimizer.step   the LRs (s.lr is read after this point)
+                        before clip, guard and optimizer.step   the LRs (s.lr and s.max_grad_norm are read
+                                                                after this point)
     after_update(s)     s.result holds the update's outcome,    QK-clip rescales W_q, W_k (the levers);
                         before zero_grad                        telemetry reads grads and Δθ into s.post;
                                                                 an LR drill restores the planned LRs; an
@@ -41,6 +42,8 @@ class StepState:
     stats: dict = field(default_factory=dict)     # reduced loss / source / MoE sums (optim.accumulate)
     loss_by_source: dict[str, float] = field(default_factory=dict)
     lr: float = float("nan")          # the LR this step's update used (group 0, without its lr_scale)
+    max_grad_norm: float | None = None  # the clip threshold this step's update uses (train.max_grad_norm
+    #                                   unless a drill changed it; read after before_update)
     flags: dict = field(default_factory=dict)     # non-finite loss / logits / grads
     result: Any = None                # precision.step.StepResult
     post: dict = field(default_factory=dict)      # telemetry after the update (layers, ρ, replicas)

@@ -7,13 +7,14 @@ registers these with Hydra as parts of the root config.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
-from typing import Any, Mapping
+from dataclasses import asdict, dataclass, field, fields, make_dataclass, replace
+from typing import Any, Mapping, Optional, get_type_hints
 
 from omegaconf import DictConfig, OmegaConf
 
+from run.schema import ConfigError, check, choice, from_mapping, unused_keys
+from stability.drills import NONE, registry
 from stability.signals import SIGNALS, guard_defaults
-from run.schema import ConfigError, check, choice, fail, from_mapping, unused_keys
 
 ACTIONS = ("log", "skip", "rollback")
 DIRECTIONS = ("up", "both")
@@ -156,85 +157,58 @@ class GuardConfig:
         return replace(from_mapping(cls, d, "guard"), detector=detector)
 
 
-FAULT_KINDS = {  # the keys each kind reads, beside kind and step
-    "none": set(), "nan_activation": {"layer", "sublayer", "value", "positions"},
-    "labels_shuffle": {"seed"}, "repeat_token": {"token"}, "overlong_doc": {"seed"},
-    "lr_spike": {"factor", "steps"}, "optim_state": {"mode", "scale", "param"},
-    "missing_reduce": {"rank"}, "mixture_switch": {"weights"},
-}
-NAN_VALUES = ("nan", "inf", "-inf")
-
-
 @dataclass
-class FaultConfig:
-    """One deliberate fault at optimizer step `step` (stability/faults.py). kind=none ignores every other
-    key, so one override (fault.kind=none) turns any drill into its clean twin."""
+class _FaultKindStep:
     kind: str = "none"
     step: int | None = None     # the optimizer step the fault fires at: required unless kind=none
-    layer: int = 0              # nan_activation: model.blocks[layer]
-    sublayer: str = "mlp"       # nan_activation: attn | mlp (an MoE layer's output .y)
-    value: str = "nan"          # nan_activation: nan | inf | -inf
-    positions: int = 4          # nan_activation: token positions 0..positions-1 of the first sample
-    seed: int = 0               # labels_shuffle, overlong_doc: the corruption is seeded by (seed, sample id)
-    token: int | None = None    # repeat_token: null = the most frequent label id of that (global) batch
-    factor: float = 10.0        # lr_spike: every group's lr × factor ...
-    steps: int = 1              # lr_spike: ... for this many optimizer steps
-    mode: str = "zero"          # optim_state: zero: v := 0 | scale: v := v × scale
-    scale: float = 1e-6         # optim_state, mode=scale only
-    param: str | None = None    # optim_state: a parameter-name substring (e.g. blocks.1.mlp) or null for all
-    rank: int = 1               # missing_reduce: the rank that keeps its local gradient
-    weights: list[float] | None = None  # mixture_switch: the new weights, one per data.sources entry
 
     def __post_init__(self) -> None:
-        choice("fault.kind", self.kind, FAULT_KINDS)
-        if self.kind == "none":
+        drills = registry()
+        choice("fault.kind", self.kind, [NONE, *drills])
+        if self.kind == NONE:
             return
-        unused_keys(self, {"kind", "step"} | FAULT_KINDS[self.kind], "fault", f"fault.kind={self.kind}")
+        own = {f.name for f in fields(drills[self.kind].Config)}
+        unused_keys(self, {"kind", "step"} | own, "fault", f"fault.kind={self.kind}")
         if self.step is None:
             raise ConfigError(f"fault.step: missing (required for fault.kind={self.kind})")
         check(self.step >= 1, "fault.step", self.step, "must be >= 1")
-        k = self.kind
-        if k == "nan_activation":
-            check(self.layer >= 0, "fault.layer", self.layer, "must be >= 0")
-            choice("fault.sublayer", self.sublayer, ("attn", "mlp"))
-            self.value = str(self.value).lower()  # str(float("-inf")) == "-inf"
-            check(self.value in NAN_VALUES, "fault.value", repr(self.value), "expected one of nan, inf, -inf")
-            check(self.positions >= 1, "fault.positions", self.positions, "must be >= 1")
-        elif k in ("labels_shuffle", "overlong_doc"):
-            check(self.seed >= 0, "fault.seed", self.seed, "must be >= 0")
-        elif k == "repeat_token":
-            check(self.token is None or self.token >= 0, "fault.token", self.token, "must be >= 0 or null")
-        elif k == "lr_spike":
-            check(math.isfinite(self.factor) and self.factor > 0, "fault.factor", self.factor, "must be > 0")
-            check(self.steps >= 1, "fault.steps", self.steps, "must be >= 1")
-        elif k == "optim_state":
-            choice("fault.mode", self.mode, ("zero", "scale"))
-            check(math.isfinite(self.scale) and self.scale > 0, "fault.scale", self.scale, "must be > 0")
-            check(self.param is None or self.param != "", "fault.param", repr(self.param),
-                  "expected a parameter-name substring or null")
-        elif k == "missing_reduce":
-            check(self.rank >= 0, "fault.rank", self.rank, "must be >= 0")
-        else:  # mixture_switch
-            w = self.weights
-            if not w:
-                fail("fault.weights", w, "expected a list of weights, one per data.sources entry")
-            check(all(math.isfinite(x) and x >= 0 for x in w), "fault.weights", w, "must be >= 0")
-            check(sum(w) > 0, "fault.weights", w, "must not be all zero")
+        self.drill_config()  # the drill's own checks
 
     @classmethod
     def from_dict(cls, d: Mapping | None) -> "FaultConfig":
-        return from_mapping(cls, d or {"kind": "none"}, "fault")
+        return from_mapping(cls, d or {"kind": NONE}, "fault")
+
+    def drill_config(self):
+        """The drill's own Config from the keys set here (None: the drill's default)."""
+        cls = registry()[self.kind].Config
+        return from_mapping(cls, {f.name: getattr(self, f.name) for f in fields(cls)
+                                  if getattr(self, f.name) is not None}, "fault")
 
     def resolved(self) -> dict:
-        """kind, step and the keys this kind reads (kind none: just the kind)."""
-        if self.kind == "none":
-            return {"kind": "none"}
-        out = {"kind": self.kind, "step": self.step}
-        for key in sorted(FAULT_KINDS[self.kind]):
-            out[key] = getattr(self, key)
-        if self.weights is not None and "weights" in out:
-            out["weights"] = [float(x) for x in self.weights]
-        return out
+        """kind, step and the keys this kind reads, its defaults filled in (kind none: just the kind)."""
+        if self.kind == NONE:
+            return {"kind": NONE}
+        return {"kind": self.kind, "step": self.step, **dict(sorted(asdict(self.drill_config()).items()))}
+
+
+def _drill_keys() -> list[tuple]:
+    """Every key some drill reads (stability/drills/), typed as that drill declares it, default None (=
+    the drill's own default): one flat `fault` node, so `fault.factor=3` is typed on the command line."""
+    keys: dict[str, tuple] = {}
+    for kind, drill in registry().items():
+        hints = get_type_hints(drill.Config)
+        for f in fields(drill.Config):
+            typ = Optional[hints[f.name]]
+            seen = keys.setdefault(f.name, (typ, kind))
+            if seen[0] != typ:  # one key, one type: fault.<key> means the same to every drill
+                raise TypeError(f"fault.{f.name}: {kind} declares {typ}, {seen[1]} declares {seen[0]}")
+    return [(name, typ, field(default=None)) for name, (typ, _) in keys.items()]
+
+
+# NOTE: a dataclass made from the registry: a new drill's keys join the schema without an edit here.
+FaultConfig = make_dataclass("FaultConfig", _drill_keys(), bases=(_FaultKindStep,))
+FaultConfig.__doc__ = """One deliberate fault at optimizer step `step` (stability/faults.py, stability/drills/). kind=none
+ignores every other key, so one override (fault.kind=none) turns any drill into its clean twin."""
 
 
 def _plain(d) -> dict:

@@ -98,8 +98,17 @@ SMALL = ["train.eval_every=1000", "train.eval_samples=32", "train.eval_batch_siz
 # this tiny model is quiet at 3e-3 (its healthy twin has no trigger) and at 1e-3 its copy head's first
 # spike lands at step ~52, before S.
 DRILL = [f"fault.step={S}", "train.steps=400", f"checkpoint.stop_after={S + 4}", "optim.lr=3e-3", *SMALL]
-SINGLE_PROCESS_DRILLS = ["nan_activation", "labels_shuffle", "repeat_token", "overlong_doc", "lr_spike",
-                         "optim_state", "mixture_switch"]
+
+
+def drill_nproc(kind: str) -> int:
+    """The processes a drill needs (its module declares it: stability/drills/)."""
+    from stability.drills import registry
+    return registry()[kind].min_world
+
+
+# the drills a user runs as `+experiment=drill_<kind>`
+EXPERIMENT_DRILLS = sorted(p.stem.removeprefix("drill_") for p in (ROOT / "conf/experiment").glob("drill_*.yaml"))
+SINGLE_PROCESS_DRILLS = [k for k in EXPERIMENT_DRILLS if drill_nproc(k) == 1]
 
 
 class DrillRuns:
@@ -115,12 +124,12 @@ class DrillRuns:
             r = run_train(d, "train.steps=400", f"checkpoint.stop_after={S + 4}", "guard=rollback",
                           "telemetry.every=1", *SMALL)
         else:
-            r = run_train(d, f"+experiment=drill_{name}", *DRILL, nproc=2 if name == "missing_reduce" else 1)
+            r = run_train(d, f"+experiment=drill_{name}", *DRILL, nproc=drill_nproc(name))
         assert r.returncode == 0, f"{name}: {r.stderr[-3000:]}"
         return d
 
     def get(self, name: str) -> Path:
-        if not self.done and name != "missing_reduce":
+        if not self.done and name in ["healthy", *SINGLE_PROCESS_DRILLS]:
             from concurrent.futures import ThreadPoolExecutor
 
             names = ["healthy", *SINGLE_PROCESS_DRILLS]

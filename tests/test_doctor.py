@@ -20,13 +20,9 @@ import yaml
 from helpers import HANG_S, ROOT, SINGLE_PROCESS_DRILLS, S, env
 from doctor.cli import doctor
 from doctor.report import SECTIONS
+from stability.drills import registry
 
-EXPECTED = {  # drill -> the class the doctor must name
-    "nan_activation": "numerics.nonfinite", "labels_shuffle": "data.corrupted_batch",
-    "repeat_token": "data.corrupted_batch", "overlong_doc": "data.corrupted_batch",
-    "lr_spike": "optim.lr_switch", "optim_state": "optim.state", "mixture_switch": "objective.mixture",
-    "missing_reduce": "system.rank_divergence",
-}
+EXPECTED = {kind: d.expects for kind, d in registry().items()}  # drill -> the class the doctor must name
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""Fault injection (stability/faults.py): each fault has the stated effect at step s and only there;
+"""Fault injection (stability/faults.py, stability/drills/): each fault has the stated effect at step s and only there;
 data faults recur on a replay of the same batch ID, one-shot faults never refire; missing_reduce on
 2 gloo processes makes rank 1 keep its local gradient at step s only."""
 from __future__ import annotations
@@ -17,6 +17,7 @@ from model import ModelConfig, Transformer
 from optim import build_optimizer
 from optim.accumulate import count_valid_tokens, forward_backward
 from parallel import Dist, wrap_model
+from stability.drills import registry
 from stability.faults import FaultInjector
 from helpers import in_group, spawn
 
@@ -143,11 +144,11 @@ def test_bad_batch_recurs_on_replay_and_not_when_skipped(kind):
 # ---- lr_spike / optim_state -----------------------------------------------------------------------------
 def test_lr_spike_is_k_on_its_window_once_in_wall_clock_time():
     inj, *_ = build({"kind": "lr_spike", "step": 3, "factor": 7.0, "steps": 2})
-    assert [inj.lr_factor(t) for t in range(1, 7)] == [1, 1, 7.0, 7.0, 1, 1]
-    assert [inj.lr_factor(t) for t in range(2, 6)] == [1, 1, 1, 1]  # rollback to step 1: not again
+    assert [inj.drill.factor(t) for t in range(1, 7)] == [1, 1, 7.0, 7.0, 1, 1]
+    assert [inj.drill.factor(t) for t in range(2, 6)] == [1, 1, 1, 1]  # rollback to step 1: not again
     cut, *_ = build({"kind": "lr_spike", "step": 3, "factor": 7.0, "steps": 3})
-    assert [cut.lr_factor(t) for t in (1, 2, 3, 4)] == [1, 1, 7.0, 7.0]
-    assert [cut.lr_factor(t) for t in (3, 4, 5, 6)] == [1, 1, 1, 1]  # a rollback cut the spike short
+    assert [cut.drill.factor(t) for t in (1, 2, 3, 4)] == [1, 1, 7.0, 7.0]
+    assert [cut.drill.factor(t) for t in (3, 4, 5, 6)] == [1, 1, 1, 1]  # a rollback cut the spike short
     assert [e["step"] for e in cut.pop_events()] == [3, 4]
 
 
@@ -256,15 +257,13 @@ def test_config_errors_are_one_line_and_name_the_key(fault, key):
 def test_every_fault_yaml_builds_against_the_default_data():
     data = OmegaConf.to_container(OmegaConf.load(ROOT / "conf/data/synthetic.yaml"))
     data.update(seq_len=16, min_doc_len=4)
-    files = sorted((ROOT / "conf/fault").glob("*.yaml"))
-    assert len(files) == 9
-    for f in files:
-        cfg = OmegaConf.load(f)
-        if cfg.kind == "missing_reduce":
+    for kind, drill in registry().items():  # tests/test_drill_registry.py: one yaml per drill, and no other
+        cfg = OmegaConf.load(ROOT / f"conf/fault/{kind}.yaml")
+        if drill.min_world > 1:
             with pytest.raises(ValueError, match="world=1"):
                 build(cfg, data=data)
         else:
-            assert build(cfg, data=data)[0].kind == f.stem
+            assert build(cfg, data=data)[0].kind == kind
 
 
 # ---- missing_reduce on 2 gloo processes ------------------------------------------------------------------
