@@ -7,8 +7,9 @@ A deviation is not yet a fault. An incident is judged `natural` only when all of
     while the run was learning (a layer's activations grow as an induction head forms),
   - the loss did not stay above where it was before the incident (no damage that persists),
   - and it coincides with the run learning: a source's loss starts falling towards its floor around the
-    step (an onset: the fall after is steeper than before), or the LR warm-up ends there — or only the
-    online guard's more sensitive test flagged it, the doctor's own calibrated tests reading it as noise.
+    step (an onset: the fall after is steeper than before), the LR warm-up ends there, or a source sat on
+    a plateau far above its exact floor that the run left later (a phase transition still to come) — or
+    only the online guard's more sensitive test flagged it, the doctor's own calibrated tests reading noise.
 Otherwise it is a `fault`, and the evidence says which condition failed. The course notes' distinction:
 a bad batch the run recovers from and a state poisoned for good need different handling, and a spike
 that comes with a phase transition of learning is neither.
@@ -34,6 +35,7 @@ FALL_MIN = 0.05  # nats: the least fall of a source's loss over LEARN steps that
 FALL_GAP = 0.1   # ... and the least share of its gap to the exact floor (when the floor is known)
 WARMUP_NEAR = 3  # steps from the end of the LR warm-up within which an incident coincides with it
 SUDDEN = 0.6     # a level reached with this share of its move in one reading is a step change, not growth
+PLATEAU = 0.3    # nats above its exact floor: a source the run has yet to learn
 
 
 @dataclass
@@ -102,8 +104,10 @@ def learning(ctx: Context, t0: int) -> tuple[str | None, str | None]:
     the step: the gradient finds a new direction (an induction head) steps before the loss shows it."""
     floors = _floors(ctx)
     onset = falling = None
+    by_source = any(q.startswith("loss_by_source/") for q in ctx.tl)
     for q, s in ctx.tl.items():
-        if not (q.startswith("loss_by_source/") or q == "loss"):
+        # NOTE: per source where the run has sources: the total moves with each batch's composition
+        if not (q.startswith("loss_by_source/") if by_source else q == "loss"):
             continue
         src = q.split("/", 1)[1] if "/" in q else None
         pre = [v for _, v in _values(s, t0 - 2 * LEARN, t0 - LEARN)]
@@ -129,6 +133,28 @@ def learning(ctx: Context, t0: int) -> tuple[str | None, str | None]:
         onset = onset or f"the LR warm-up ends at step {warm}"
         falling = falling or onset
     return onset, falling
+
+
+def pending(ctx: Context, t0: int) -> str | None:
+    """A source the run had yet to learn at t0 and learned later: its loss sat more than PLATEAU nats above
+    its exact floor around t0 and closed at least half that gap by the run's end. A plateau before a phase
+    transition (the copy source at log V before its induction head) is where a model's first sharp
+    gradients come; one the run goes on to leave is the run learning, not a fault."""
+    floors = _floors(ctx)
+    last = ctx.seg[-1]["step"]
+    for q, s in ctx.tl.items():
+        src = q.split("/", 1)[1] if q.startswith("loss_by_source/") else None
+        if src not in floors:
+            continue
+        at = [v for _, v in _values(s, t0 - LEARN, t0)]
+        end = [v for _, v in _values(s, last - LEARN + 1, last + 1)]
+        if len(at) < 5 or len(end) < 5 or last - t0 < 2 * LEARN:
+            continue
+        gap, left = statistics.median(at) - floors[src], statistics.median(end) - floors[src]
+        if gap > PLATEAU and left < gap / 2:
+            return (f"{src} was yet to be learned: its loss {gap:+.3f} nats from its floor around step {t0}, "
+                    f"{left:+.3f} at the run's end (step {last})")
+    return None
 
 
 def own_noise(ctx: Context, a) -> bool:
@@ -212,6 +238,11 @@ def judge(ctx: Context, diag) -> Judgement:
     if onset:
         return Judgement("natural", f"back in its band within {back} step(s), nothing persists, at a learning "
                          f"transition: {onset}", ev)
+    ahead = pending(ctx, t0)
+    ev["pending"] = ahead
+    if ahead:
+        return Judgement("natural", f"back in its band within {back} step(s), nothing persists, while the run "
+                         f"was still learning: {ahead}", ev)
     if own_noise(ctx, a):
         return Judgement("natural", f"back in its band within {back} step(s), nothing persists, and only the online "
                          f"guard's more sensitive test flagged it: the doctor's own tests, calibrated on clean runs, "

@@ -59,6 +59,12 @@ def quickstart_records(tmp_path_factory):
     return [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
 
 
+def test_every_drill_expects_a_declared_class():
+    from stability.drills import registry
+    for kind, drill in registry().items():
+        assert drill.expects is None or drill.expects in CLASSES, (kind, drill.expects)
+
+
 def test_every_fault_class_has_its_fix():
     from doctor.fixes import FIXES
     assert sorted(set(CLASSES) - set(FIXES)) == ["healthy"]
