@@ -86,7 +86,9 @@ def diagnose(run_dir) -> tuple[Run, Diagnosis, dict]:
         # NOTE: the guard's own test scores from where the guard does (its warm-up), not from the doctor's
         # later start (twice the LR warm-up): at least as sensitive as the guard, from its start.
         gsince = min(since, max(gt.warmup, gt.min_history + 1)) if k == 0 else since
-        xsince = since  # exact values and invariants need no baseline: after an incident, from its next step
+        # NOTE: exact values, bounds and invariants need no baseline: from the segment's first step, and after an
+        # incident from its next step
+        xsince = seg[0]["step"]
         holds: dict[str, int] = {}
         while True:
             devs = {q: d for q, d in deviations(tl, since, guard=gt, guard_start=gsince, exact_start=xsince,
@@ -192,7 +194,7 @@ def classify(ctx: Context, first: Deviation) -> Diagnosis:
         rank = f"replicas disagree (world {world}); the record holds spreads only, not which rank"
     elif q == "lr/schedule":
         cls, main, why = "optim.lr_switch", "LR switch", "the LR left its schedule"
-    elif q.startswith("state.w/"):
+    elif q.startswith("state.dw/"):
         cls, main = "optim.settings", None
         why = (f"the weights of {q.split('/', 1)[1]} left their trajectory ({first.describe()}): a setting that "
                f"scales them (weight decay, an update multiplier) changed without the config saying so")
@@ -202,7 +204,7 @@ def classify(ctx: Context, first: Deviation) -> Diagnosis:
         moved, every = update_layers(ctx)
         # NOTE: a state lost or altered shows in the moments' own norms (they fall); a setting that scales every
         # update leaves them on their trajectory
-        lost = [d for d in ctx.near("state.", -NEAR, NEAR) if not d.quantity.startswith("state.w/")]
+        lost = [d for d in ctx.near("state.", -NEAR, NEAR) if not d.quantity.startswith("state.dw/")]
         if every > 1 and moved * 2 >= every and not lost:
             cls = "optim.settings"
             why = (f"every layer's update moved together ({moved} of {every} update ratios at step {t0}) with the "

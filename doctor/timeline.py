@@ -183,6 +183,7 @@ def timeline(records: list[dict], config: dict, floors: dict | None = None) -> d
         nf = r.get("nonfinite", {})
         ctx.overflow = bool(r.get("loss_scale") is not None and math.isfinite(r.get("loss", math.nan)) and nf.get("grads"))
         ctx.lr_expected = schedule(t) if schedule is not None and r.get("lr") is not None and i_rec >= declared else None
+        ctx.prev = records[i_rec - 1] if i_rec and records[i_rec - 1]["step"] == t - 1 else None
         for name, sig in specs.items():
             for series, value, layer_name, count in sig.read(r, ctx):
                 if value is None:

@@ -36,6 +36,7 @@ class ReadContext:
     overflow: bool = False
     lr_expected: float | None = None
     floors: dict | None = None  # exact per-source floors of the run's data (synthetic data only)
+    prev: dict | None = None    # the record of the step before, on the same path (None at a start or a jump)
 
 
 Reading = tuple  # (series name, value, model layer or None, count or None)
@@ -363,10 +364,24 @@ FLOOR_STATE = 0.15
 declare("state", BACKWARD, state_(("m", "v", "moe_bias")), cls="optim.state", direction="down", log=True,
         rel_floor=FLOOR_STATE, recover=False, doc="‖m‖, ‖v‖ per param group, ‖bias‖ per MoE layer",
         fix="the optimizer state fell faster than its EMA can forget: lost or altered")
-# NOTE: ‖θ‖ per group moves by lr·wd·‖θ‖ of decay plus the updates a step: smooth, so a shrink far past it is a
-# setting (weight decay, a multiplier) that changed without the config saying so
-declare("state.w", BACKWARD, state_(("w",)), cls="optim.settings", direction="both", log=True, rel_floor=0.01,
-        recover=False, fix="the weights shrank faster than decay and updates explain (a silent weight decay)")
+# NOTE: ‖θ‖ per group moves by lr·wd·‖θ‖ of decay plus the updates each step: its per-step log change is a
+# steady small number, and a jump of it is a setting (weight decay, an update multiplier) that changed
+# without the config saying so. The level itself drifts with training and is not scored.
+def _weight_change(r, c):
+    prev = (c.prev or {}).get("state") or {}
+    if r.get("skipped") or c.prev is None:
+        return []
+    out = []
+    for k, v in (r.get("state") or {}).items():
+        p = prev.get(k)
+        if k.startswith("w/") and _num(v) and _num(p) and v > 0 and p > 0:
+            out.append((f"state.dw/{k[2:]}", math.log(v / p), None, None))
+    return out
+
+
+declare("state.dw", BACKWARD, _weight_change, cls="optim.settings", direction="both", rel_floor=0.0, abs_floor=1e-4,
+        recover=False, doc="log(‖θ_t‖ / ‖θ_t−1‖) per param group (record v4 state.w/<group>)",
+        fix="the weights' step-to-step change left its trajectory (a silent weight decay or update multiplier)")
 # MoE health per layer, every step (record.moe): the effective number of experts in use and the smallest
 # expert's output against the layer's median
 declare("moe.experts_used", FORWARD, _moe("moe.experts_used", _load_entropy), cls="moe.load_collapse",

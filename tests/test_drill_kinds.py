@@ -8,6 +8,7 @@ rank_content on 2 processes): the tiny model of tests/helpers.py, fault at step 
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -190,7 +191,7 @@ def runs(tmp_path_factory):
         assert r.returncode == 0, f"{kind}: {r.stderr[-3000:]}"
         return kind, (read_records(root / kind / "metrics.jsonl"), read_events(root / kind / "events.jsonl"))
     with ThreadPoolExecutor(max_workers=2) as pool:
-        return dict(pool.map(train, RUNS))
+        return {**dict(pool.map(train, RUNS)), "_root": str(root)}
 
 
 def the_fault_fired_once_at_s(events, kind):
@@ -206,6 +207,14 @@ def test_repeat_batch_repeats_the_content_while_the_ids_advance(runs):
     hashes = [r["ranks"]["hash"][0] for r in recs]
     assert len(set(hashes[:S_RUN])) == S_RUN  # before s: a new batch every step
     assert set(hashes[S_RUN - 1:]) == {hashes[S_RUN - 1]}  # from s: the step-s content, every step
+
+
+def test_the_doctor_names_a_repeated_batch_at_its_step(runs, tmp_path):
+    """From the records alone: the first step whose content was read before under other ids (s + 1)."""
+    from doctor.cli import doctor
+    d = Path(runs["_root"]) / "repeat_batch"
+    rep = doctor(d, plots=False)
+    assert rep["class"] == "data.repeated_batch" and rep["earliest"]["step"] == S_RUN + 1, rep["summary"]
 
 
 def test_clip_threshold_clips_at_factor_times_max_grad_norm(runs):
@@ -231,6 +240,11 @@ def test_rank_content_moves_rank_1_content_not_its_ids(tmp_path):
 
     def content_hash(first: int) -> int:
         return rank_inputs(ds.samples(range(first, first + 4)), none, 1, 0, "cpu")["hash"][0]
+    # the doctor, from the records alone: rank 1's content is not what its ids name, from step s
+    from doctor.cli import doctor
+    rep = doctor(tmp_path / "run", plots=False)
+    assert rep["class"] == "rank.data" and rep["earliest"]["step"] == S_RUN, rep["summary"]
+    assert rep["earliest"]["model_layer"] == "rank 1" or "rank 1" in rep["summary"], rep["earliest"]
     for rec in recs:
         first = rec["batch"]["first"]
         assert rec["ranks"]["first"] == [first, first + 4]  # both ranks' ids are their own shards

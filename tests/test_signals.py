@@ -26,18 +26,20 @@ def test_every_field_a_real_record_holds_is_declared(quickstart_records):
     """Each numeric field of a real run's records that the doctor can score is read by a declared signal:
     a layer quantity, a state norm, an MoE layer's health, a top-level scalar."""
     read = set()
-    for r in quickstart_records:
+    for prev, r in zip([None, *quickstart_records], quickstart_records):
         for sig in SIGNALS.values():
-            read |= {s for s, *_ in sig.read(r, ReadContext())}
+            read |= {s for s, *_ in sig.read(r, ReadContext(prev=prev))}
     layer_keys = {k for r in quickstart_records for q in (r.get("layers") or {}).values() for k in q}
     for key in layer_keys:
         assert any(s.startswith(f"{key}/") for s in read), f"layers[*][{key!r}] is written but no signal reads it"
     for r in quickstart_records:
         for k in r.get("state") or {}:
-            assert f"state.{k}" in read, f"state[{k!r}] is written but no signal reads it"
+            name = f"state.d{k}" if k.startswith("w/") else f"state.{k}"  # ‖θ‖ is read as its step-to-step change
+            assert name in read, f"state[{k!r}] is written but no signal reads it"
     for k in ("loss", "grad_norm", "logit_max", "z_loss", "clip_coef", "update_ratio_max"):
         assert k in read, k
-    assert any(s.startswith("moe.experts_used/") for s in read)
+    assert any(s.startswith("moe.experts_used/") for s in read) and any(s.startswith("moe.out_rms_min/") for s in read)
+    assert any(s.startswith("below_floor/") for s in read) and "eval_below_floor" in read
     assert all(family(s) is not None for s in read)
 
 
