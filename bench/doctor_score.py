@@ -8,6 +8,7 @@
     python bench/doctor_score.py --job quickstart     # the same faults in the README's default job (S = 250)
     python bench/doctor_score.py --step 120 --stop 400 --seed-from 20   # another fault step, longer clean runs
     python bench/doctor_score.py --step 90 --seed 5 --clean 0             # the faults on another seed
+    python bench/doctor_score.py --registry                # the project's own drills (stability/drills/) instead
 
 Each fault is planted by the launcher (no injector, fault=none, nothing in the run directory names it);
 the doctor then reads the run directory with builtins.open / Path.read_text watched, and the score
@@ -179,6 +180,41 @@ def score_fault(f: Fault, rep: dict, d: Path | None = None) -> dict:
     return row
 
 
+def train_drill(kind: str, root: Path) -> Path:
+    """A drill of the project's own registry (stability/drills/), planted through fault=<kind> at step S on
+    the job; 2-process drills under torchrun. The answer key is in events.jsonl (never read by the doctor)."""
+    from stability.drills import registry
+    d = root / f"drill_{kind}"
+    nproc = registry()[kind].min_world
+    cmd = ["train.py", *BASE, f"fault={kind}", f"fault.step={S}", f"checkpoint.stop_after={STOP}", f"hydra.run.dir={d}",
+           *FAULT_SEED]
+    cmd = [sys.executable, *cmd] if nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *cmd]
+    r = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=900)
+    if r.returncode != 0:
+        raise RuntimeError(f"drill {kind} -> {d}: exit {r.returncode}\n{r.stderr[-3000:]}")
+    return d
+
+
+def score_drills(kinds: list[str], root: Path, jobs: int, train: bool) -> list[str]:
+    """The registry's drills scored on the headline: class (the drill's `expects`) and step ±1 of S."""
+    from doctor.cli import doctor
+    from stability.drills import registry
+    if train:
+        with ThreadPoolExecutor(jobs) as pool:
+            list(pool.map(lambda k: train_drill(k, root), kinds))
+    out = ["| drill | expected class / step | doctor | ✓ |", "|---|---|---|---|"]
+    ok = 0
+    for k in kinds:
+        rep = doctor(root / f"drill_{k}", plots=False)
+        e = rep["earliest"] or {}
+        hit = rep["class"] == registry()[k].expects and e.get("step") is not None and abs(e["step"] - S) <= 1
+        ok += hit
+        out.append(f"| {k} | {registry()[k].expects} / {S} | {rep['class']} / {e.get('step')} | {'✓' if hit else '✗'} |")
+    out += ["", f"registry drills scored on the headline: {ok} of {len(kinds)}"]
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--faults", nargs="*", default=[f.name for f in FAULTS])
@@ -193,6 +229,8 @@ def main(argv=None) -> int:
     ap.add_argument("--keep", help="train into this directory (default: a temporary one)")
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--out", help="also write the table and the summary lines (markdown) to this file")
+    ap.add_argument("--registry", nargs="*", help="score the project's own drills (stability/drills/; default: every "
+                    "one that needs no rare data: all but mixture_switch) instead of the planted faults")
     args = ap.parse_args(argv)
     use_job(args.job, args.step, args.seed)
     unknown = [n for n in args.faults if n not in BY_NAME]
@@ -201,6 +239,15 @@ def main(argv=None) -> int:
         return 2
     root = Path(args.reuse or args.keep or tempfile.mkdtemp(prefix="doctor_score_"))
     root.mkdir(parents=True, exist_ok=True)
+    if args.registry is not None:
+        from stability.drills import registry
+        kinds = args.registry or [k for k in registry() if k not in ("none", "mixture_switch")]
+        lines = score_drills(kinds, root, args.jobs, not args.reuse)
+        print("\n".join(lines))
+        if args.out:
+            Path(args.out).write_text(f"# Registry drills: `python bench/doctor_score.py --registry` (job {args.job}, "
+                                      f"step {S})\n\n" + "\n".join(lines) + "\n")
+        return 0
     faults = [BY_NAME[n] for n in args.faults]
     seeds = list(range(args.seed_from, args.seed_from + args.clean))
     if not args.reuse:

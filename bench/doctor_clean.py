@@ -1,0 +1,49 @@
+"""The doctor on clean runs: every headline should be `healthy`; false faults per 1000 scored steps.
+
+    python bench/doctor_clean.py RUN_DIR [RUN_DIR ...] [--out docs/results/doctor_clean.md]
+
+Each directory is a finished run trained without a fault (the README's default job, dense_tiny, moe_tiny, the
+drill configuration; any seed, telemetry cadence or thread count). Printed per run: the headline, the
+incidents judged natural with their reasons, the scored steps; then the false-fault rate. A run the doctor
+was calibrated on should be named as such in the table's caption by whoever passes it here.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("runs", nargs="+")
+    ap.add_argument("--out", help="also write the table (markdown) to this file")
+    ap.add_argument("--title", default="Clean runs")
+    args = ap.parse_args(argv)
+    from bench.doctor_score import scored_steps
+    from doctor.cli import doctor
+    lines = [f"# {args.title}: `python bench/doctor_clean.py`", "",
+             "| run | steps scored | headline | incidents judged natural (step: reason) |", "|---|---|---|---|"]
+    bad = faults = steps = 0
+    for d in map(Path, args.runs):
+        rep = doctor(d, plots=False)
+        n = scored_steps(d)
+        steps += n
+        bad += rep["class"] != "healthy"
+        faults += sum(i["judgement"] == "fault" for i in rep["incidents"])
+        nat = "; ".join(f"{i['step']}: {i['reason'][:90]}" for i in rep["incidents"] if i["judgement"] == "natural")
+        head = rep["class"] if rep["earliest"] is None else f"**{rep['class']} at {rep['earliest']['step']}**"
+        lines.append(f"| {d.name} | {n} | {head} | {nat or '—'} |")
+    lines += ["", f"headline not healthy: {bad} of {len(args.runs)} runs; incidents judged a fault (all false here): "
+              f"{faults}, {1000 * faults / max(steps, 1):.2f} per 1000 scored steps ({steps} scored)"]
+    print("\n".join(lines))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
