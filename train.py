@@ -108,13 +108,14 @@ def train(run: Run) -> None:
 
         def veto(norm, overflow):  # the guard's pre-update checkpoint: loss (by source), grad norm, finite flags
             s.flags = nonfinite_flags(s.stats["loss"], s.stats["logit_max"], norm.item())
+            by_src = dict(zip(names, s.stats["tokens_by_source"]))
+            # the rest of what the step knows before its update, for signals the config adds to the guard's watch
+            extra = {"inputs": s.inputs, "logit_max": s.stats["logit_max"], "z_loss": s.stats["z_loss"],
+                     "nonfinite": s.flags, "tokens_by_source": by_src, "loss_by_source": s.loss_by_source,
+                     "ranks": s.ranks} if guard.watches_more else None
             return guard.before_update(step, s.stats["loss"], norm.item(), s.flags, scaled=run.scaler is not None,
                                        fingerprint=loader.dataset.fingerprint, loss_by_source=s.loss_by_source,
-                                       tokens_by_source=dict(zip(names, s.stats["tokens_by_source"])),
-                                       extra={"inputs": s.inputs, "logit_max": s.stats["logit_max"],
-                                              "z_loss": s.stats["z_loss"], "nonfinite": s.flags,
-                                              "tokens_by_source": dict(zip(names, s.stats["tokens_by_source"])),
-                                              "loss_by_source": s.loss_by_source, "ranks": s.ranks})
+                                       tokens_by_source=by_src, extra=extra)
 
         # unscale → global norm → finite check agreed by all ranks → clip → guard veto → step, or a counted skip
         s.result = res = optimizer_step(model.parameters(), optimizer, run.scaler, s.max_grad_norm, veto=veto,
@@ -136,9 +137,9 @@ def train(run: Run) -> None:
         s.post = {**s.post, "nonfinite": {**s.post.get("nonfinite", {}),
                                           "optim_state": state_nonfinite(optimizer, s.opt_state, bool(s.post))}}
         worst = max((m["max_violation"] for m in s.moe.values()), default=None)
-        verdict = guard.after_update(step, s.first_id, s.n_valid, s.post, s.stats["loss"], worst,
-                                     extra={"moe": s.moe, "state": s.opt_state, "clip_coef": res.coef.item(),
-                                            "grad_norm": res.norm.item(), "skipped": res.skipped})
+        after = {"moe": s.moe, "state": s.opt_state, "clip_coef": res.coef.item(), "grad_norm": res.norm.item(),
+                 "skipped": res.skipped} if guard.watches_more else None
+        verdict = guard.after_update(step, s.first_id, s.n_valid, s.post, s.stats["loss"], worst, extra=after)
         tokens_seen += s.n_valid
         if step % tc.eval_every == 0 or step == ckpt.last_step:
             s.eval = evaluate(model, run.evals, names, dev)

@@ -83,15 +83,24 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, nargs="*", default=[5000, 10000, 20000])
     ap.add_argument("--one", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--out", help="also write the table (markdown) to this file")
     args = ap.parse_args(argv)
     if args.one:
         one(args.one)
         return 0
-    print("| steps | metrics.jsonl MiB | doctor wall s | doctor CPU s | peak RSS MiB (doctor's share) | finding |")
-    print("|---|---|---|---|---|---|")
+    lines = ["| steps | metrics.jsonl MiB | doctor wall s | doctor CPU s | peak RSS MiB (doctor's share) | finding |",
+             "|---|---|---|---|---|---|"]
+    print("\n".join(lines), flush=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for n in args.steps:
-        subprocess.run([sys.executable, __file__, "--one", str(n)], env=env, check=True)
+        row = subprocess.run([sys.executable, __file__, "--one", str(n)], env=env, check=True, capture_output=True,
+                             text=True).stdout.strip()
+        print(row, flush=True)
+        lines.append(row)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text("# The doctor's cost on long records: `python bench/doctor_scale.py`\n\n"
+                                  + "\n".join(lines) + "\n")
     return 0
 
 

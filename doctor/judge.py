@@ -1,4 +1,4 @@
-"""Judgement: is an incident a fault, or the run learning? (docs/design.md §9)
+"""Judgement: is an incident a fault, or the run learning? (docs/design.md §7)
 
 A deviation is not yet a fault. An incident is judged `natural` only when all of this holds:
   - what moved first can move on its own (its Signal's `recover`; never an input statistic, an invariant,

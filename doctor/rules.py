@@ -28,6 +28,7 @@ from doctor.scores import deviations, guard_test
 from doctor.timeline import WINDOW, Deviation, Run, earliest, load_run, scoring_start, timeline
 from stability.signals import family
 
+
 @dataclass
 class Diagnosis:
     fault_class: str
@@ -48,7 +49,6 @@ class Diagnosis:
     devs: dict = field(default_factory=dict)  # the deviations the diagnosis was drawn from
     layer: str | None = None            # the timeline layer the diagnosis names, when not the quantity's own
     judgement: Judgement | None = None  # natural (the run learning) or fault, with its evidence
-
 
 
 HOLD = 5  # steps after an incident before the quantities that did not move in it are searched again
@@ -211,6 +211,7 @@ def classify(ctx: Context, first: Deviation) -> Diagnosis:
                    f"LR on schedule and a normal gradient: an optimizer setting (an LR multiplier, eps, betas) the "
                    f"records do not show")
     elif q.startswith(("grad_norm", "grad_rms", "update_ratio", "state.")):
+        # NOTE: an update (or the moments) that moved with the gradient is the gradient's incident
         cls, main, why = "optim.gradient_spike", None, "the gradient (and with it the update) moved first"
     elif q.startswith("loss_by_source/") and first.kind == "sustained" and one_source(ctx, q):
         # NOTE: a model or optimizer fault moves every source's loss; one source's loss stepping up and

@@ -46,6 +46,7 @@ from stability.config import ACTIONS, GuardConfig  # noqa: F401  (ACTIONS: re-ex
 from stability.detector import SpikeDetector, Trigger
 from stability.signals import guard_values
 
+
 class GuardAbort(RuntimeError):
     """The guard cannot act as configured (nothing to roll back to)."""
 
@@ -71,6 +72,7 @@ class Guard:
                                       d.min_history, d.cooldown, d.warmup, log_floor=d.log_floor)
         # the watched signals beyond the step's own arguments (loss, loss by source, grad norm, max ρ)
         self._others = [n for n in d.metrics if n not in ("loss", "loss_by_source", "grad_norm", "update_ratio_max")]
+        self.watches_more = bool(self._others)  # the step then hands the guard its partial record (extra)
         self.action, self.replica_tol = cfg.action, float(cfg.replica_tol)
         self.rb, self.an = vars(cfg.rollback).copy(), vars(cfg.anticipatory).copy()
         self.state, self.ckpt, self.events = state, ckpt, events

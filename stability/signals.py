@@ -1,5 +1,5 @@
 """The signal registry: every quantity a StepRecord carries that the guard or the doctor can score,
-declared once (docs/design.md §9).
+declared once (docs/design.md §7).
 
 A Signal says where its values live in a record (`read`), which layer of the course's timeline it belongs
 to (input → forward → backward/update → system), how it is scored (log scale, anomalous direction, noise
