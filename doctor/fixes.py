@@ -117,7 +117,7 @@ def _state_resume_fault(diag: Diagnosis, run: Run, ckpt, t, b, action, ck) -> di
 
 @fix('data.distribution_shift')
 def _data_distribution_shift(diag: Diagnosis, run: Run, ckpt, t, b, action, ck) -> dict:
-    src = diag.anomaly.quantity.split("/", 1)[1]
+    src = diag.source
     return {"variable": f"the data of source {src} from step {t}",
             "change": f"compare {src}'s documents before and after step {t} (generator / shard / preprocessing "
                       "version); restore the old ones or declare the change (a new data fingerprint)",

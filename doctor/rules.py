@@ -25,7 +25,7 @@ from doctor.content import content_check
 from doctor.judge import Judgement, judge
 from doctor.invariants import continuity, resumed, system_change
 from doctor.scores import deviations, guard_test
-from doctor.timeline import WINDOW, Deviation, Run, earliest, load_run, scoring_start, timeline
+from doctor.timeline import K, WINDOW, Deviation, Run, earliest, load_run, scoring_start, timeline
 from stability.signals import family
 
 
@@ -49,6 +49,7 @@ class Diagnosis:
     devs: dict = field(default_factory=dict)  # the deviations the diagnosis was drawn from
     layer: str | None = None            # the timeline layer the diagnosis names, when not the quantity's own
     judgement: Judgement | None = None  # natural (the run learning) or fault, with its evidence
+    source: str | None = None           # the data source the diagnosis names (a distribution shift)
 
 
 HOLD = 5  # steps after an incident before the quantities that did not move in it are searched again
@@ -178,6 +179,12 @@ def classify(ctx: Context, first: Deviation) -> Diagnosis:
         cls, main = "rank.data", "corrupted input batch"
         rank = rank_apart(rec, q, first)
         why = f"one rank's inputs left the sharding or the other ranks ({q}); rank {rank}"
+    elif q == "input.content" and (src := shifted_source(ctx)):
+        # NOTE: content other than its ids name, with every statistic of the batch on its baseline and only one
+        # source's loss stepping up after it: that source's documents changed (a silent data switch)
+        cls, main = "data.distribution_shift", "corrupted input batch"
+        why = (f"from step {t0} the batch is not the content its sample ids name, its statistics unchanged, and "
+               f"only {src}'s loss stepped up after it: that source's data changed")
     elif q.startswith("input."):
         cls, main = "data.corrupted_batch", "corrupted input batch"
         why = f"the batch deviated before any forward ({corruption_kind(ctx)})"
@@ -228,9 +235,19 @@ def classify(ctx: Context, first: Deviation) -> Diagnosis:
                      {"step": t0, **rec["batch"]}, symptom(cls), layer)
     if cls == "data.distribution_shift":
         diag.layer = "input"
+        diag.source = q.split("/", 1)[1] if q.startswith("loss_by_source/") else shifted_source(ctx)
     diag.tree = walk(ctx, checks, layer, rank)
     split(diag, checks.values(), main)
     return diag
+
+
+def shifted_source(ctx: Context) -> str | None:
+    """The one source whose loss stepped up (a sustained or change deviation) within K steps of the incident,
+    when it is the only one and no input statistic moved."""
+    if ctx.near("input.", -NEAR, NEAR) and any(d.quantity != "input.content" for d in ctx.near("input.", -NEAR, NEAR)):
+        return None
+    up = {d.quantity.split("/", 1)[1] for d in ctx.near("loss_by_source/", 0, K) if d.kind in ("sustained", "change")}
+    return up.pop() if len(up) == 1 and len([k for k in ctx.tl if k.startswith("loss_by_source/")]) > 1 else None
 
 
 def update_layers(ctx: Context) -> tuple[int, int]:
