@@ -75,7 +75,7 @@ def recovery(s: Series, t0: int, last: int) -> dict:
     band = _band(s, t0)
     at = s.values.get(t0)
     if band is None or at is None or not math.isfinite(at):
-        return {"returned": None, "level_z": None}
+        return {"returned": None, "level_z": None, "after": 0}
     med, scale = band
     sign = 1.0 if _y(s, at) >= med else -1.0
     after = _values(s, t0 + 1, last + 1)
@@ -94,7 +94,8 @@ def recovery(s: Series, t0: int, last: int) -> dict:
     end = late or [v for _, v in after]
     total = _z(s, statistics.median(end), med, scale, sign) if end else None
     sudden = jump is not None and total is not None and total > 0 and jump > SUDDEN * total
-    return {"returned": back, "level_z": level, "direction": "up" if sign > 0 else "down", "sudden": sudden}
+    return {"returned": back, "level_z": level, "direction": "up" if sign > 0 else "down", "sudden": sudden,
+            "after": len(after)}
 
 
 def learning(ctx: Context, t0: int) -> tuple[str | None, str | None]:
@@ -218,7 +219,9 @@ def judge(ctx: Context, diag) -> Judgement:
     ev["loss_damage"] = damage
     # per-layer series are read every telemetry step: a return is allowed one cadence later
     cadence = max((_cadence(ctx.tl[q]) for q in rec), default=1)
-    stuck = [q for q, r in rec.items() if r["returned"] is None or r["returned"] > RECOVER + cadence]
+    # NOTE: within three readings of the run's end a return cannot be seen: neither stuck nor returned
+    unseen = [q for q, r in rec.items() if r["returned"] is None and r.get("after", 0) < 3]
+    stuck = [q for q, r in rec.items() if q not in unseen and (r["returned"] is None or r["returned"] > RECOVER + cadence)]
     persists = [q for q, r in rec.items() if r["level_z"] is not None and r["level_z"] > PERSIST_Z]
     if damage:
         return Judgement("fault", f"damage persists: {damage}", ev)
@@ -234,6 +237,12 @@ def judge(ctx: Context, diag) -> Judgement:
         if sudden:
             return Judgement("fault", f"{sudden[0]} stepped to a new level at step {t0} in one reading and held it", ev)
         return Judgement("fault", f"{q} {held}, with no source's loss falling", ev)
+    if unseen:
+        if own_noise(ctx, a):
+            return Judgement("natural", f"at the run's end (step {last}), and only the online guard's more sensitive "
+                             f"test flagged it: the doctor's own tests read the run's noise", ev)
+        return Judgement("fault", f"{unseen[0]} deviated at the run's end (step {last}): no return to its band can "
+                         f"be seen", ev)
     back = max(r["returned"] for r in rec.values())
     if onset:
         return Judgement("natural", f"back in its band within {back} step(s), nothing persists, at a learning "
