@@ -186,7 +186,7 @@ def scores(s: Series, guard: GuardTest | None = None, name: str = "") -> Scores 
         gden = (np.maximum(MAD_SIGMA * gmad, guard.log_floor) if spec.log
                 else MAD_SIGMA * gmad + guard.rel_floor * np.abs(glev)) + 1e-12
         z["guard"] = signed((y - glev) / gden * _sample_size(s, steps[:nf], guard.window, guard.min_history), direction)
-    return Scores(steps, x, nf, med, z, s.layer_name is not None)
+    return Scores(steps, x, nf, med, z, s.spec.per_layer)
 
 
 def _sample_size(s: Series, steps: np.ndarray, window: int, min_history: int) -> np.ndarray | float:

@@ -65,9 +65,6 @@ class Signal:
     bound: float | None = None    # a healthy run never exceeds this (one-sided invariant) ...
     confirm: int = 1              # ... for this many consecutive values
 
-    def series(self, member: str | None = None) -> str:
-        return self.name if member is None else f"{self.name}/{member}"
-
 
 SIGNALS: dict[str, Signal] = {}
 
