@@ -54,8 +54,9 @@ def _y(s: Series, v: float) -> float:
 
 
 def _band(s: Series, t0: int) -> tuple[float, float] | None:
-    """(median, noise scale) of the series over the WINDOW steps before t0, on its scoring scale."""
-    ys = [_y(s, v) for _, v in _values(s, t0 - WINDOW, t0)]
+    """(median, noise scale) of the series over its last WINDOW readings before t0 (steps, or telemetry
+    steps for a per-layer series), on its scoring scale."""
+    ys = [_y(s, v) for _, v in _values(s, -1, t0)][-WINDOW:]
     if len(ys) < 5:
         return None
     med = statistics.median(ys)
@@ -69,13 +70,13 @@ def _z(s: Series, v: float, med: float, scale: float, sign: float) -> float:
     return sign * (_y(s, v) - med) / scale
 
 
-def recovery(s: Series, t0: int, last: int) -> dict:
+def recovery(s: Series, t0: int, last: int) -> dict | None:
     """How one deviating series behaved after t0: the steps until it was back in its band (and stayed for
-    the next two values), and the level it held after the recovery window."""
+    the next two values), and the level it held after the recovery window (None: no band to judge by)."""
     band = _band(s, t0)
     at = s.values.get(t0)
     if band is None or at is None or not math.isfinite(at):
-        return {"returned": None, "level_z": None, "after": 0}
+        return None  # too few readings before it to say what its band was
     med, scale = band
     sign = 1.0 if _y(s, at) >= med else -1.0
     after = _values(s, t0 + 1, last + 1)
@@ -211,7 +212,9 @@ def judge(ctx: Context, diag) -> Judgement:
     moved = {q: d for q, d in diag.devs.items() if t0 <= d.step <= t0 + 1 and q in ctx.tl and d.kind not in
              ("invariant", "exact", "nonfinite")}
     moved.setdefault(a.quantity, a)
-    rec = {q: recovery(ctx.tl[q], d.step, last) for q, d in moved.items() if q in ctx.tl}
+    rec = {q: r for q, d in moved.items() if q in ctx.tl and (r := recovery(ctx.tl[q], d.step, last)) is not None}
+    if not rec:
+        return Judgement("fault", f"{a.quantity} at step {t0}: too few readings before it to judge its recovery", ev)
     ev["recovery"] = {q: r for q, r in rec.items()}
     onset, falling = learning(ctx, t0)
     ev["learning"] = onset or falling
@@ -227,13 +230,17 @@ def judge(ctx: Context, diag) -> Judgement:
         return Judgement("fault", f"damage persists: {damage}", ev)
     if stuck or persists:
         q = (stuck + persists)[0]
-        held = ("had not returned to its band" + (f" by the run's end (step {last})" if last - t0 <= RECOVER + cadence
+        late = rec[q]["returned"]
+        held = (f"came back to its band only {late} steps after step {t0}" if q in stuck and late is not None else
+                "had not returned to its band" + (f" by the run's end (step {last})" if last - t0 <= RECOVER + cadence
                                                   else f" {RECOVER + cadence} steps after step {t0}")
                 if q in stuck else f"held a new level after step {t0}")
-        sudden = [x for x in stuck + persists if rec[x].get("sudden")]
+        # a step change that held (its level measured after the recovery window, or it never came back), not
+        # one that came back late while the run learned
+        sudden = [x for x in stuck + persists if rec[x].get("sudden") and (x in persists or rec[x]["returned"] is None)]
         if falling and not sudden:  # NOTE: a model that learns changes its internals: a level grows as the loss falls
-            return Judgement("natural", f"{q} {held}, reached gradually while the run learned ({falling}); the "
-                             f"loss took no damage", ev)
+            return Judgement("natural", f"{q} {held}, without a step change, while the run learned ({falling}); "
+                             f"the loss took no damage", ev)
         if sudden:
             return Judgement("fault", f"{sudden[0]} stepped to a new level at step {t0} in one reading and held it", ev)
         return Judgement("fault", f"{q} {held}, with no source's loss falling", ev)
