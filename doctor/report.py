@@ -98,7 +98,8 @@ def render(run: Run, diag: Diagnosis, report: dict) -> str:
         out += [f"Environment: {diag.environment}", ""]
     out += ["## Earliest anomaly", ""]
     if a is None:
-        out += ["No quantity of the timeline left its baseline (robust z over a trailing window)."]
+        out += ["No incident was judged a fault (the natural ones are listed above)." if natural else
+                "No quantity of the timeline left its baseline (robust z over a trailing window)."]
     else:
         e = report["earliest"]
         out += [f"- step **{a.step}**, timeline layer **{diag.layer or a.layer}**, quantity `{a.quantity}`"
