@@ -33,6 +33,7 @@ class Context:
     t0: int | None
     seg_index: int = 0          # the segment (run.segments) the incident is in
     floors: dict | None = None  # the data's exact per-source floors (synthetic data)
+    start: int = 0              # the doctor's first scored step
 
     @property
     def seg(self) -> list[dict]:

@@ -9,7 +9,8 @@ A deviation is not yet a fault. An incident is judged `natural` only when all of
   - and it coincides with the run learning: a source's loss starts falling towards its floor around the
     step (an onset: the fall after is steeper than before), the LR warm-up ends there, or a source sat on
     a plateau far above its exact floor that the run left later (a phase transition still to come) — or
-    only the online guard's more sensitive test flagged it, the doctor's own calibrated tests reading noise.
+    only the online guard's more sensitive test flagged it, the doctor's own calibrated tests reading noise,
+    or the same quantity bursts and returns like this elsewhere in the run (its own heavy tail).
 Otherwise it is a `fault`, and the evidence says which condition failed. The course notes' distinction:
 a bad batch the run recovers from and a state poisoned for good need different handling, and a spike
 that comes with a phase transition of learning is neither.
@@ -23,6 +24,7 @@ import statistics
 from dataclasses import dataclass, field
 
 from doctor.checks import Context
+from doctor.scores import guard_test
 from doctor.timeline import CHANGE, MAD_SIGMA, SUSTAINED, THRESHOLD, WINDOW, Series
 from stability.signals import family
 
@@ -159,6 +161,22 @@ def pending(ctx: Context, t0: int) -> str | None:
     return None
 
 
+def recurrent(ctx: Context, a) -> list[int]:
+    """Other steps of the run at which the same series left its band the same way (its one-step test past the
+    doctor's threshold, or the guard's), away from this incident: a quantity that bursts and returns again and
+    again with nothing persisting is the run's own heavy tail (an attention layer's gradient), not one fault."""
+    s = ctx.tl.get(a.quantity)
+    sc = next(iter(s.cache.values()), None) if s is not None else None
+    if sc is None:
+        return []
+    steps = sc.steps[:sc.nf]
+    hit = sc.z["point"] > THRESHOLD
+    if "guard" in sc.z:
+        hit |= sc.z["guard"] > guard_test(ctx.run.config).threshold
+    far = abs(steps - a.step) > RECOVER
+    return [int(t) for t in steps[hit & far & (steps >= ctx.start)]]
+
+
 def own_noise(ctx: Context, a) -> bool:
     """Did only the guard's own, more sensitive test flag it (the doctor's own tests, calibrated on clean
     runs, stayed under their thresholds at that step)?"""
@@ -228,6 +246,14 @@ def judge(ctx: Context, diag) -> Judgement:
     persists = [q for q, r in rec.items() if r["level_z"] is not None and r["level_z"] > PERSIST_Z]
     if damage:
         return Judgement("fault", f"damage persists: {damage}", ev)
+    again = recurrent(ctx, a)
+    ev["recurrent"] = again
+    tail = (f"{a.quantity} bursts like this on its own in this run (also at step {', '.join(map(str, again[:5]))}"
+            f"{', ...' if len(again) > 5 else ''}): the run's own heavy tail") if again else None
+    # NOTE: a quantity whose one-step anomalies are upward only (its Signal's `point`) that dipped and came back is
+    # no outlier: only a level that persists makes a fall anomalous
+    dip = (f"{a.quantity} fell and came back" if sig.point == "up" and rec[a.quantity]["direction"] == "down"
+           else None)
     if stuck or persists:
         q = (stuck + persists)[0]
         late = rec[q]["returned"]
@@ -238,11 +264,13 @@ def judge(ctx: Context, diag) -> Judgement:
         # a step change that held (its level measured after the recovery window, or it never came back), not
         # one that came back late while the run learned
         sudden = [x for x in stuck + persists if rec[x].get("sudden") and (x in persists or rec[x]["returned"] is None)]
-        if falling and not sudden:  # NOTE: a model that learns changes its internals: a level grows as the loss falls
-            return Judgement("natural", f"{q} {held}, without a step change, while the run learned ({falling}); "
-                             f"the loss took no damage", ev)
         if sudden:
             return Judgement("fault", f"{sudden[0]} stepped to a new level at step {t0} in one reading and held it", ev)
+        if falling:  # NOTE: a model that learns changes its internals: a level moves as the loss falls
+            return Judgement("natural", f"{q} {held}, without a step change, while the run learned ({falling}); "
+                             f"the loss took no damage", ev)
+        if not persists and all(rec[x]["returned"] is not None for x in stuck) and (tail or dip):
+            return Judgement("natural", f"{q} {held}, nothing persists, and {tail or dip}", ev)
         return Judgement("fault", f"{q} {held}, with no source's loss falling", ev)
     if unseen:
         if own_noise(ctx, a):
@@ -251,20 +279,21 @@ def judge(ctx: Context, diag) -> Judgement:
         return Judgement("fault", f"{unseen[0]} deviated at the run's end (step {last}): no return to its band can "
                          f"be seen", ev)
     back = max(r["returned"] for r in rec.values())
+    ok = f"back in its band within {back} step(s), nothing persists"
     if onset:
-        return Judgement("natural", f"back in its band within {back} step(s), nothing persists, at a learning "
-                         f"transition: {onset}", ev)
+        return Judgement("natural", f"{ok}, at a learning transition: {onset}", ev)
     ahead = pending(ctx, t0)
     ev["pending"] = ahead
     if ahead:
-        return Judgement("natural", f"back in its band within {back} step(s), nothing persists, while the run "
-                         f"was still learning: {ahead}", ev)
+        return Judgement("natural", f"{ok}, while the run was still learning: {ahead}", ev)
     if own_noise(ctx, a):
-        return Judgement("natural", f"back in its band within {back} step(s), nothing persists, and only the online "
-                         f"guard's more sensitive test flagged it: the doctor's own tests, calibrated on clean runs, "
-                         f"read it as the run's noise", ev)
+        return Judgement("natural", f"{ok}, and only the online guard's more sensitive test flagged it: the doctor's "
+                         f"own tests, calibrated on clean runs, read it as the run's noise", ev)
+    if tail or dip:
+        return Judgement("natural", f"{ok}, and {tail or dip}", ev)
     return Judgement("fault", f"back in its band, but at no learning transition (no source's loss starts falling "
-                     f"within {LEARN} steps, no warm-up end): a fault the run recovered from", ev)
+                     f"within {LEARN} steps, no warm-up end) and unlike anything else in the run: a fault the run "
+                     f"recovered from", ev)
 
 
 def _cadence(s: Series) -> int:

@@ -270,4 +270,4 @@ def test_no_directory_and_version_2_records_are_one_line_each(tmp_path):
                        capture_output=True, text=True, timeout=HANG_S)
     assert r.returncode == 0 and "healthy" in r.stdout, r.stdout + r.stderr
     notes = r.stderr.strip().splitlines()
-    assert len(notes) == 1 and "record version 2" in notes[0] and "no fingerprint;" in notes[0], notes
+    assert len(notes) == 1 and "record version 2" in notes[0] and "no fingerprint," in notes[0], notes
