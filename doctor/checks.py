@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from doctor.timeline import WINDOW, Deviation, Run, Series
 
@@ -34,6 +34,7 @@ class Context:
     seg_index: int = 0          # the segment (run.segments) the incident is in
     floors: dict | None = None  # the data's exact per-source floors (synthetic data)
     start: int = 0              # the doctor's first scored step
+    earlier: list = field(default_factory=list)  # the incidents found before this one in its segment
 
     @property
     def seg(self) -> list[dict]:

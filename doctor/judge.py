@@ -161,6 +161,22 @@ def pending(ctx: Context, t0: int) -> str | None:
     return None
 
 
+def aftermath(ctx: Context, a, rec: dict) -> str | None:
+    """An update that shrank within the optimizer's memory of a gradient burst: Adam's ‖v‖ took the burst's g²
+    and forgets it over ~1/(1−β₂) steps, so that layer's updates fall meanwhile. The burst's own incident is
+    judged on its own; this one is its consequence, not a second fault."""
+    if not a.quantity.startswith("update_ratio") or rec[a.quantity]["direction"] != "down":
+        return None
+    burst = [i for i in ctx.earlier if i.anomaly is not None and 0 < a.step - i.step <= WINDOW and
+             any(q.startswith(("grad_norm", "grad_rms")) and d.value > (d.baseline or math.inf)
+                 for q, d in i.devs.items() if i.step <= d.step <= i.step + 1)]
+    if not burst:
+        return None
+    return (f"{a.quantity} fell at step {a.step}, {a.step - burst[-1].step} steps after the gradient burst at step "
+            f"{burst[-1].step}: Adam's second moment still holds that burst and shrinks the update until it forgets "
+            f"it (~1/(1−β₂) steps)")
+
+
 def recurrent(ctx: Context, a) -> list[int]:
     """Other steps of the run at which the same series left its band the same way (its one-step test past the
     doctor's threshold, or the guard's), away from this incident: a quantity that bursts and returns again and
@@ -254,6 +270,10 @@ def judge(ctx: Context, diag) -> Judgement:
     # no outlier: only a level that persists makes a fall anomalous
     dip = (f"{a.quantity} fell and came back" if sig.point == "up" and rec[a.quantity]["direction"] == "down"
            else None)
+    after = aftermath(ctx, a, rec)
+    ev["aftermath"] = after
+    if after:
+        return Judgement("natural", after, ev)
     if stuck or persists:
         q = (stuck + persists)[0]
         late = rec[q]["returned"]

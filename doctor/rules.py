@@ -26,7 +26,7 @@ from doctor.judge import Judgement, judge
 from doctor.invariants import continuity, resumed, system_change
 from doctor.scores import deviations, guard_test
 from doctor.timeline import K, WINDOW, Deviation, Run, earliest, load_run, scoring_start, timeline
-from stability.signals import BACKWARD, family
+from stability.signals import family
 
 
 @dataclass
@@ -101,7 +101,7 @@ def diagnose(run_dir) -> tuple[Run, Diagnosis, dict]:
             first = earliest(devs)
             if first is None:
                 break
-            ctx = Context(run, tl, devs, first.step, k, floors, start)
+            ctx = Context(run, tl, devs, first.step, k, floors, start, [i for i in incidents if i.seg_index == k])
             diag = classify(ctx, first)
             diag.seg_index, diag.devs = k, devs
             if diag.fault_class == "system.slow_component":
@@ -112,12 +112,6 @@ def diagnose(run_dir) -> tuple[Run, Diagnosis, dict]:
             for q, d in devs.items():  # what moved in this incident waits until its values are a baseline again
                 if t0 <= d.step < t0 + HOLD:
                     holds[q] = t0 + WINDOW
-            # NOTE: the backward/update layer carries an incident through the optimizer's moments for ~1/(1−β₂)
-            # steps (a gradient burst lowers every later update of its layer while ‖v‖ forgets it): it waits a
-            # whole window; the input and forward layers are searched again HOLD steps later
-            for q, s in tl.items():
-                if s.spec.layer == BACKWARD and not (s.spec.exact is not None or s.spec.bound is not None):
-                    holds[q] = max(holds.get(q, 0), t0 + WINDOW)
             since, gsince, xsince = max(start, t0 + HOLD), t0 + HOLD, t0 + 1
     faults = [i for i in incidents if i.judgement.verdict == "fault"]
     if faults:
