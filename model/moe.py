@@ -243,11 +243,12 @@ class MoE(nn.Module):
     def _out_sq(self, out_MD: Tensor, ids_M: Tensor, valid_M: Tensor | None) -> Tensor:
         """(E,) Σ over valid rows of each expert of ‖row‖²/D: read from the expert output already computed
         (whichever path produced it, after any forward hook on self.experts), one norm per row."""
-        ms_M = torch.linalg.vector_norm(out_MD.detach(), dim=-1, dtype=torch.float32).square() / out_MD.shape[-1]
+        acc = torch.promote_types(out_MD.dtype, torch.float32)  # at least FP32; a float64 model (gradcheck) keeps it
+        ms_M = torch.linalg.vector_norm(out_MD.detach(), dim=-1, dtype=acc).square() / out_MD.shape[-1]
         if valid_M is not None:
             # NOTE: where, not multiply-by-mask: a padding row's inf must not reach a valid expert's sum as NaN
             ms_M = torch.where(valid_M, ms_M, 0.0)
-        return torch.zeros(self.n_experts, dtype=torch.float32, device=out_MD.device).index_add_(0, ids_M, ms_M)
+        return torch.zeros(self.n_experts, dtype=acc, device=out_MD.device).index_add_(0, ids_M, ms_M)
 
     @torch.no_grad()
     def update_bias(self, load_E: Tensor) -> None:
