@@ -31,6 +31,12 @@ SHORT = ["data.seq_len=32", "train.micro_batches=1", "train.eval_every=300"]
 @pytest.mark.parametrize("seed", [0, 1])
 def test_quickstart_mechanism_reaches_the_copy_floor(tmp_path, seed):
     check([grid.one({"seed": seed, "data_seed": 1234, "threads": 1}, SHORT_STEPS, 0.0, SHORT, tmp_path)])
+    # the doctor on the same clean run, the induction head forming in it: healthy, nothing prescribed; whatever
+    # moved as the head formed is listed, each judged natural with its reason
+    from doctor.cli import doctor
+    rep = doctor(next(tmp_path.iterdir()), plots=False)
+    assert rep["class"] == "healthy" and rep["earliest"] is None and rep["fix"] is None, rep["summary"]
+    assert all(i["judgement"] == "natural" and i["reason"] for i in rep["incidents"]), rep["incidents"]
 
 
 @pytest.mark.slow
