@@ -260,6 +260,10 @@ def judge(ctx: Context, diag) -> Judgement:
     unseen = [q for q, r in rec.items() if r["returned"] is None and r.get("after", 0) < 3]
     stuck = [q for q, r in rec.items() if q not in unseen and (r["returned"] is None or r["returned"] > RECOVER + cadence)]
     persists = [q for q, r in rec.items() if r["level_z"] is not None and r["level_z"] > PERSIST_Z]
+    # NOTE: a quantity that counts only beside a run-level one (its Signal's `needs`: one layer's gradient RMS
+    # beside the gradient norm) persists only when that one does too
+    backed = {q for q in stuck + persists if not _unbacked(ctx, q, rec, stuck + persists)}
+    stuck, persists = [q for q in stuck if q in backed], [q for q in persists if q in backed]
     if damage:
         return Judgement("fault", f"damage persists: {damage}", ev)
     again = recurrent(ctx, a)
@@ -298,7 +302,8 @@ def judge(ctx: Context, diag) -> Judgement:
                              f"test flagged it: the doctor's own tests read the run's noise", ev)
         return Judgement("fault", f"{unseen[0]} deviated at the run's end (step {last}): no return to its band can "
                          f"be seen", ev)
-    back = max(r["returned"] for r in rec.values())
+    # how long it took, over the quantities that count on their own (a `needs` one follows its run-level one)
+    back = max(r["returned"] for q, r in rec.items() if r["returned"] is not None and not _unbacked(ctx, q, rec, []))
     ok = f"back in its band within {back} step(s), nothing persists"
     if onset:
         return Judgement("natural", f"{ok}, at a learning transition: {onset}", ev)
@@ -314,6 +319,11 @@ def judge(ctx: Context, diag) -> Judgement:
     return Judgement("fault", f"back in its band, but at no learning transition (no source's loss starts falling "
                      f"within {LEARN} steps, no warm-up end) and unlike anything else in the run: a fault the run "
                      f"recovered from", ev)
+
+
+def _unbacked(ctx: Context, q: str, rec: dict, held: list[str]) -> bool:
+    need = ctx.tl[q].spec.needs
+    return bool(need) and need in rec and need not in held
 
 
 def _cadence(s: Series) -> int:

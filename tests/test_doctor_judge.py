@@ -228,3 +228,23 @@ def test_a_new_signal_is_one_declaration(tmp_path, monkeypatch):
     assert rep["class"] == "numerics.probe_growth" and rep["earliest"]["step"] == 80, rep["summary"]
     assert rep["earliest"]["model_layer"] == "block0.attn"
     assert json.loads((d / "report.json").read_text())["class"] == "numerics.probe_growth"
+
+
+@pytest.mark.parametrize("norm_follows", [False, True])
+def test_a_layer_level_counts_only_beside_the_run_gradient(tmp_path, norm_follows):
+    """A spike at a learning transition after which one layer's gradient RMS holds ×5: alone it is that layer's
+    heavy tail (its Signal needs the run's gradient norm) and the incident stays natural; with the run's gradient
+    norm holding ×5 too, a level persists after a step change: a fault."""
+    def tweak(t, r):
+        learning_onset(t, r)
+        spike(t, r)
+        r["layers"]["block0.attn"] = {"grad_rms": 0.02 * (1 + 0.05 * ((t * 7919) % 13 - 6) / 6)}
+        if t == T0:
+            r["layers"]["block0.attn"]["grad_rms"] *= 20
+        elif t > T0:
+            r["layers"]["block0.attn"]["grad_rms"] *= 5
+            if norm_follows:
+                r["grad_norm"] *= 5
+    rep = doctor(fake_run(tmp_path, n=140, tweak=tweak), plots=False)
+    inc = next(i for i in rep["incidents"] if i["step"] == T0)
+    assert inc["judgement"] == ("fault" if norm_follows else "natural"), inc
