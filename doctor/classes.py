@@ -15,15 +15,17 @@ class FaultClass:
     name: str
     means: str
     symptom: tuple[str, str, str] | None = None  # (symptom, check first, easily mistaken for)
+    natural: bool = False  # an incident of this class may be the run itself (doctor/judge.py weighs it)
 
 
 CLASSES: dict[str, FaultClass] = {}
 
 
-def declare_class(name: str, means: str, symptom: tuple[str, str, str] | None = None) -> FaultClass:
+def declare_class(name: str, means: str, symptom: tuple[str, str, str] | None = None,
+                  natural: bool = False) -> FaultClass:
     if name in CLASSES:
         raise ValueError(f"fault class {name!r} declared twice")
-    c = CLASSES[name] = FaultClass(name, means, symptom)
+    c = CLASSES[name] = FaultClass(name, means, symptom, natural)
     return c
 
 
@@ -45,11 +47,13 @@ declare_class("objective.mixture", "the data mixture switched; each source staye
 declare_class("rank.data", "one rank's inputs left the sharding or the content its ids name")
 declare_class("numerics.nonfinite", "a non-finite value", ("one-step NaN (单步突然 NaN)",
               "the current batch, loss scale, reductions and kernels", "an LR that is too large in general"))
-declare_class("numerics.activation_outlier", "an activation moved first")
-declare_class("numerics.attention_logits", "an attention block's logits grew first")
-declare_class("forward.loss_spike", "the loss rose first with normal inputs and settings")
+# NOTE: the spike classes are the ones a clean run also shows as it learns: each is judged (natural or fault);
+# every other class names a broken invariant or a changed setting, a fault whatever happens after it
+declare_class("numerics.activation_outlier", "an activation moved first", natural=True)
+declare_class("numerics.attention_logits", "an attention block's logits grew first", natural=True)
+declare_class("forward.loss_spike", "the loss rose first with normal inputs and settings", natural=True)
 declare_class("forward.below_floor", "the loss fell below the exact floor: the model sees what it predicts")
-declare_class("optim.gradient_spike", "the gradient (and with it the update) moved first")
+declare_class("optim.gradient_spike", "the gradient (and with it the update) moved first", natural=True)
 declare_class("optim.lr_switch", "the LR left its schedule")
 declare_class("optim.state", "the update or the optimizer state jumped with a normal gradient and LR")
 declare_class("optim.settings", "an optimizer setting changed without the config saying so (every layer's "

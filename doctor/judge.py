@@ -2,7 +2,8 @@
 
 A deviation is not yet a fault. An incident is judged `natural` only when all of this holds:
   - what moved first can move on its own (its Signal's `recover`; never an input statistic, an invariant,
-    a non-finite value or the optimizer state falling),
+    a non-finite value or the optimizer state falling), and its class is one a clean run shows too (a spike
+    class: doctor/classes.py `natural`; an update shrinking after a gradient burst is that burst's aftermath),
   - the deviating quantities returned to their band within RECOVER steps, or a level they moved to stayed
     while the run was learning (a layer's activations grow as an induction head forms),
   - the loss did not stay above where it was before the incident (no damage that persists),
@@ -24,6 +25,7 @@ import statistics
 from dataclasses import dataclass, field
 
 from doctor.checks import Context
+from doctor.classes import CLASSES
 from doctor.scores import guard_test
 from doctor.timeline import CHANGE, MAD_SIGMA, SUSTAINED, THRESHOLD, WINDOW, Series
 from stability.signals import family
@@ -243,6 +245,8 @@ def judge(ctx: Context, diag) -> Judgement:
         why = ("an exact invariant broke" if a.kind in ("invariant", "exact") else
                "a non-finite value" if a.kind == "nonfinite" else f"{a.quantity} does not move this way on its own")
         return Judgement("fault", f"{why}: {a.quantity} at step {t0}", ev)
+    cls = CLASSES.get(diag.fault_class)
+    natural_class = cls is not None and cls.natural
     moved = {q: d for q, d in diag.devs.items() if t0 <= d.step <= t0 + 1 and q in ctx.tl and d.kind not in
              ("invariant", "exact", "nonfinite")}
     moved.setdefault(a.quantity, a)
@@ -278,6 +282,9 @@ def judge(ctx: Context, diag) -> Judgement:
     ev["aftermath"] = after
     if after:
         return Judgement("natural", after, ev)
+    if not natural_class:
+        return Judgement("fault", f"{diag.fault_class}: {cls.means if cls else 'a fault class'} — a fault whatever "
+                         f"happens after it", ev)
     if stuck or persists:
         q = (stuck + persists)[0]
         late = rec[q]["returned"]

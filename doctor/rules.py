@@ -227,6 +227,10 @@ def classify(ctx: Context, first: Deviation) -> Diagnosis:
         cls, main = "data.distribution_shift", "corrupted input batch"
         why = (f"only {q.split('/', 1)[1]}'s loss stepped up and stayed up from step {t0} (the other sources, "
                f"the LR, gradients and activations on their baselines): that source's data changed")
+    elif q == "clip_coef" and clip_recovered(ctx):
+        # NOTE: heavy clipping is a coefficient that stays low; one that is back at its level K steps later was a
+        # gradient burst the clip bounded (the burst's own quantities may still wait out an earlier incident)
+        cls, main, why = "optim.gradient_spike", None, "the gradient burst and the clip bounded it for a step or two"
     elif (sig := family(q)) is not None and sig.cls:  # the registry: the class its signal implies
         cls, main, why = sig.cls, None, f"{q} moved first: {sig.fix}"
     else:
@@ -248,6 +252,14 @@ def shifted_source(ctx: Context) -> str | None:
         return None
     up = {d.quantity.split("/", 1)[1] for d in ctx.near("loss_by_source/", 0, K) if d.kind in ("sustained", "change")}
     return up.pop() if len(up) == 1 and len([k for k in ctx.tl if k.startswith("loss_by_source/")]) > 1 else None
+
+
+def clip_recovered(ctx: Context) -> bool:
+    """Is the clip coefficient back at its level before the incident within K steps after it?"""
+    s = ctx.tl.get("clip_coef")
+    before = [v for t, v in sorted(s.values.items()) if ctx.t0 - WINDOW <= t < ctx.t0] if s else []
+    after = [v for t, v in sorted(s.values.items()) if ctx.t0 + K <= t < ctx.t0 + 2 * K] if s else []
+    return bool(before and after) and statistics.median(after) >= 0.9 * statistics.median(before)
 
 
 def update_layers(ctx: Context) -> tuple[int, int]:

@@ -144,6 +144,8 @@ def scores(s: Series, guard: GuardTest | None = None, name: str = "") -> Scores 
     nf = int(np.argmax(~fin)) if not fin.all() else len(x)  # a non-finite value needs no baseline
 
     def signed(z: np.ndarray, direction: str) -> np.ndarray:
+        if direction == "none":  # a quantity judged by its level only (Signal.point = "none")
+            return np.full(len(z), -np.inf)
         z = z if direction == "up" else (-z if direction == "down" else np.abs(z))
         return np.nan_to_num(z, nan=-np.inf)
 

@@ -55,7 +55,7 @@ class Signal:
     rel_floor: float = 0.05       # relative moves below this never deviate (log units for a log signal)
     abs_floor: float = 1e-12
     exact: float | None = None    # the value a healthy run holds exactly (any departure deviates)
-    point: str | None = None      # the one-step test's direction when it differs from `direction`
+    point: str | None = None      # the one-step test's direction when it differs from `direction` ("none": off)
     point_floor: float | str = 0.0  # the one-step test's noise floor (log units); GUARD_FLOOR: the guard's
     needs: str | None = None      # a run-level series that must deviate at the same step for this one to count
     per_layer: bool = False       # one series per model layer (the doctor's stricter change threshold)
@@ -340,8 +340,10 @@ declare("grad_rms", BACKWARD, per_layer("grad_rms", _not_overflow), cls="optim.g
         log=True, point="up", needs="grad_norm", per_layer=True, fix="the named layer's gradient burst")
 declare("grad_norm", BACKWARD, field_("grad_norm", _not_overflow), cls="optim.gradient_spike", log=True,
         point_floor=GUARD_FLOOR, guard_default=True, phase="before", fix="the gradient moved first")
+# NOTE: judged by its level only: one clipped step is the gradient's incident (the coefficient sits at 1 with no
+# noise, so a single clip would out-score the gradient norm that caused it); heavy clipping is a level that holds
 declare("clip_coef", BACKWARD, field_("clip_coef", _not_overflow), cls="optim.heavy_clipping", direction="down",
-        log=True, point_floor=GUARD_FLOOR,
+        log=True, point="none",
         doc="min(1, c/‖g‖): under constant heavy clipping a clean loss curve hides a recipe problem",
         fix="the clip threshold against the gradient's own scale (train.max_grad_norm, the loss / gradient scale)")
 # NOTE: one step of a layer's ratio is judged at the guard's floor, as update_ratio_max is: it follows its
