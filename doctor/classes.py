@@ -47,18 +47,20 @@ declare_class("objective.mixture", "the data mixture switched; each source staye
 declare_class("rank.data", "one rank's inputs left the sharding or the content its ids name")
 declare_class("numerics.nonfinite", "a non-finite value", ("one-step NaN (单步突然 NaN)",
               "the current batch, loss scale, reductions and kernels", "an LR that is too large in general"))
-# NOTE: the spike classes are the ones a clean run also shows as it learns: each is judged (natural or fault);
-# every other class names a broken invariant or a changed setting, a fault whatever happens after it
+# NOTE: the spike classes, an update that jumped and clipping are what a clean run also shows as it learns: each
+# is judged (natural or fault, doctor/judge.py); every other class names a broken invariant, a changed setting
+# or data, a fault whatever happens after it
 declare_class("numerics.activation_outlier", "an activation moved first", natural=True)
 declare_class("numerics.attention_logits", "an attention block's logits grew first", natural=True)
 declare_class("forward.loss_spike", "the loss rose first with normal inputs and settings", natural=True)
 declare_class("forward.below_floor", "the loss fell below the exact floor: the model sees what it predicts")
 declare_class("optim.gradient_spike", "the gradient (and with it the update) moved first", natural=True)
 declare_class("optim.lr_switch", "the LR left its schedule")
-declare_class("optim.state", "the update or the optimizer state jumped with a normal gradient and LR")
+declare_class("optim.state", "the update or the optimizer state jumped with a normal gradient and LR", natural=True)
 declare_class("optim.settings", "an optimizer setting changed without the config saying so (every layer's "
               "update, or the weights' decay)")
-declare_class("optim.heavy_clipping", "the clip coefficient fell and stayed low: clipping hides a recipe problem")
+declare_class("optim.heavy_clipping", "the clip coefficient fell and stayed low: clipping hides a recipe problem",
+              natural=True)
 declare_class("moe.load_collapse", "an MoE layer's routing collapsed onto a few experts")
 declare_class("moe.dead_expert", "an expert's output vanished while its routing stayed")
 declare_class("state.resume_fault", "the resumed state is not the saved one", ("jump right after resume (resume 后立即跳变)",

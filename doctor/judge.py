@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import math
 import statistics
+
+import numpy as np
 from dataclasses import dataclass, field
 
 from doctor.checks import Context
 from doctor.classes import CLASSES
 from doctor.scores import guard_test
-from doctor.timeline import CHANGE, MAD_SIGMA, SUSTAINED, THRESHOLD, WINDOW, Series
+from doctor.timeline import CHANGE, CHANGE_LAYER, MAD_SIGMA, SUSTAINED, THRESHOLD, WINDOW, Series
 from stability.signals import family
 
 RECOVER = 10     # steps within which a transient is back in its band (a telemetry step later for sparse layers)
@@ -40,6 +42,8 @@ FALL_GAP = 0.1   # ... and the least share of its gap to the exact floor (when t
 WARMUP_NEAR = 3  # steps from the end of the LR warm-up within which an incident coincides with it
 SUDDEN = 0.6     # a level reached with this share of its move in one reading is a step change, not growth
 PLATEAU = 0.3    # nats above its exact floor: a source the run has yet to learn
+NEAR_LIMIT = 0.7  # a move elsewhere in the run at this share of its test's threshold is the same kind of move ...
+AGAIN = 2         # ... and this many of them make it the run's own heavy tail
 
 
 @dataclass
@@ -180,19 +184,25 @@ def aftermath(ctx: Context, a, rec: dict) -> str | None:
 
 
 def recurrent(ctx: Context, a) -> list[int]:
-    """Other steps of the run at which the same series left its band the same way (its one-step test past the
-    doctor's threshold, or the guard's), away from this incident: a quantity that bursts and returns again and
-    again with nothing persisting is the run's own heavy tail (an attention layer's gradient), not one fault."""
+    """Other steps of the run at which the same series moved the same way (the test that flagged this incident,
+    or a one-step test, at NEAR_LIMIT of its threshold or more), away from this incident — AGAIN of them or
+    none: a quantity that bursts and returns again and again with nothing persisting is the run's own heavy
+    tail (an attention layer's gradient, a bimodal logit max), not one fault."""
     s = ctx.tl.get(a.quantity)
     sc = next(iter(s.cache.values()), None) if s is not None else None
     if sc is None:
         return []
     steps = sc.steps[:sc.nf]
-    hit = sc.z["point"] > THRESHOLD
-    if "guard" in sc.z:
-        hit |= sc.z["guard"] > guard_test(ctx.run.config).threshold
+    limits = {"point": THRESHOLD, "guard": guard_test(ctx.run.config).threshold,
+              "change": max(CHANGE, CHANGE_LAYER) if sc.per_layer else CHANGE, "sustained": SUSTAINED}
+    # the test that flagged this incident, the one-step and the level tests: the same kind of move elsewhere
+    kinds = {"point", "guard", "change", a.kind} & set(sc.z) & set(limits)
+    hit = np.zeros(len(steps), dtype=bool)
+    for k in kinds:
+        hit |= sc.z[k][:len(steps)] > NEAR_LIMIT * limits[k]
     far = abs(steps - a.step) > RECOVER
-    return [int(t) for t in steps[hit & far & (steps >= ctx.start)]]
+    again = [int(t) for t in steps[hit & far & (steps >= ctx.start)]]
+    return again if len(again) >= AGAIN else []
 
 
 def own_noise(ctx: Context, a) -> bool:
@@ -297,8 +307,9 @@ def judge(ctx: Context, diag) -> Judgement:
         sudden = [x for x in stuck + persists if rec[x].get("sudden") and (x in persists or rec[x]["returned"] is None)]
         if sudden:
             return Judgement("fault", f"{sudden[0]} stepped to a new level at step {t0} in one reading and held it", ev)
-        if falling:  # NOTE: a model that learns changes its internals: a level moves as the loss falls
-            return Judgement("natural", f"{q} {held}, without a step change, while the run learned ({falling}); "
+        ahead = falling or pending(ctx, t0)
+        if ahead:  # NOTE: a model that learns changes its internals: a level moves as the loss falls
+            return Judgement("natural", f"{q} {held}, without a step change, while the run learned ({ahead}); "
                              f"the loss took no damage", ev)
         if not persists and all(rec[x]["returned"] is not None for x in stuck) and (tail or dip):
             return Judgement("natural", f"{q} {held}, nothing persists, and {tail or dip}", ev)
