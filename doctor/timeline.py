@@ -25,7 +25,8 @@ from pathlib import Path
 import yaml
 
 from stability.events import read_events
-from stability.signals import BACKWARD, FORWARD, GUARD_FLOOR, INPUT, LAYERS, SIGNALS, SYSTEM, ReadContext, Signal
+from stability.signals import (BACKWARD, FORWARD, GUARD_FLOOR, INPUT, LAYERS, SIGNALS, SYSTEM,  # noqa: F401
+                               ReadContext, Signal)  # (the layer names: re-exported for doctor/)
 from stability.record import (RECORD_VERSION, V2_FIELDS, V3_FIELDS, V4_FIELDS, V4_SUBFIELDS, read_records,
                               read_records_partial)
 
