@@ -121,7 +121,9 @@ def per_source_verdict(ctx: Context, t: int) -> tuple[str, str]:
     lo = max(0, i - 20)
     if i - lo < 5 or len(recs) - i < 2:
         return "untestable", "too few steps around the switch to compare per-source losses"
-    floors = source_floors(ctx.run.config) or {s: 0.0 for s in recs[i - 1]["loss_by_source"]}
+    # NOTE: the floors the diagnosis already built (doctor/rules.py), not the data rebuilt once more
+    floors = (ctx.floors if ctx.floors is not None else source_floors(ctx.run.config)) or \
+        {s: 0.0 for s in recs[i - 1]["loss_by_source"]}
     before, after = window(recs, lo, i), window(recs, i, len(recs))
     noise = spread(recs[lo:i], floors)
     noise["mix_floor"] = noise["mix_floor"] or 1e-12  # NOTE: zero floors (real text): no floor-shift test

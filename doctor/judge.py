@@ -112,7 +112,7 @@ def learning(ctx: Context, t0: int) -> tuple[str | None, str | None]:
     centred LEARN after t0 than it did over the LEARN before), and a source's loss falling towards its floor
     at all around t0 — each as one line of evidence, or None. NOTE: the look-ahead is centred a window after
     the step: the gradient finds a new direction (an induction head) steps before the loss shows it."""
-    floors = _floors(ctx)
+    floors = ctx.floors or {}
     onset = falling = None
     by_source = any(q.startswith("loss_by_source/") for q in ctx.tl)
     for q, s in ctx.tl.items():
@@ -150,7 +150,7 @@ def pending(ctx: Context, t0: int) -> str | None:
     its exact floor around t0 and closed at least half that gap by the run's end. A plateau before a phase
     transition (the copy source at log V before its induction head) is where a model's first sharp
     gradients come; one the run goes on to leave is the run learning, not a fault."""
-    floors = _floors(ctx)
+    floors = ctx.floors or {}
     last = ctx.seg[-1]["step"]
     for q, s in ctx.tl.items():
         src = q.split("/", 1)[1] if q.startswith("loss_by_source/") else None
@@ -220,10 +220,6 @@ def own_noise(ctx: Context, a) -> bool:
     i = idx[0]
     return all(not (sc.z[k][i] > lim) for k, lim in (("point", THRESHOLD), ("change", CHANGE), ("sustained", SUSTAINED))
                if k in sc.z)
-
-
-def _floors(ctx: Context) -> dict:
-    return ctx.floors or {}
 
 
 def loss_damage(ctx: Context, t0: int) -> str | None:
