@@ -18,6 +18,7 @@ from pathlib import Path
 
 import hydra
 import torch
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from checkpoint import FinalCheckpointWithheld, RunComplete
@@ -26,7 +27,8 @@ from optim.accumulate import count_valid_tokens, forward_backward, reduce_step_s
 from parallel import Dist, all_reduce_sum, destroy, init_distributed, release
 from precision import optimizer_step
 from run.build import Run, build_run
-from run.config import preflight, register
+from run.config import normalise, preflight, register
+from run.lifecycle import CannotStart, Exit, Interrupted, Interrupts, RunDir, RunDirBusy, note_new_dirs, say
 from run.schema import ConfigError
 from stability.callbacks import StepState
 from stability.guard import GuardAbort
@@ -51,36 +53,51 @@ def main(cfg: DictConfig) -> None:
 
 
 def job(cfg: DictConfig, dist: Dist) -> int:
-    """Build and train one run; the exit code. Every reference to the run ends with this frame."""
+    """Build and train one run; the exit status (run/lifecycle.py Exit). Every reference to the run ends with
+    this frame. The run directory has one owner from before the first write to the last save."""
     try:
-        run = build_run(cfg, dist)
-    except RunComplete as e:  # resume=auto after the final save: the job is done, not refused
-        print(f"ballast: {e}")
-        return 0
-    except ValueError as e:  # every config problem surfaces here as one line naming the key
-        print(f"ballast: config error: {e}", file=sys.stderr)
-        return 2
+        with RunDir(Path(HydraConfig.get().runtime.output_dir), dist) as owner, Interrupts(dist) as stop:
+            try:
+                run = build_run(cfg, dist)
+            except RunComplete as e:  # resume=auto after the final save: the job is done, not refused
+                return say(dist, f"ballast: {e}", Exit.OK)
+            except ValueError as e:  # every config, data or resume problem: one line naming the key or file
+                return say(dist, f"ballast: config error: {e}", Exit.START)
+            except OSError as e:  # e.g. a run directory that cannot be written
+                return say(dist, f"ballast: cannot start: {e}", Exit.START)
+            owner.started()
+            return train_and_close(run, stop)
+    except (RunDirBusy, CannotStart) as e:
+        return say(dist, f"ballast: {e}", Exit.BUSY if isinstance(e, RunDirBusy) else Exit.START)
+
+
+def train_and_close(run: Run, stop: Interrupts) -> int:
     try:
-        train(run)
+        train(run, stop)
     except GuardAbort as e:  # the guard gave up: say why in one line; the last good checkpoint stands
-        print(f"ballast: guard: {e}", file=sys.stderr)
-        return 3
+        return say(run.dist, f"ballast: guard: {e}", Exit.GUARD)
     except FinalCheckpointWithheld as e:  # the last step was vetoed: the run ends without its final save
-        print(f"ballast: {e}", file=sys.stderr)
-        return 3
+        return say(run.dist, f"ballast: {e}", Exit.GUARD)
+    except Interrupted as e:
+        return say(run.dist, f"ballast: {e}", Exit.INTERRUPTED)
     finally:
         run.close()
         release(run.wrapped)  # DDP's reducer first, in case a cycle outlives the run: parallel.dist.release
-    return 0
+    return Exit.OK
 
 
-def train(run: Run) -> None:
+def train(run: Run, stop: Interrupts) -> None:
     tc, names, dev = run.train, run.dataset.source_names, run.dist.device
     model, optimizer, loader, ckpt, guard, cb = run.model, run.optimizer, run.loader, run.ckpt, run.guard, run.callbacks
     step, tokens_seen = ckpt.state.step, ckpt.state.tokens  # 0 unless resumed
     in_base = InputBaseline(run.dataset)  # the running unigram histogram each batch's inputs are judged by
     cfg_fp = config_fingerprint(run.cfg)  # per group: a resume that changed the config shows in the records
     while step < ckpt.last_step:  # last_step < train.steps under checkpoint.stop_after
+        if stop.agreed():  # the step boundary: an interrupt saves this state and ends the run here
+            saved = ckpt.save_interrupted(step, tokens_seen, guard.healthy())
+            for sink in run.sinks:
+                sink.close()
+            raise Interrupted.at(stop, step, saved, run.run_dir)
         step += 1  # NOTE: a while loop, because a guard rollback moves the step back
         s = StepState(step, max_grad_norm=tc.max_grad_norm)
         t0, c0 = time.perf_counter(), cpu_clock()
@@ -209,9 +226,10 @@ def finish(run: Run) -> None:
 
 
 if __name__ == "__main__":
+    sys.argv[1:] = normalise(sys.argv[1:])  # resume=X → resume.path=X, for Hydra too
     try:  # one line for a bad key or value, before Hydra's multi-line message or any file is written
-        preflight(sys.argv[1:], str(Path(__file__).resolve().parent / "conf"))
+        note_new_dirs(preflight(sys.argv[1:], str(Path(__file__).resolve().parent / "conf")))
     except ConfigError as e:
         print(f"ballast: config error: {e}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(Exit.START)
     main()

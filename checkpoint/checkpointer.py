@@ -64,7 +64,8 @@ class Checkpointer:
         self._plan: tuple | None = None  # check_resume(): (path, skipped notes, notes, meta), () = nothing
         self._fresh = False  # resume=auto found no checkpoint
         saving = self.every > 0 or self.stop_after is not None
-        group = tdist.new_group(backend="gloo") if saving and dist.world > 1 else None
+        # NOTE: even when checkpoint.every=0: an interrupt saves too (save_interrupted)
+        group = tdist.new_group(backend="gloo") if dist.world > 1 else None
         self.saver = Saver(self.root, ck.mode, ck.keep_last, ck.keep_every, dist.rank, group)
         if saving and not self.spec and publish.list_steps(self.root):  # every rank sees it and stops
             raise ValueError(f"checkpoint.dir={self.root} already holds checkpoints of another run; "
@@ -112,7 +113,7 @@ class Checkpointer:
         notes = check_config(meta["config"], self.state.config, self.allow_config, name)
         check_model(saved_shapes, self.state.tensors()[0], name)
         notes += check_data(blobs["loader"]["fingerprint"], self.state.loader.dataset.fingerprint,
-                            self.allow_data_change, name)
+                            self.allow_data_change, name, meta["config"].get("data"), self.state.config.get("data"))
         step = blobs["progress"]["step"]
         if self._fresh and step >= self.last_step:
             raise RunComplete(self._complete_line(name, step))
@@ -234,6 +235,9 @@ class Checkpointer:
                 self._note(f"checkpoint: the last save moves to step {step + 1}, the next step (train.steps="
                            f"{self.steps} still bounds the run)")
             return 0.0
+        return self._save(step, tokens)
+
+    def _save(self, step: int, tokens: int) -> float:
         name = publish.step_name(step)
         info = {"name": name, "step": step, "tokens": tokens, "world": self.dist.world,
                 "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
@@ -242,6 +246,19 @@ class Checkpointer:
         if self.saver.mode == "async":
             self._note(f"checkpoint {name}: snapshot taken, writing in the background (stall {stall:.3f} s)")
         return stall
+
+    def save_interrupted(self, step: int, tokens: int, healthy: bool) -> Path | None:
+        """An interrupt at the boundary after `step`: that state saved and published (waited for), unless the
+        guard fired on it (the last good checkpoint stands) or the snapshot point already saved it. Returns
+        the newest complete checkpoint, or None when there is none."""
+        on_disk = step in {s for s, _ in publish.list_steps(self.root)} if self.dist.is_main else None
+        # NOTE: every rank takes the same decision (the save is a collective); rank 0 reads the directory
+        if healthy and step > 0 and not self.due(step) and not broadcast_object(on_disk):
+            self.state.step, self.state.tokens = step, tokens
+            self._save(step, tokens)
+        self.saver.wait()
+        self._collect()
+        return self.root / self.ckpt_id if self.ckpt_id else None
 
     def _collect(self) -> None:
         for name, seconds, error in self.saver.finished():

@@ -12,7 +12,7 @@ MODES = ("async", "sync")
 @dataclass
 class CheckpointConfig:
     """Atomic publish, async save, retention. Resume with `resume=latest`."""
-    every: int = 0                  # save every N steps and at the last step; 0 = never
+    every: int = 100                # save every N steps and at the last step; 0 = never (an interrupt still saves)
     dir: str | None = None          # null = <run dir>/checkpoints
     mode: str = "async"             # async: copy the state at the snapshot point, write in a background thread | sync
     keep_last: int = 3              # retention: the newest K checkpoints ...

@@ -63,10 +63,16 @@ def check_model(saved_shapes: Mapping[str, tuple], model_sd: Mapping, name: str)
         raise ValueError(f"resume: checkpoint {name} has model tensor {extra[0]}, which this model lacks")
 
 
-def check_data(saved_fp: str, current_fp: str, allow: bool, name: str) -> list[str]:
+def check_data(saved_fp: str, current_fp: str, allow: bool, name: str, saved_data: Mapping | None = None,
+               current_data: Mapping | None = None) -> list[str]:
+    """The fingerprint covers the data's content; the data.* keys of both configs say what changed in it."""
     if saved_fp == current_fp:
         return []
-    diff = f"data fingerprint {current_fp[:12]} but checkpoint {name} was trained on {saved_fp[:12]}"
+    a, b = flatten(saved_data or {}, "data"), flatten(current_data or {}, "data")
+    changed = [f"{k} {a.get(k, _ABSENT)} -> {b.get(k, _ABSENT)}" for k in sorted(set(a) | set(b))
+               if a.get(k, _ABSENT) != b.get(k, _ABSENT)]
+    what = ", ".join(changed) if changed else "the same data.* keys: the files' content changed"
+    diff = f"data fingerprint {current_fp[:12]} but checkpoint {name} was trained on {saved_fp[:12]} ({what})"
     if not allow:
         raise ValueError(f"resume: {diff}; set resume.allow_data_change=true to continue on the new data")
     return [f"resume: data changed (resume.allow_data_change=true): {diff}; the cursor continues at the same "

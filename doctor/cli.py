@@ -39,7 +39,7 @@ def doctor(run_dir, plots: bool = True) -> dict:
     state = state_and_env(run, diag, ckpt)
     # NOTE: a fix is prescribed for a fault only: a healthy run (its incidents, if any, the run learning) gets none
     fix = fix_for(diag, run, ckpt) if diag.fault_class != "healthy" else None
-    report = doctor_report.to_json(run, diag, devs, state, fix, commands(run, diag, fix))
+    report = doctor_report.to_json(run, diag, devs, state, fix, commands(run, diag, fix, ckpt))
     doctor_report.write(run, diag, report, plots)
     return report
 
@@ -112,15 +112,25 @@ def state_and_env(run: Run, diag: Diagnosis, ckpt) -> dict:
     }
 
 
-def commands(run: Run, diag: Diagnosis, fix: dict) -> dict:
+def commands(run: Run, diag: Diagnosis, fix: dict | None, ckpt) -> dict:
+    """Only commands that can run on this run: a replay needs a checkpoint before the step (else None, and
+    the state section says why); the regression run repeats the run's own command line (environment.json)
+    into a new directory with the fix's override."""
     d, world = run.dir, run.records[-1].get("world", 1)
     launch = "python" if world <= 1 else f"torchrun --standalone --nproc_per_node={world}"
-    over = f" {fix['override']}" if fix and fix.get("override") else ""
-    fixed = f"{d}-fix"
-    return {"replay": f"python -m doctor.replay {d} --step {diag.step}" if diag.step else None,
-            "replay_fp64": f"python -m doctor.replay {d} --step {diag.step} --dtype float64" if diag.step else None,
-            "regression": (f"{launch} train.py --config-path {d.resolve()} --config-name config "
-                           f"hydra.run.dir={fixed}{over}\npython -m doctor {fixed}") if fix else None}
+    replayable = bool(diag.step and ckpt)
+    env_file = d / "environment.json"
+    argv = json.loads(env_file.read_text()).get("argv") if env_file.is_file() else None
+    regression = None
+    if fix and argv is not None:
+        over = [fix["override"]] if fix.get("override") else []
+        replaced = {"hydra.run.dir", *(o.split("=", 1)[0].lstrip("+") for o in over)}
+        keep = [a for a in argv if a.split("=", 1)[0].lstrip("+") not in replaced
+                and not a.split("=", 1)[0].lstrip("+").startswith("resume")]
+        regression = " ".join([launch, "train.py", *keep, f"hydra.run.dir={d}-fix", *over]) + f"\npython -m doctor {d}-fix"
+    return {"replay": f"python -m doctor.replay {d} --step {diag.step}" if replayable else None,
+            "replay_fp64": f"python -m doctor.replay {d} --step {diag.step} --dtype float64" if replayable else None,
+            "regression": regression}
 
 
 def main(argv=None) -> int:

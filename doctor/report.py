@@ -124,8 +124,8 @@ def render(run: Run, diag: Diagnosis, report: dict) -> str:
                 f"(rank r of {rec.get('world', 1)} holds the r-th contiguous share)",
                 f"- documents by source {rec.get('source_mix')}, {rec.get('valid_tokens')} valid tokens, "
                 f"inputs {json.dumps(rec.get('inputs', {}))}",
-                f"- state: {st['replay_checkpoint_note']}", f"- replay: `{cmd['replay']}`",
-                f"- high precision: `{cmd['replay_fp64']}`"]
+                f"- state: {st['replay_checkpoint_note']}"]
+        out += [f"- replay: `{cmd['replay']}`", f"- high precision: `{cmd['replay_fp64']}`"] if cmd["replay"] else []
     else:
         out += ["- no anomalous step: nothing to replay"]
     out += ["", "## State and environment", "", "| item | value |", "|---|---|"]
@@ -139,7 +139,9 @@ def render(run: Run, diag: Diagnosis, report: dict) -> str:
         out += ["", "## Fix to try (one variable)", "", f"- variable: {fix['variable']}", f"- change: {fix['change']}",
                 f"- override: `{fix['override']}`" if fix.get("override") else
                 "- override: none (no single config override tests this fix)"]
-        out += ["", "## Regression check", "", "```", cmd["regression"], "```", "", f"Expect: {fix['expect']}"]
+        out += (["", "## Regression check", "", "```", cmd["regression"], "```", "", f"Expect: {fix['expect']}"]
+                if cmd["regression"] else ["", "## Regression check", "", "- none: the run recorded no command line "
+                                           "(environment.json argv) to repeat"])
     out += ["", "## Timeline", "", *timeline_table(run, diag), "", f"![timeline]({PLOT})"]
     guard = [e for e in run.events if diag.step is None or abs(e["step"] - diag.step) <= 3][:8]
     if guard:

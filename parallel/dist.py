@@ -76,6 +76,15 @@ def broadcast_object(obj, src: int = 0):
     return box[0]
 
 
+def all_gather_object(obj) -> list:
+    """Every rank's Python object, in rank order, on every rank."""
+    if not (tdist.is_initialized() and tdist.get_world_size() > 1):
+        return [obj]
+    out = [None] * tdist.get_world_size()
+    tdist.all_gather_object(out, obj)
+    return out
+
+
 def barrier() -> None:
     if tdist.is_initialized() and tdist.get_world_size() > 1:
         tdist.barrier()

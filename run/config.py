@@ -16,11 +16,13 @@ default. OmegaConf then refuses an unknown or mistyped key; `python train.py --c
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from checkpoint.config import CheckpointConfig, ResumeConfig
@@ -135,6 +137,11 @@ def compose_check(overrides: list[str], config_dir: str | None = None, config_na
     """Compose conf/ with these command-line overrides, as @hydra.main will, and validate: the pre-flight
     that turns Hydra's and OmegaConf's multi-line messages into one ConfigError line. config_dir=None:
     inside a caller's `hydra.initialize_config_dir` (tests compose many configs under one)."""
+    return _compose(overrides, config_dir, config_name)[0]
+
+
+def _compose(overrides: list[str], config_dir: str | None, config_name: str = "config") -> tuple[Config, str]:
+    """The validated Config and the run directory Hydra will make for it (hydra.run.dir, resolved now)."""
     from contextlib import nullcontext
 
     from hydra import compose, initialize_config_dir
@@ -144,16 +151,30 @@ def compose_check(overrides: list[str], config_dir: str | None = None, config_na
     init = nullcontext() if config_dir is None else initialize_config_dir(config_dir=config_dir, version_base=None)
     try:
         with init:
-            cfg = compose(config_name=config_name, overrides=overrides)
+            cfg = compose(config_name=config_name, overrides=normalise(overrides), return_hydra_config=True)
+        with open_dict(cfg):
+            run_dir = str(cfg.hydra.run.dir)
+            del cfg["hydra"]
     except (HydraException, OmegaConfBaseException) as e:
         raise ConfigError(one_line(e)) from None
-    return validate(cfg)
+    return validate(cfg), run_dir
 
 
-def preflight(argv: list[str], config_dir: str) -> None:
-    """Compose and validate the command line before @hydra.main runs: a bad key or value stops the run
-    in one line (train.py prints it, exit 2) before anything is written. Skipped when an argument is a
-    flag (--cfg, -m/--multirun, --help, --info, -c, ...): those are Hydra's own business."""
+def normalise(argv: list[str]) -> list[str]:
+    """`resume=X` is shorthand for `resume.path=X`: rewritten at the door, so the declared-change keys
+    (`resume=latest resume.allow_data_change=true`) compose beside it in either order."""
+    return [f"resume.path={a.split('=', 1)[1]}" if a.startswith("resume=") else a for a in argv]
+
+
+def preflight(argv: list[str], config_dir: str) -> Path | None:
+    """Compose and validate the command line before @hydra.main runs: a bad key or value, or a run
+    directory that cannot be made, stops the run in one line (train.py prints it, exit 2) before anything
+    is written. Returns the run directory Hydra will make (None when skipped). Skipped when an argument is a flag (--cfg, -m/--multirun, --help, --info, -c, ...): those
+    are Hydra's own business."""
     if any(a.startswith("-") for a in argv):
-        return
-    compose_check(list(argv), config_dir)
+        return None
+    run_dir = Path(_compose(list(argv), config_dir)[1]).absolute()
+    parent = next(p for p in [run_dir, *run_dir.parents] if p.exists())
+    if not (parent.is_dir() and os.access(parent, os.W_OK | os.X_OK)):
+        raise ConfigError(f"hydra.run.dir={run_dir}: cannot create it: {parent} is not a writable directory")
+    return run_dir

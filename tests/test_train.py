@@ -58,7 +58,7 @@ def test_bad_config_exits_nonzero_naming_the_key(tmp_path, override, key):
     assert r.returncode == 2
     err = [line for line in r.stderr.splitlines() if line.strip()]
     assert len(err) == 1 and key in err[0], r.stderr
-    assert not (tmp_path / "run" / "config.yaml").exists()  # stopped before anything was written
+    assert not (tmp_path / "run").exists()  # stopped before anything was written, the directory included
 
 
 def test_text_experiment_errors(tmp_path):
@@ -66,6 +66,7 @@ def test_text_experiment_errors(tmp_path):
     assert r.returncode == 2 and "data.path" in r.stderr
     r = run_train(tmp_path / "b", "+experiment=shakespeare_char", "data.path=/no/such/file.txt", "logging.wandb=disabled")
     assert r.returncode == 2 and "data.path" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert sorted(tmp_path.iterdir()) == []  # a start that fails leaves no directory behind
 
 
 def test_text_file_trains(tmp_path):

@@ -1,0 +1,257 @@
+"""The run's life around the loop: one writer per run directory, an interrupt that saves, a start that fails
+leaving nothing behind, and the exit statuses that say which.
+
+    with RunDir(run_dir, dist) as owner, Interrupts(dist) as stop:   # train.py job()
+        run = build_run(cfg, dist)
+        owner.started()           # from here the directory is the run's, whatever happens
+        ... at each step boundary: if stop.agreed(): save, say so, exit Exit.INTERRUPTED
+
+A run directory has one owner, as a database's data directory does (PostgreSQL's postmaster.pid): rank 0
+takes an advisory lock (flock) on <run dir>/run.lock before anything is written and holds it for the run's
+whole life; the other ranks of the launch wait for its answer. The kernel drops the lock when its holder
+dies, so a stale file from a killed run never blocks the next start. Readers (the doctor, sample, export,
+checkpoint.verify) take no lock: they work on a live run.
+"""
+from __future__ import annotations
+
+import datetime
+import errno
+import fcntl
+import json
+import os
+import signal
+import socket
+import sys
+from enum import IntEnum
+from pathlib import Path
+
+import torch
+
+from checkpoint.publish import step_name
+from parallel.dist import Dist, all_gather_object, all_reduce_max, broadcast_object
+
+LOCK_NAME = "run.lock"
+
+
+class Exit(IntEnum):
+    """train.py's exit statuses: a scheduler or a script tells the outcomes apart by these alone."""
+    OK = 0
+    START = 2         # the run cannot start: a config, data or resume problem, an unwritable directory
+    GUARD = 3         # the guard gave up, or the last step was vetoed (the last good checkpoint stands)
+    BUSY = 4          # another live process owns the run directory
+    INTERRUPTED = 75  # EX_TEMPFAIL: stopped by SIGINT/SIGTERM at a step boundary and saved; resume=auto goes on
+    ABORTED = 130     # a second interrupt: out at once (128 + SIGINT); the atomic publish keeps checkpoints whole
+
+
+class RunDirBusy(RuntimeError):
+    """Another live process holds the run directory's lock."""
+
+
+class RunDir:
+    """Rank 0 holds <run_dir>/run.lock for the run's life; a start that fails removes what it created.
+
+    A second writer is refused in one line naming the holder and touches nothing: the holder created the
+    lock file, the refused process only opens and reads it.
+    """
+
+    def __init__(self, run_dir: Path, dist: Dist):
+        self.dir, self.dist = Path(run_dir), dist
+        self.path = self.dir / LOCK_NAME
+        self.fd: int | None = None
+        self.running = False
+        self.previous: dict | None = None  # the stale holder a dead process left, if any
+        self.new: Path | None = None  # the topmost directory this launch made (note_new_dirs)
+
+    def __enter__(self) -> "RunDir":
+        answer = None
+        if self.dist.is_main:
+            try:
+                self._acquire()
+            except (RunDirBusy, OSError) as e:
+                answer = (type(e).__name__, str(e))
+        answer = broadcast_object(answer)  # every rank of the launch goes on or stops together
+        # the first rank to make the directory saw it missing: the union of what the ranks saw is what to remove
+        self.new = min((p for p in all_gather_object(_NEW[0]) if p is not None), key=lambda p: len(p.parts),
+                       default=None)
+        if answer is not None:
+            kind, line = answer
+            if kind == RunDirBusy.__name__:
+                raise RunDirBusy(line)
+            remove_if_empty(self.dir, self.new)
+            raise CannotStart(f"cannot start: {line}")
+        if self.previous and self.dist.is_main:
+            p = self.previous
+            print(f"run dir {self.dir}: the lock of pid {p.get('pid')} on {p.get('host')} (launch {p.get('launch')}, "
+                  f"since {p.get('started')}) was released when it exited; taking it over", flush=True)
+        return self
+
+    def _acquire(self) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)  # Hydra made it; a Python caller may not have
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                holder = _read(fd)
+                os.close(fd)
+                if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                    raise
+                raise RunDirBusy(f"{self.dir} is in use by pid {holder.get('pid')} on {holder.get('host')} "
+                                 f"(launch {holder.get('launch')}, since {holder.get('started')}); wait for it "
+                                 f"to end, or pick another hydra.run.dir") from None
+            # NOTE: the holder unlinks the file as it releases it; a lock won on that unlinked inode is no lock
+            try:
+                same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+        self.previous = _read(fd) or None
+        me = {"pid": os.getpid(), "host": socket.gethostname(), "launch": os.environ.get("TORCHELASTIC_RUN_ID"),
+              "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "argv": sys.argv[1:]}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(me) + "\n").encode(), 0)
+        self.fd = fd
+
+    def started(self) -> None:
+        """The run is built: from here its directory stays, whatever happens next."""
+        self.running = True
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if self.fd is not None:
+            os.unlink(self.path)  # before the release: the next owner creates its own (see _acquire)
+            os.close(self.fd)
+            self.fd = None
+        if not self.running:  # the start failed (or found the run complete): leave what was there, only that
+            remove_if_empty(self.dir, self.new)
+
+
+_NEW: list[Path | None] = [None]  # the topmost directory this start will create (note_new_dirs)
+
+
+def note_new_dirs(run_dir: Path | None) -> None:
+    """Before Hydra makes the run directory (mkdir -p): the topmost part of it that does not exist yet, which
+    a failed start removes again. Unknown (None) → only the run directory itself, when empty."""
+    if run_dir is None:
+        _NEW[0] = None
+        return
+    missing = [p for p in [run_dir, *run_dir.parents] if not p.exists()]
+    _NEW[0] = missing[-1] if missing else None
+
+
+def remove_if_empty(path: Path, top: Path | None) -> None:
+    """A start that failed leaves no directory: the run dir and the parents this start made for it, each
+    only while empty."""
+    path = path.absolute()
+    stop = top.absolute() if top is not None and (top == path or top in path.parents) else path
+    for p in [path, *path.parents]:
+        try:
+            p.rmdir()
+        except FileNotFoundError:  # another rank of the launch removed it first
+            pass
+        except OSError:  # not empty: someone's files
+            return
+        if p == stop:
+            return
+
+
+def _read(fd: int) -> dict:
+    try:
+        return json.loads(os.pread(fd, 4096, 0).decode() or "{}")
+    except ValueError:
+        return {}
+
+
+class Interrupts:
+    """SIGINT and SIGTERM ask the loop to stop at the next step boundary, where it saves; a second signal exits
+    at once.
+
+    NOTE: under torchrun a Ctrl-C reaches every process of the terminal's group, and torchrun then sends its
+    workers SIGTERM (and SIGKILL 30 s later): a SIGTERM after a SIGINT is that forwarding, not a second ask.
+    """
+
+    def __init__(self, dist: Dist):
+        self.dist = dist
+        self.signum = 0
+        self._old: dict = {}
+
+    def __enter__(self) -> "Interrupts":
+        if _main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+        self._old = {}
+
+    def _handle(self, signum, frame) -> None:
+        if self.signum == signal.SIGINT and signum == signal.SIGTERM:
+            return  # torchrun forwarding the Ctrl-C its workers already received
+        if self.signum:
+            _say(self.dist, f"ballast: {signal.Signals(signum).name} again: exiting now; the checkpoints on disk "
+                            f"are whole (an unfinished save is never published)")
+            os._exit(Exit.ABORTED)
+        self.signum = signum
+        again = "Ctrl-C" if signum == signal.SIGINT else "SIGTERM"
+        # NOTE: os.write, not print: a handler that prints while the loop is printing raises "reentrant call"
+        _say(self.dist, f"ballast: {signal.Signals(signum).name}: stopping at the end of this step, then saving "
+                        f"({again} again to exit at once)")
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name if self.signum else ""
+
+    def agreed(self) -> bool:
+        """Has any rank been asked to stop? Every rank answers the same at the same boundary: the save is a
+        collective. One process: the flag alone; a launch: one max-reduce of it."""
+        if self.dist.world == 1:
+            return bool(self.signum)
+        flag = torch.tensor([float(self.signum)], device=self.dist.device)
+        self.signum = int(all_reduce_max(flag).item())
+        return bool(self.signum)
+
+
+def _main_thread() -> bool:
+    import threading
+    return threading.current_thread() is threading.main_thread()
+
+
+def _say(dist: Dist, line: str) -> None:
+    if dist.is_main:
+        os.write(2, (line + "\n").encode())
+
+
+def resume_command(run_dir: Path, argv: list[str]) -> str:
+    """The command that continues this run where it stopped: the same overrides, its directory pinned (a
+    relaunch under torchrun gets a new launch id, hence a new default directory), resume=auto."""
+    keep = [a for a in argv if not a.split("=", 1)[0].lstrip("+") in ("resume", "hydra.run.dir")
+            and not a.startswith(("resume.", "+resume."))]
+    launcher = "torchrun <the same options> train.py" if os.environ.get("TORCHELASTIC_RUN_ID") else "python train.py"
+    return " ".join([launcher, *keep, f"hydra.run.dir={run_dir}", "resume=auto"])
+
+
+class CannotStart(RuntimeError):
+    """The run directory cannot be taken (e.g. not writable)."""
+
+
+class Interrupted(RuntimeError):
+    """The loop stopped at a step boundary on a signal; the message says where it saved and how to go on."""
+
+    @classmethod
+    def at(cls, stop: Interrupts, step: int, saved: Path | None, run_dir: Path) -> "Interrupted":
+        where = (f"saved {saved}" if saved is not None and saved.name == step_name(step) else
+                 f"the newest complete checkpoint is {saved} (this step's state was not saved: the guard acted on "
+                 f"it)" if saved is not None else "no checkpoint to continue from (nothing was saved)")
+        go_on = f"; continue with: {resume_command(run_dir, sys.argv[1:])}" if saved is not None else ""
+        return cls(f"{stop.name} after step {step}: {where}{go_on}")
+
+
+def say(dist: Dist, line: str, code: Exit) -> Exit:
+    """One line on rank 0 (every rank of a launch fails the same way: torchrun names the ranks that exited)."""
+    if dist.is_main:
+        print(line, file=sys.stderr if code else sys.stdout, flush=True)
+    return code
