@@ -39,7 +39,12 @@ def check_drill(run_dir, drill: str) -> dict:
         assert f"\n## {section}" in md, f"report.md lacks section {section!r}"
     assert json.loads((run_dir / "report.json").read_text())["class"] == rep["class"]
     assert rep["rejected"], "a report must say which hypotheses it rejected, and why"
-    assert f"--step {rep['earliest']['step']}" in rep["commands"]["replay"]
+    if rep["state"]["checkpoint_for_replay"]:  # only a command that can run on this run
+        assert f"--step {rep['earliest']['step']}" in rep["commands"]["replay"]
+    else:
+        assert rep["commands"]["replay"] is None and "no complete checkpoint before" in \
+            rep["state"]["replay_checkpoint_note"]
+        assert "doctor.replay " not in md
     assert f"Ground truth for this drill" in md.splitlines()[-1]  # kept apart, last
     return rep
 
