@@ -17,6 +17,7 @@ and r = min_lr_ratio:
 
 NOTE: neither phase wastes a step: warmup never sits at 0 and the last step already trains at r·peak.
 Steps past the end hold at r (cosine, linear, wsd), so a longer resumed run does not restart the cycle.
+A schedule longer than the run is clamped to it (optim/config.py ScheduleConfig.fit); the run says so once.
 
 Plain arithmetic, no torch at import: the doctor recomputes a run's expected lr from its config.yaml.
 """
@@ -31,9 +32,9 @@ from optim.config import SCHEDULES, ScheduleConfig  # noqa: F401  (SCHEDULES: re
 def _phases(cfg: Mapping | ScheduleConfig, total_steps: int) -> tuple[str, int, int, int, float]:
     """(name, W, s₀, D, r) of a schedule over total_steps; the schema checks it (optim/config.py)."""
     cfg = ScheduleConfig.from_dict(cfg)
-    decay = cfg.decay_over(total_steps)
-    start = total_steps - decay if cfg.name == "wsd" else cfg.warmup_steps
-    return cfg.name, cfg.warmup_steps, start, decay, float(cfg.min_lr_ratio)
+    warmup, decay = cfg.fit(total_steps)
+    start = total_steps - decay if cfg.name == "wsd" else warmup
+    return cfg.name, warmup, start, decay, float(cfg.min_lr_ratio)
 
 
 def _factor(step: int, name: str, warmup: int, start: int, decay: int, ratio: float) -> float:
