@@ -24,6 +24,7 @@ from pathlib import Path
 
 import yaml
 
+from optim.schedule import factor_fn  # plain arithmetic: the optim package loads torch only on use
 from stability.events import read_events
 from stability.signals import (BACKWARD, FORWARD, GUARD_FLOOR, INPUT, LAYERS, SIGNALS, SYSTEM,  # noqa: F401
                                ReadContext, Signal)  # (the layer names: re-exported for doctor/)
@@ -199,45 +200,16 @@ def timeline(records: list[dict], config: dict, floors: dict | None = None) -> d
     return tl
 
 
-def _schedule_module():
-    """optim/schedule.py loaded on its own: the optim package's __init__ imports the optimizer stack
-    (torch, DTensor); the schedule is plain arithmetic."""
-    import importlib.util
-    import sys
-    def load(name: str, file: str):
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "optim" / file)
-        m = sys.modules[name] = importlib.util.module_from_spec(spec)  # dataclasses look their module up
-        spec.loader.exec_module(m)
-        return m
-    mod = sys.modules.get("_doctor_schedule")
-    if mod is None:
-        # WARN: schedule.py imports optim.config (its schema), and `import optim.config` would run the package's
-        # __init__ (torch: ~20 s under load); the schema file is loaded on its own and stands in for it
-        # only while schedule.py executes
-        own = "optim.config" not in sys.modules
-        if own:
-            sys.modules["optim.config"] = load("_doctor_optim_config", "config.py")
-        try:
-            mod = load("_doctor_schedule", "schedule.py")
-        finally:
-            if own:
-                del sys.modules["optim.config"]
-        sys.modules["_doctor_schedule"] = mod
-    return mod
-
-
 def lr_schedule(config: dict):
     """step -> the LR the config's schedule gives the update of `step` (None without optim config).
 
     The record's lr is the LR of the update of step t, i.e. the scheduler's factor at index t − 1
     (optim/schedule.py counts optimizer steps from 0)."""
-    mod = _schedule_module()
     optim, steps = config.get("optim"), config.get("train", {}).get("steps")
     if not optim or not steps or "lr" not in optim:
         return None
-    # NOTE: the schedule's phases parsed once (lr_factor validates its config on every call: 25 ms a step)
-    phases = mod._phases(optim.get("schedule", {}), int(steps))
-    return lambda t: float(optim["lr"]) * mod._factor(t - 1, *phases)
+    factor = factor_fn(optim.get("schedule", {}), int(steps))
+    return lambda t: float(optim["lr"]) * factor(t - 1)
 
 
 # ---- deviations ---------------------------------------------------------------------------------------

@@ -1,9 +1,18 @@
-"""Optimizer side of a step: parameter-group contract, AdamW, lr schedules, global-norm clipping."""
+"""Optimizer side of a step: parameter-group contract, AdamW, lr schedules, global-norm clipping.
 
-from optim.adamw import build_optimizer
-from optim.clip import clip_grad_norm
-from optim.groups import build_param_groups, format_table, param_kinds
-from optim.schedule import build_scheduler, lr_factor
+NOTE: the names below load on first use (PEP 562 module __getattr__), because importing any submodule
+runs this file first: the schedule (optim/schedule.py) and the schema (optim/config.py) are plain
+arithmetic that the doctor imports without torch.
+"""
+from importlib import import_module
 
-__all__ = ["build_optimizer", "build_param_groups", "build_scheduler", "clip_grad_norm", "format_table",
-           "lr_factor", "param_kinds"]
+_HOME = {"build_optimizer": "optim.adamw", "clip_grad_norm": "optim.clip", "build_param_groups": "optim.groups",
+         "format_table": "optim.groups", "param_kinds": "optim.groups", "build_scheduler": "optim.schedule",
+         "lr_factor": "optim.schedule"}
+__all__ = sorted(_HOME)
+
+
+def __getattr__(name: str):
+    if name not in _HOME:
+        raise AttributeError(f"module 'optim' has no attribute {name!r}")
+    return getattr(import_module(_HOME[name]), name)

@@ -1,7 +1,7 @@
 """The `optim` group's schema: AdamW settings, parameter-group rules, the lr schedule.
 
-Rules that need the model (a rule that matches no parameter) or the run length (warmup beyond
-train.steps: ScheduleConfig.check_steps, also run by the root config) stay with what knows them.
+Rules that need the model (a rule that matches no parameter) stay with what knows it; a schedule
+longer than train.steps is clamped to the run (ScheduleConfig.fit), not refused.
 """
 from __future__ import annotations
 
@@ -61,19 +61,35 @@ class ScheduleConfig:
         check(0.0 < self.decay_fraction <= 1.0, "optim.schedule.decay_fraction", self.decay_fraction,
               "must be in (0, 1]")
 
-    def decay_over(self, total_steps: int) -> int:
-        """Steps of the decay phase of a `total_steps` run, after checking the schedule fits in it."""
+    def fit(self, total_steps: int) -> tuple[int, int]:
+        """(W, D): the warmup and decay steps of a `total_steps` run, the schedule clamped to the run.
+
+        NOTE: clamped, not refused, so a smoke run (`train.steps=20` under a 50-step warmup) runs as
+        written. Non-wsd: W = min(warmup_steps, T), i.e. the W = T schedule that always fit — the lr
+        reaches its peak at the last step, the shape the config asked for cut to the run — and no new
+        shape. wsd keeps its decay, D = min(D, T) (the cooldown is the part of wsd that lands the loss),
+        and the warmup takes what is left, W = min(warmup_steps, T − D). A schedule that fits is
+        unchanged, step for step."""
         check(isinstance(total_steps, int) and total_steps > 0, "train.steps", total_steps,
               "must be a positive integer")
-        check(self.warmup_steps <= total_steps, "optim.schedule.warmup_steps", self.warmup_steps,
-              f"must be an integer in [0, train.steps={total_steps}]")
         if self.name != "wsd":
-            return self.decay_steps or max(total_steps - self.warmup_steps, 1)
-        decay = self.decay_steps if self.decay_steps is not None else max(round(self.decay_fraction * total_steps), 1)
-        if self.warmup_steps + decay > total_steps:
-            raise ConfigError(f"optim.schedule: warmup_steps={self.warmup_steps} + decay steps={decay} "
-                              f"exceed train.steps={total_steps}")
-        return decay
+            warmup = min(self.warmup_steps, total_steps)
+            return warmup, self.decay_steps or max(total_steps - warmup, 1)
+        decay = min(self._wsd_decay(total_steps), total_steps)
+        return min(self.warmup_steps, total_steps - decay), decay
+
+    def clamp_note(self, total_steps: int) -> str | None:
+        """One line saying how `fit` clamped the schedule to the run, or None when it fits as configured."""
+        warmup, decay = self.fit(total_steps)
+        wanted = self._wsd_decay(total_steps) if self.name == "wsd" else decay
+        if (warmup, decay) == (self.warmup_steps, wanted):
+            return None
+        changes = [f"warmup_steps {self.warmup_steps} → {warmup}"] * (warmup != self.warmup_steps)
+        changes += [f"decay steps {wanted} → {decay}"] * (decay != wanted)
+        return f"optim.schedule clamped to train.steps={total_steps}: {', '.join(changes)}"
+
+    def _wsd_decay(self, total_steps: int) -> int:
+        return self.decay_steps if self.decay_steps is not None else max(round(self.decay_fraction * total_steps), 1)
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "ScheduleConfig":

@@ -17,21 +17,24 @@ and r = min_lr_ratio:
 
 NOTE: neither phase wastes a step: warmup never sits at 0 and the last step already trains at r·peak.
 Steps past the end hold at r (cosine, linear, wsd), so a longer resumed run does not restart the cycle.
+A schedule longer than the run is clamped to it (optim/config.py ScheduleConfig.fit); the run says so once.
+
+Plain arithmetic, no torch at import: the doctor recomputes a run's expected lr from its config.yaml.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from optim.config import SCHEDULES, ScheduleConfig  # noqa: F401  (SCHEDULES: re-exported)
 
 def _phases(cfg: Mapping | ScheduleConfig, total_steps: int) -> tuple[str, int, int, int, float]:
     """(name, W, s₀, D, r) of a schedule over total_steps; the schema checks it (optim/config.py)."""
     cfg = ScheduleConfig.from_dict(cfg)
-    decay = cfg.decay_over(total_steps)
-    start = total_steps - decay if cfg.name == "wsd" else cfg.warmup_steps
-    return cfg.name, cfg.warmup_steps, start, decay, float(cfg.min_lr_ratio)
+    warmup, decay = cfg.fit(total_steps)
+    start = total_steps - decay if cfg.name == "wsd" else warmup
+    return cfg.name, warmup, start, decay, float(cfg.min_lr_ratio)
 
 
 def _factor(step: int, name: str, warmup: int, start: int, decay: int, ratio: float) -> float:
@@ -50,6 +53,12 @@ def lr_factor(step: int, total_steps: int, cfg: Mapping) -> float:
     return _factor(step, *_phases(cfg, total_steps))
 
 
+def factor_fn(cfg: Mapping, total_steps: int) -> Callable[[int], float]:
+    """step -> lr_factor(step, total_steps, cfg), the config parsed and checked once, not at every step."""
+    phases = _phases(cfg, total_steps)
+    return lambda step: _factor(step, *phases)
+
+
 def build_scheduler(optimizer, cfg: Mapping, total_steps: int):
     """LambdaLR applying lr_factor to every group's own lr (so lr_scale survives).
 
@@ -58,9 +67,4 @@ def build_scheduler(optimizer, cfg: Mapping, total_steps: int):
     """
     # NOTE: torch imported here: lr_factor is pure arithmetic, and the doctor reads it without torch
     from torch.optim.lr_scheduler import LambdaLR
-    phases = _phases(cfg, total_steps)  # validate once, up front, not at the first step
-
-    def factor(step: int) -> float:
-        return _factor(step, *phases)
-
-    return LambdaLR(optimizer, factor)
+    return LambdaLR(optimizer, factor_fn(cfg, total_steps))  # checked up front, not at the first step

@@ -26,6 +26,7 @@ from data.loader import Loader, eval_batches
 from model import ModelConfig, Transformer
 from model.checkpointing import set_activation_checkpointing
 from optim import build_optimizer, build_scheduler, format_table
+from optim.config import ScheduleConfig
 from optim.levers import build_levers
 from parallel import Dist, barrier, wrap_model
 from parallel.wrap import is_sharded
@@ -141,6 +142,8 @@ def write_header(cfg, dist: Dist, run_dir: Path, dataset, model, model_cfg, grou
     print(f"model: {model.num_params() / 1e6:.3f}M parameters, "
           f"{sum(model_cfg.is_moe_layer(i) for i in range(model_cfg.n_layers))} MoE layer(s) of {model_cfg.n_layers}")
     print(format_table(group_table))
+    if note := ScheduleConfig.from_dict(cfg.optim.schedule).clamp_note(cfg.train.steps):
+        print(note)  # a run shorter than its schedule's warmup (or wsd decay) runs on the clamped schedule
     table = recipe.table(sharded=is_sharded(model))  # FSDP2's param_dtype reaches the fp32 modules too
     print(table.to_markdown())
     table.save(run_dir)

@@ -109,7 +109,6 @@ class Config:
         for key in ("vocab_size", "seq_len"):
             value = getattr(self.model, key)
             check(value is None, f"model.{key}", value, f"set by the data (data.kind={self.data.kind}); drop it")
-        self.optim.schedule.decay_over(self.train.steps)  # warmup (and the wsd decay) fit in train.steps
         self.checkpoint.check_steps(self.train.steps)
         if self.guard.action == "rollback" and self.guard.rollback.source == "disk" and not self.checkpoint.every:
             raise ConfigError("guard.rollback.source=disk needs checkpoint.every > 0 (there would be nothing on "

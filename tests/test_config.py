@@ -92,7 +92,6 @@ def test_range_rules(overrides, message):
     (["fault=lr_spike", "fault.seed=3"], "fault.seed=3: not used by fault.kind=lr_spike"),
     (["precision=fp16", "precision.margin=3"], "precision.margin=3: not used by precision=fp16"),
     (["model.vocab_size=100"], "model.vocab_size=100: set by the data (data.kind=synthetic); drop it"),
-    (["train.steps=30"], "optim.schedule.warmup_steps=50: must be an integer in [0, train.steps=30]"),
     (["checkpoint.stop_after=500"], "checkpoint.stop_after=500: beyond train.steps=400"),
     (["train.batch_size=7"], "train.batch_size=7 is not divisible by train.micro_batches=2"),
     (["model.moe.first_dense=4"], "model.moe.first_dense=4 leaves no MoE layer (model.n_layers=4)"),

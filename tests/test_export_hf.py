@@ -1,10 +1,13 @@
-"""Export to transformers: the Llama / Qwen2-MoE checkpoint gives ballast's logits, the tokenizer ballast's ids."""
+"""Export to transformers: the Llama / Qwen3 / Qwen2-MoE / Qwen3-MoE checkpoint gives ballast's logits, the
+tokenizer ballast's ids; every model option is exported faithfully or refused in one line."""
 from __future__ import annotations
+
+from dataclasses import fields, replace
 
 import pytest
 import torch
 
-from checkpoint.export_hf import export, main
+from checkpoint.export_hf import OPTIONS, export, main, refuse_reason
 from data.tokenizers import build_tokenizer
 from model import ModelConfig, MoEConfig, Transformer
 from tests.helpers import run_train
@@ -74,9 +77,51 @@ def test_moe_logits_match_through_qwen2_moe(tmp_path, moe_kw):
         torch.testing.assert_close(hf(tokens_BT).logits, model(tokens_BT).logits, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("kw,why", [(dict(swiglu_clamp=10.0), "model.swiglu_clamp=10.0"),
-                                    (dict(moe=MoEConfig(**MOE, score="sigmoid")), "model.moe.score=sigmoid"),
-                                    (dict(moe=MoEConfig(**MOE)), "balancing bias of layer 1 is nonzero")])
+def same_logits(model, out_dir) -> str:
+    """Export, load through transformers, compare the logits (fp32, the tolerance above); the class's name."""
+    export(model, None, out_dir)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32).eval()
+    tokens_BT = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(tokens_BT).logits, model(tokens_BT).logits, atol=1e-4, rtol=1e-4)
+    return type(hf).__name__
+
+
+def test_every_model_option_has_an_export_decision():
+    """A new ModelConfig or MoEConfig field fails here until OPTIONS says how it exports or why it cannot."""
+    assert set(OPTIONS) == {f.name for f in fields(ModelConfig)} | {f"moe.{f.name}" for f in fields(MoEConfig)}
+
+
+@pytest.mark.parametrize("key", list(OPTIONS))
+def test_each_option_exports_faithfully_or_refuses_in_one_line(tmp_path, key):
+    """The option's probe value on a tiny model (MoE options on the `moe` probe): the same logits through
+    transformers, or a one-line refusal naming the key with nothing written."""
+    probe = OPTIONS[key].probe
+    if key.startswith("moe."):
+        default, kw = getattr(MoEConfig(), key[4:]), {"moe": replace(OPTIONS["moe"].probe, **{key[4:]: probe})}
+    else:
+        default, kw = getattr(ModelConfig(), key), {key: probe}
+    assert probe != default, f"{key}: the probe must differ from the default to exercise anything"
+    model = tiny(**{"n_layers": 4, **kw})
+    if refuse_reason(model) is None:
+        same_logits(model, tmp_path / "hf")
+        return
+    with pytest.raises(ValueError) as e:
+        export(model, None, tmp_path / "hf")
+    assert str(e.value).startswith(f"cannot export to transformers: model.{key}=") and "\n" not in str(e.value)
+    assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize("kw, cls", [(dict(), "Qwen3ForCausalLM"),
+                                     (dict(moe=MoEConfig(**MOE)), "Qwen3MoeForCausalLM")], ids=["dense", "moe"])
+def test_qk_norm_exports_to_qwen3(tmp_path, kw, cls):
+    """Qwen3's q_norm / k_norm: per head over head_dim, before RoPE, one gain each (tiny() makes them non-trivial)."""
+    assert same_logits(tiny(qk_norm=True, n_kv_heads=2, n_layers=4, **kw), tmp_path / "hf") == cls
+
+
+@pytest.mark.parametrize("kw,why", [(dict(moe=MoEConfig(**MOE)), "balancing bias of layer 1 is nonzero"),
+                                    (dict(qk_norm=True, moe=MoEConfig(**MOE, shared_expert=True)),
+                                     "model.qk_norm=true: Qwen3-MoE")])
 def test_refuses_what_transformers_cannot_express(tmp_path, kw, why):
     model = tiny(**kw)
     if "bias" in why:

@@ -15,6 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from optim import (build_optimizer, build_param_groups, build_scheduler, clip_grad_norm, format_table,
                    lr_factor)
+from optim.config import ScheduleConfig
 from parallel import release
 from helpers import in_group, spawn
 
@@ -234,14 +235,43 @@ def test_schedule_config_errors():
     expected = "^optim.schedule.name=foo: expected one of cosine, linear, wsd, constant$"
     with pytest.raises(ValueError, match=expected):
         lr_factor(0, 100, sched("foo"))
-    with pytest.raises(ValueError, match="optim.schedule.warmup_steps=101"):
-        lr_factor(0, 100, sched("cosine", warmup=101))
+    with pytest.raises(ValueError, match="optim.schedule.warmup_steps=-1"):
+        lr_factor(0, 100, sched("cosine", warmup=-1))
     with pytest.raises(ValueError, match="optim.schedule.min_lr_ratio=1.5"):
         lr_factor(0, 100, sched("cosine", ratio=1.5))
-    with pytest.raises(ValueError, match="optim.schedule: warmup_steps=90"):
-        lr_factor(0, 100, sched("wsd", warmup=90, decay_fraction=0.2))
     with pytest.raises(ValueError, match="train.steps=0"):
         lr_factor(0, 0, sched("cosine"))
+
+
+@pytest.mark.parametrize("name", ["cosine", "linear", "constant"])
+def test_a_warmup_longer_than_the_run_is_clamped_to_it(name):
+    """T = 20 under W = 50: the warmup spans the run, (s + 1)/20, peak at the last step, as W = T does."""
+    T = 20
+    clamped = [lr_factor(s, T, sched(name, warmup=50)) for s in range(T)]
+    assert clamped == pytest.approx([(s + 1) / T for s in range(T)])
+    assert clamped == [lr_factor(s, T, sched(name, warmup=T)) for s in range(T)]
+    assert ScheduleConfig(name=name, warmup_steps=50).clamp_note(T) == \
+        "optim.schedule clamped to train.steps=20: warmup_steps 50 → 20"
+
+
+def test_wsd_keeps_its_decay_and_the_warmup_takes_the_rest():
+    T, r = 100, 0.1  # the last 20 steps decay, so a 90-step warmup gets 80
+    f = [lr_factor(s, T, sched("wsd", warmup=90, decay_fraction=0.2)) for s in range(T)]
+    assert f[:80] == pytest.approx([(s + 1) / 80 for s in range(80)])
+    assert f[80:] == pytest.approx([1 - (1 - r) * (s + 1) / 20 for s in range(20)])
+    assert ScheduleConfig(name="wsd", warmup_steps=90).clamp_note(T) == \
+        "optim.schedule clamped to train.steps=100: warmup_steps 90 → 80"
+    # a decay longer than the run: the whole run decays, no warmup left
+    g = [lr_factor(s, 10, sched("wsd", warmup=5, decay_steps=30)) for s in range(10)]
+    assert g == pytest.approx([1 - (1 - r) * (s + 1) / 10 for s in range(10)])
+    assert ScheduleConfig(name="wsd", warmup_steps=5, decay_steps=30).clamp_note(10) == \
+        "optim.schedule clamped to train.steps=10: warmup_steps 5 → 0, decay steps 30 → 10"
+
+
+@pytest.mark.parametrize("cfg", [sched("cosine", warmup=100), sched("linear", warmup=0), sched("constant"),
+                                 sched("wsd", warmup=80, decay_fraction=0.2), sched("cosine", decay_steps=500)])
+def test_a_schedule_that_fits_is_not_clamped(cfg):
+    assert ScheduleConfig.from_dict(cfg).clamp_note(100) is None
 
 
 def test_lambdalr_resume_is_exact():

@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import yaml
 
 from helpers import TINY, run_train
 from stability.record import read_records
@@ -35,6 +36,22 @@ def test_quickstart_smoke_writes_records(tmp_path):
     assert "final eval loss" in r.stdout and "exact floor" in r.stdout
     assert (tmp_path / "run" / "loss.png").stat().st_size > 1000
     assert (tmp_path / "run" / "config.yaml").exists()
+
+
+def test_a_run_shorter_than_its_warmup_trains_on_the_clamped_schedule(tmp_path):
+    """`python train.py train.steps=20`, the README's smoke run, under the default config's longer warmup."""
+    r = run_train(tmp_path / "run", *[o for o in TINY if not o.startswith("optim.schedule.")], "train.steps=20",
+                  "train.eval_every=20", "logging.plot=false")
+    assert r.returncode == 0, r.stderr[-3000:]
+    cfg = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    warmup, lr = cfg["optim"]["schedule"]["warmup_steps"], cfg["optim"]["lr"]
+    assert warmup > 20, "the default warmup no longer exceeds the smoke run: pick a shorter train.steps here"
+    notes = [line for line in r.stdout.splitlines() if "clamped" in line]
+    assert notes == [f"optim.schedule clamped to train.steps=20: warmup_steps {warmup} → 20"]
+    recs = read_records(tmp_path / "run" / "metrics.jsonl")
+    assert all(math.isfinite(x["loss"]) for x in recs)
+    # step t's record holds the lr of its update: the warmup now spans the run, peak at the last step
+    assert [x["lr"] for x in recs] == pytest.approx([lr * t / 20 for t in range(1, 21)], rel=1e-12)
 
 
 def test_run_dir_is_never_reused_silently(tmp_path):
