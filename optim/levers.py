@@ -18,6 +18,7 @@ from stability.callbacks import Callback, StepState
 
 
 class Levers(Callback):
+    order = {"after_update": 10}  # QK-clip first: telemetry's Δθ and the drills then see the clipped weights
     def __init__(self, clip: ZScoreClip | None, qk_clip: QKClip | None):
         self.clip, self.qk_clip = clip, qk_clip
 

@@ -112,8 +112,6 @@ def build_run(cfg: DictConfig, dist: Dist) -> Run:
                                 is_moe=is_moe)
     ckpt = Checkpointer(config, dist, run_dir, state)
     ckpt.check_resume()  # which checkpoint, and is it this run: fails before anything is written
-    # NOTE: after_update runs in reverse: QK-clip (levers, last) rescales W_q, W_k first, telemetry then
-    # measures the whole update, and an optimizer-state drill (first) corrupts the moments after both.
     callbacks = Callbacks([FaultDrill(faults, optimizer, events, guard) if faults.kind != "none" else None, routing,
                            StepTelemetry(telemetry) if telemetry.every else None, levers])
 

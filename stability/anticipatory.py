@@ -49,6 +49,7 @@ class _Entry:
 
 
 class AnticipatoryRouting(Callback):
+    order = {"on_batch": 10}  # after a data drill replaced the batch: the routes are the trained batch's
     def __init__(self, model, loader, micro_batches: int, delay: int, device, autocast=None, forward=None):
         """model: the unwrapped Transformer; forward: the module the step calls (DDP / FSDP2 wrapper,
         default `model`): the routing forward goes through it so FSDP2 gathers the parameters; loader:

@@ -16,15 +16,17 @@ or anticipatory routing is one object attached at start, and the loop does not g
                                                                 an LR drill restores the planned LRs; an
                                                                 optimizer-state drill corrupts the moments
 
-`before_*` points call the callbacks in the order they were attached, `after_update` in reverse (the
-last one in is the first one out, like nested context managers): telemetry, attached after a drill,
-measures the update before the drill tampers with the optimizer state.
+Each callback declares, where it is defined, its `order` at every point it acts at (lower runs
+first; `Callbacks` sorts once and refuses a tie): the drill acts first on the way in (it corrupts the
+batch or arms a hook before anyone measures) and last on the way out, where QK-clip rescales W_q, W_k
+first, telemetry then measures the whole update, and an optimizer-state drill corrupts the moments
+after both.
 WARN: every rank must call every point (telemetry and the reduce drill run collectives inside them).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 
 @dataclass
@@ -58,8 +60,20 @@ class StepState:
 
 
 
+POINTS = ("before_batch", "on_batch", "before_forward", "before_update", "after_update")
+
+
 class Callback:
-    """Base: every point is a no-op. Subclasses override the points they act at."""
+    """Base: every point is a no-op. A subclass overrides the points it acts at and declares its
+    `order` at each of them (lower runs first): the order is stated with the callback, not by where
+    it happens to be attached."""
+    order: ClassVar[dict[str, int]] = {}
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        missing = [p for p in POINTS if getattr(cls, p) is not getattr(Callback, p) and p not in cls.order]
+        if missing:
+            raise TypeError(f"{cls.__name__} acts at {', '.join(missing)} without an order there (Callback.order)")
 
     def before_batch(self, s: StepState) -> None: ...
 
@@ -73,27 +87,35 @@ class Callback:
 
 
 class Callbacks:
-    """The attached callbacks, called at each point in attachment order (after_update: reversed)."""
+    """The attached callbacks (None: not attached), each point's sorted once by the callbacks' `order`."""
 
     def __init__(self, callbacks):
-        self.items = [c for c in callbacks if c is not None]
+        items = [c for c in callbacks if c is not None]
+        self.at: dict[str, list[Callback]] = {}
+        for point in POINTS:
+            acting = sorted((c for c in items if point in c.order), key=lambda c: c.order[point])
+            for a, b in zip(acting, acting[1:]):
+                if a.order[point] == b.order[point]:
+                    raise ValueError(f"callbacks {type(a).__name__} and {type(b).__name__} both declare order "
+                                     f"{a.order[point]} at {point}: the order between them would be unstated")
+            self.at[point] = acting
 
     def before_batch(self, s: StepState) -> None:
-        for c in self.items:
+        for c in self.at["before_batch"]:
             c.before_batch(s)
 
     def on_batch(self, s: StepState) -> None:
-        for c in self.items:
+        for c in self.at["on_batch"]:
             c.on_batch(s)
 
     def before_forward(self, s: StepState) -> None:
-        for c in self.items:
+        for c in self.at["before_forward"]:
             c.before_forward(s)
 
     def before_update(self, s: StepState) -> None:
-        for c in self.items:
+        for c in self.at["before_update"]:
             c.before_update(s)
 
     def after_update(self, s: StepState) -> None:
-        for c in reversed(self.items):
+        for c in self.at["after_update"]:
             c.after_update(s)

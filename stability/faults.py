@@ -112,6 +112,9 @@ class FaultDrill(Callback):
     this seed or CPU), the fault's event says so (`preceded_by`), and the console line with it, so nobody
     reads the run's incidents as the drill's alone.
     """
+    # first on the way in (the batch is corrupted, a hook armed, before routing or telemetry see the step);
+    # last out: an optimizer-state drill corrupts the moments after telemetry measured the clean update
+    order = {"before_batch": 0, "on_batch": 0, "before_forward": 0, "before_update": 0, "after_update": 30}
 
     def __init__(self, injector: FaultInjector, optimizer, events, guard=None):
         self.inj, self.optimizer, self.events, self.guard = injector, optimizer, events, guard

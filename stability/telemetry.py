@@ -225,6 +225,9 @@ class Telemetry:
 class StepTelemetry(Callback):
     """Telemetry attached to the step: hooks on before the forward, θ snapshot before the update, the
     per-layer numbers into s.post after it (on telemetry steps; every call is a no-op otherwise)."""
+    # after a drill armed its hooks (the NaN drill's output shows in the activations); after the update,
+    # after QK-clip (the measured Δθ is the whole update) and before an optimizer-state drill
+    order = {"before_forward": 20, "before_update": 20, "after_update": 20}
 
     def __init__(self, telemetry: Telemetry):
         self.tel = telemetry
