@@ -31,9 +31,12 @@ from typing import Any, ClassVar
 
 @dataclass
 class StepState:
-    """What one step has computed so far: callbacks read and write it, stability/record.py turns it
-    into the StepRecord."""
-    step: int
+    """What one step has computed so far, in the order the step fills it: each section names the phase
+    that writes its fields and who writes them there; a later phase only reads an earlier one's (a drill
+    at its point may rewrite its own phase's inputs). stability/record.py turns it into the StepRecord."""
+    step: int                         # the loop
+    # --- batch: train.py (loader.next, micro-batches, global valid count, input statistics) and the
+    # on_batch callbacks (a data drill replaces the batch; anticipatory routing sets routes, routing) ---
     first_id: int = 0                 # global id of the batch's first sample (the batch ID)
     batch: Any = None                 # this rank's Batch
     micro: list = field(default_factory=list)     # its micro-batches, on the device
@@ -41,23 +44,28 @@ class StepState:
     routing: dict = field(default_factory=dict)   # StepRecord.routing
     n_valid: int = 0                  # global valid label tokens
     inputs: dict = field(default_factory=dict)    # input-layer statistics of the global batch
+    # --- forward: train.py, from the forward/backward's sums ---
     stats: dict = field(default_factory=dict)     # reduced loss / source / MoE sums (optim.accumulate)
+    ranks: dict = field(default_factory=dict)     # per-rank first sample id, count, content hash, local loss
     loss_by_source: dict[str, float] = field(default_factory=dict)
-    lr: float = float("nan")          # the LR this step's update used (group 0, without its lr_scale)
+    # --- update: the before_update callbacks (an LR / clip drill), train.py's optimizer step and the guard's
+    # veto in it, then the after_update callbacks (levers: qk_clip, clip; telemetry: post) ---
     max_grad_norm: float | None = None  # the clip threshold this step's update uses (train.max_grad_norm
     #                                   unless a drill changed it; read after before_update)
+    lr: float = float("nan")          # the LR this step's update used (group 0, without its lr_scale)
     flags: dict = field(default_factory=dict)     # non-finite loss / logits / grads
     result: Any = None                # precision.step.StepResult
-    post: dict = field(default_factory=dict)      # telemetry after the update (layers, ρ, replicas)
+    post: dict = field(default_factory=dict)      # telemetry after the update (layers, ρ, replicas; train.py
+    #                                               adds the optimizer state's non-finite flag)
     clip: dict = field(default_factory=dict)      # the adaptive clip's numbers (train.clip=zscore)
     qk_clip: dict = field(default_factory=dict)   # heads QK-clip scaled after the update
+    # --- post-update and record: train.py after the scheduler step (time_s.route: anticipatory routing,
+    # booked at on_batch; events: any writer, one-line notes) ---
     moe: dict = field(default_factory=dict)       # expert-load summary per MoE layer
     opt_state: dict = field(default_factory=dict)  # optimizer-state and MoE-bias norms (stability/step_state.py)
-    ranks: dict = field(default_factory=dict)     # per-rank first sample id, count, content hash, local loss
-    events: list[str] = field(default_factory=list)  # one-line notes of this step (StepRecord.events)
     eval: dict | None = None
+    events: list[str] = field(default_factory=list)  # one-line notes of this step (StepRecord.events)
     time_s: dict[str, float] = field(default_factory=dict)
-
 
 
 POINTS = ("before_batch", "on_batch", "before_forward", "before_update", "after_update")
