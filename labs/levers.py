@@ -38,6 +38,7 @@ from optim.accumulate import count_valid_tokens, forward_backward
 from optim.qk_clip import QKClip
 from optim.zclip import ZScoreClip
 from precision import optimizer_step
+from stability.config import DetectorConfig
 from stability.detector import SpikeDetector
 
 TITLE = "levers: the largest stable learning rate per stability lever, each alone, on a spiky configuration"
@@ -70,7 +71,7 @@ def train(seed: int, lever: dict, lr: float, steps: int) -> dict:
     scheduler = build_scheduler(optimizer, schedule, steps)
     clip = ZScoreClip(**lever["zscore"]) if "zscore" in lever else None
     qk_clip = QKClip(model, lever["qk_clip"]) if "qk_clip" in lever else None
-    detector = SpikeDetector(**DETECTOR)
+    detector = SpikeDetector(DetectorConfig(**DETECTOR))
     loader = Loader(dataset, BATCH)
     for b in model.blocks:
         b.attn.probe_logits = True  # the telemetry probe, every step: one sequence's QKᵀ per forward

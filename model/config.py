@@ -125,3 +125,12 @@ class ModelConfig:
     def is_moe_layer(self, i: int) -> bool:
         m = self.moe
         return m is not None and i >= m.first_dense and (i - m.first_dense) % m.every == 0
+
+
+def default_model() -> ModelConfig:
+    """The default run's model (the root schema's `model`; conf/model/*.yaml change it from here): dense
+    layers 0 and 2, MoE layers 1 and 3 with a shared expert and aux-loss-free bias balancing, SwiGLU
+    clamped at 10 (DeepSeek-V4: silu(min(gate, 10)) * clamp(up, -10, 10)). A bare ModelConfig() is the
+    dense model a test or lab starts from."""
+    return ModelConfig(swiglu_clamp=10.0, moe=MoEConfig(shared_expert=True, every=2, bias_update_speed=0.001,
+                                                        router_z_coef=0.001))

@@ -69,7 +69,8 @@ class Run:
 
 
 def build_run(cfg: DictConfig, dist: Dist) -> Run:
-    validate(cfg).train.check_world(dist.world)  # every group's keys, types and rules: run/config.py
+    typed = validate(cfg)  # every group's keys, types and rules, once: run/config.py
+    typed.train.check_world(dist.world)
     if cfg.threads:
         torch.set_num_threads(int(cfg.threads))
     run_dir = Path(HydraConfig.get().runtime.output_dir)
@@ -108,7 +109,7 @@ def build_run(cfg: DictConfig, dist: Dist) -> Run:
                                   recipe.autocast, forward=wrapped) if is_moe and an["enabled"] else None
     state = TrainState(model, optimizer, scheduler, loader, config, dist.rank, dist.world,
                        extras={**({"loss_scaler": scaler} if scaler else {}), "faults": faults, **levers.extras()})
-    state.guard = guard = Guard(config["guard"], state=state, ckpt=None, events=events, routing=routing,
+    state.guard = guard = Guard(typed.guard, state=state, ckpt=None, events=events, routing=routing,
                                 is_moe=is_moe)
     ckpt = Checkpointer(config, dist, run_dir, state)
     ckpt.check_resume()  # which checkpoint, and is it this run: fails before anything is written

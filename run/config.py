@@ -25,7 +25,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from checkpoint.config import CheckpointConfig, ResumeConfig
 from data.config import DataConfig
-from model.config import ModelConfig
+from model.config import ModelConfig, default_model
 from optim.config import OptimConfig, ZScoreConfig
 from parallel.config import ParallelConfig
 from precision.config import PrecisionConfig
@@ -86,7 +86,7 @@ class Config:
     resume: Any = field(default_factory=_resume_default)
     train: TrainConfig = field(default_factory=TrainConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: ModelConfig = field(default_factory=default_model)
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)

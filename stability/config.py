@@ -60,11 +60,11 @@ class DetectorConfig:
     # NOTE: Any, not MetricSpec: a signal added from the command line (+guard.detector.metrics.NAME={log:true})
     # arrives as a plain dict, which OmegaConf refuses into a typed dict of dataclasses; __post_init__ types it
     metrics: dict[str, Any] = field(default_factory=_default_metrics)
-    window: int = 50       # accepted values kept per metric
+    window: int = 30       # accepted values kept per metric: short, because loss and ρ drift as training goes
     threshold: float = 6.0  # robust z above which a value is a spike
     min_history: int = 20  # no z-score before this many accepted values (non-finite fires at once)
     cooldown: int = 10     # steps after a trigger in which further spikes of that metric are not acted on
-    warmup: int = 0        # no z-score before this step: early training is a transient, not a baseline
+    warmup: int = 50       # no z-score before this step: early training is a transient, not a baseline
     # NOTE: the spread assumed at least for a log metric, in log units: a scale-free quantity (grad norm,
     # update ratio) jitters step to step however steady its history looks, and a MAD measured on a calm
     # stretch says otherwise; at 0.2 and threshold 6 a move smaller than ×e^1.2 ≈ ×3.3 never fires. The
@@ -89,19 +89,6 @@ class DetectorConfig:
                 raise ConfigError(f"{p}.metrics.{name}: not a registered signal (stability/signals.py); "
                                   f"one of {', '.join(SIGNALS)}")
             choice(f"{p}.metrics.{name}.direction", spec.direction, DIRECTIONS)
-
-    @classmethod
-    def from_dict(cls, d: Mapping) -> "DetectorConfig":
-        if isinstance(d, cls):
-            return d
-        d = _plain(d)
-        metrics = d.pop("metrics", None)
-        cfg = from_mapping(cls, d, "guard.detector")
-        if metrics is None:
-            return cfg
-        # NOTE: a given metrics dict replaces the default set (OmegaConf would merge the two)
-        return replace(cfg, metrics={name: from_mapping(MetricSpec, spec or {}, f"guard.detector.metrics.{name}")
-                                     for name, spec in dict(metrics).items()})
 
 
 @dataclass
@@ -147,14 +134,6 @@ class GuardConfig:
     def __post_init__(self) -> None:
         choice("guard.action", self.action, ACTIONS)
         check(self.replica_tol >= 0, "guard.replica_tol", self.replica_tol, "must be >= 0")
-
-    @classmethod
-    def from_dict(cls, d: Mapping) -> "GuardConfig":
-        if isinstance(d, cls):
-            return d
-        d = _plain(d)
-        detector = DetectorConfig.from_dict(d.pop("detector", None) or {})
-        return replace(from_mapping(cls, d, "guard"), detector=detector)
 
 
 @dataclass
@@ -210,6 +189,3 @@ FaultConfig = make_dataclass("FaultConfig", _drill_keys(), bases=(_FaultKindStep
 FaultConfig.__doc__ = """One deliberate fault at optimizer step `step` (stability/faults.py, stability/drills/). kind=none
 ignores every other key, so one override (fault.kind=none) turns any drill into its clean twin."""
 
-
-def _plain(d) -> dict:
-    return dict(OmegaConf.to_container(d, resolve=True) if isinstance(d, DictConfig) else d)

@@ -139,3 +139,11 @@ class DrillRuns:
             self.done[name] = self._train(name)
         return self.done[name]
 
+
+
+def guard_config(d: dict):
+    """A GuardConfig from a test's nested dict, through the dataclasses (each checks its own keys)."""
+    from stability.config import AnticipatoryConfig, DetectorConfig, GuardConfig, RollbackConfig
+
+    parts = {"detector": DetectorConfig, "rollback": RollbackConfig, "anticipatory": AnticipatoryConfig}
+    return GuardConfig(**{k: parts[k](**v) if k in parts else v for k, v in d.items()})
