@@ -37,6 +37,7 @@ from precision import optimizer_step  # noqa: E402
 from run.config import TrainConfig  # noqa: E402
 from stability.anticipatory import AnticipatoryRouting  # noqa: E402
 from stability.callbacks import StepState  # noqa: E402
+from stability.config import AnticipatoryConfig  # noqa: E402
 
 ARMS = ("baseline", "off", "on")
 
@@ -68,8 +69,8 @@ def main() -> None:
     opt, _ = build_optimizer(model, load("optim", "adamw.yaml"))
     loaders = {arm: Loader(ds, tc.batch_size) for arm in ARMS}
     ars = {"baseline": None,
-           "off": AnticipatoryRouting(model, loaders["off"], tc.micro_batches, args.delay, dev),
-           "on": AnticipatoryRouting(model, loaders["on"], tc.micro_batches, args.delay, dev)}
+           "off": AnticipatoryRouting(model, loaders["off"], tc.micro_batches, AnticipatoryConfig(delay=args.delay), dev),
+           "on": AnticipatoryRouting(model, loaders["on"], tc.micro_batches, AnticipatoryConfig(delay=args.delay), dev)}
     steps = dict.fromkeys(ARMS, 0)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     route_s: list[float] = []  # time_s.route of every ON step, as train.py books it

@@ -38,6 +38,7 @@ from model import ModelConfig, Transformer  # noqa: E402
 from optim import build_optimizer  # noqa: E402
 from optim.accumulate import count_valid_tokens, forward_backward  # noqa: E402
 from precision import optimizer_step  # noqa: E402
+from stability.config import TelemetryConfig  # noqa: E402
 from stability.telemetry import Telemetry, moe_summary, nonfinite_flags  # noqa: E402
 
 
@@ -59,8 +60,8 @@ def main() -> None:
                                                "vocab_size": ds.vocab_size, "seq_len": ds.seq_len}))
     opt, _ = build_optimizer(model, OmegaConf.to_container(cfg.optim, resolve=True))
     loader = Loader(ds, tc.batch_size)
-    arms = {"off": Telemetry(model, every=0), "every10": Telemetry(model, every=10),
-            "every1": Telemetry(model, every=1)}
+    arms = {"off": Telemetry(model, TelemetryConfig(every=0)), "every10": Telemetry(model, TelemetryConfig(every=10)),
+            "every1": Telemetry(model, TelemetryConfig(every=1))}
     names = list(arms)
 
     def one_step(tel: Telemetry, n: int) -> tuple[float, float]:

@@ -35,6 +35,7 @@ from labs.claims.tiny import build, check_lines, figure, save
 from labs.common import single_thread
 from optim import build_optimizer, build_scheduler
 from optim.accumulate import count_valid_tokens, forward_backward
+from optim.config import QKClipConfig, ZScoreConfig
 from optim.qk_clip import QKClip
 from optim.zclip import ZScoreClip
 from precision import optimizer_step
@@ -69,8 +70,8 @@ def train(seed: int, lever: dict, lr: float, steps: int) -> dict:
     optimizer, _ = build_optimizer(model, optim_cfg(lr, lever.get("optim", "adamw")))
     schedule = {"name": "constant", "warmup_steps": max(1, steps // 20)}
     scheduler = build_scheduler(optimizer, schedule, steps)
-    clip = ZScoreClip(**lever["zscore"]) if "zscore" in lever else None
-    qk_clip = QKClip(model, lever["qk_clip"]) if "qk_clip" in lever else None
+    clip = ZScoreClip(ZScoreConfig(**lever["zscore"])) if "zscore" in lever else None
+    qk_clip = QKClip(model, QKClipConfig(tau=lever["qk_clip"])) if "qk_clip" in lever else None
     detector = SpikeDetector(DetectorConfig(**DETECTOR))
     loader = Loader(dataset, BATCH)
     for b in model.blocks:

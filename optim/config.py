@@ -125,6 +125,7 @@ class ZScoreConfig:
 
 
 OPTIMIZERS = ("adamw", "muon")
+CLIP_MODES = ("fixed", "zscore")  # train.clip
 
 
 def _default_groups() -> list[GroupRule]:

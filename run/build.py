@@ -75,7 +75,7 @@ def build_run(cfg: DictConfig, dist: Dist) -> Run:
         torch.set_num_threads(int(cfg.threads))
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     config = OmegaConf.to_container(cfg, resolve=True)
-    if dist.is_main and (run_dir / "metrics.jsonl").exists() and not resume_options(config["resume"])[0]:
+    if dist.is_main and (run_dir / "metrics.jsonl").exists() and not resume_options(typed.resume)[0]:
         raise ValueError(f"hydra.run.dir={run_dir} already holds a run; pick a new directory")
     torch.manual_seed(cfg.seed)  # same seed on every rank → identical initial weights
     recipe = build_recipe(config["precision"], dist.device)  # te_fp8 without CUDA/TE stops here, in one line
@@ -93,32 +93,32 @@ def build_run(cfg: DictConfig, dist: Dist) -> Run:
     optimizer, group_table = build_optimizer(model, OmegaConf.to_container(cfg.optim, resolve=True))
     scheduler = build_scheduler(optimizer, OmegaConf.to_container(cfg.optim.schedule, resolve=True), cfg.train.steps)
     scaler = recipe.make_scaler()  # None unless fp16
-    levers = build_levers(config, model)  # train.clip=zscore policy, optim.qk_clip
+    levers = build_levers(typed.train.clip, typed.train.zscore, typed.optim.qk_clip, model)
     loader = Loader(dataset, cfg.train.batch_size, dist.rank, dist.world)
     evals = eval_batches(dataset, cfg.train.eval_samples, cfg.train.eval_batch_size, dist.rank, dist.world)
     floor = dataset.expected_floor() if hasattr(dataset, "expected_floor") else None
     # the stability pieces validate their config here too, before anything is written
     events = EventLog(run_dir, dist.is_main)
-    faults = FaultInjector(config["fault"], model=model, optimizer=optimizer, loader=loader,
-                           data_cfg=config["data"], train_cfg=config["train"], dist=dist)
+    faults = FaultInjector(typed.fault, model=model, optimizer=optimizer, loader=loader, data_cfg=typed.data,
+                           train_cfg=typed.train, dist=dist)
     faults.wrap(wrapped)  # a missing-reduction drill hooks DDP's gradient communication
-    telemetry = Telemetry(model, cfg.telemetry.every)
+    telemetry = Telemetry(model, typed.telemetry)
     is_moe = bool(model.moe_layers())
-    an = config["guard"]["anticipatory"]
-    routing = AnticipatoryRouting(model, loader, cfg.train.micro_batches, an["delay"], dist.device,
-                                  recipe.autocast, forward=wrapped) if is_moe and an["enabled"] else None
+    an = typed.guard.anticipatory
+    routing = AnticipatoryRouting(model, loader, typed.train.micro_batches, an, dist.device, recipe.autocast,
+                                  forward=wrapped) if is_moe and an.enabled else None
     state = TrainState(model, optimizer, scheduler, loader, config, dist.rank, dist.world,
                        extras={**({"loss_scaler": scaler} if scaler else {}), "faults": faults, **levers.extras()})
     state.guard = guard = Guard(typed.guard, state=state, ckpt=None, events=events, routing=routing,
                                 is_moe=is_moe)
-    ckpt = Checkpointer(config, dist, run_dir, state)
+    ckpt = Checkpointer(typed.checkpoint, typed.resume, typed.train.steps, dist, run_dir, state)
     ckpt.check_resume()  # which checkpoint, and is it this run: fails before anything is written
     callbacks = Callbacks([FaultDrill(faults, optimizer, events, guard) if faults.kind != "none" else None, routing,
                            StepTelemetry(telemetry) if telemetry.every else None, levers])
 
     if dist.is_main:
         write_header(cfg, dist, run_dir, dataset, model, model_cfg, group_table, recipe)
-    sinks = build_sinks(cfg.logging, run_dir, cfg.train.steps, floor, cfg.run_name, config) if dist.is_main else []
+    sinks = build_sinks(typed.logging, run_dir, typed.train.steps, floor, typed.run_name, config) if dist.is_main else []
     guard.ckpt = ckpt
     ckpt.resume()  # last: restores every RNG stream just before the first step
     guard.start(state.step)

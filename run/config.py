@@ -26,7 +26,7 @@ from omegaconf.errors import OmegaConfBaseException
 from checkpoint.config import CheckpointConfig, ResumeConfig
 from data.config import DataConfig
 from model.config import ModelConfig, default_model
-from optim.config import OptimConfig, ZScoreConfig
+from optim.config import CLIP_MODES, OptimConfig, ZScoreConfig
 from parallel.config import ParallelConfig
 from precision.config import PrecisionConfig
 from run.schema import ConfigError, check, choice, fail, from_mapping, known_keys_only, one_line
@@ -60,7 +60,7 @@ class TrainConfig:
         check(self.max_grad_norm is None or self.max_grad_norm >= 0, "train.max_grad_norm", self.max_grad_norm,
               "must be >= 0 or null")
         check(self.z_loss >= 0, "train.z_loss", self.z_loss, "must be >= 0")
-        choice("train.clip", self.clip, ("fixed", "zscore"))
+        choice("train.clip", self.clip, CLIP_MODES)
         choice("train.activation_checkpointing", self.activation_checkpointing, ("none", "full", "selective"))
 
     def check_world(self, world: int) -> None:
@@ -100,8 +100,8 @@ class Config:
         """Rules across groups (each group checked its own keys when it was built)."""
         choice("device", self.device, DEVICES)
         check(self.threads is None or self.threads >= 1, "threads", self.threads, "must be >= 1 or null")
-        if isinstance(self.resume, (dict, DictConfig)):
-            from_mapping(ResumeConfig, self.resume, "resume")
+        if isinstance(self.resume, (dict, DictConfig)):  # the full form, checked and kept as a ResumeConfig
+            self.resume = from_mapping(ResumeConfig, self.resume, "resume")
         elif self.resume is not None and not isinstance(self.resume, str):
             fail("resume", self.resume, "expected latest, a checkpoint path, or resume.path=...")
         for key in ("vocab_size", "seq_len"):

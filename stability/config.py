@@ -1,16 +1,14 @@
 """Schemas of the stability groups: `telemetry`, `guard` (detector, rollback, anticipatory) and `fault`.
 
-Defaults are the components' own (a guard or fault built from a partial dict in a test or lab gets
-them too); conf/guard/*.yaml and conf/fault/*.yaml keep only what an option changes. run/config.py
+Each default is the default run's value; conf/guard/*.yaml and conf/fault/*.yaml keep only what an
+option changes. A component takes its dataclass (a test or lab builds one directly). run/config.py
 registers these with Hydra as parts of the root config.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, fields, make_dataclass, replace
-from typing import Any, Mapping, Optional, get_type_hints
-
-from omegaconf import DictConfig, OmegaConf
+from dataclasses import asdict, dataclass, field, fields, make_dataclass
+from typing import Any, Optional, get_type_hints
 
 from run.schema import ConfigError, check, choice, from_mapping, unused_keys
 from stability.drills import NONE, registry
@@ -152,10 +150,6 @@ class _FaultKindStep:
             raise ConfigError(f"fault.step: missing (required for fault.kind={self.kind})")
         check(self.step >= 1, "fault.step", self.step, "must be >= 1")
         self.drill_config()  # the drill's own checks
-
-    @classmethod
-    def from_dict(cls, d: Mapping | None) -> "FaultConfig":
-        return from_mapping(cls, d or {"kind": NONE}, "fault")
 
     def drill_config(self):
         """The drill's own Config from the keys set here (None: the drill's default)."""

@@ -147,3 +147,10 @@ def guard_config(d: dict):
 
     parts = {"detector": DetectorConfig, "rollback": RollbackConfig, "anticipatory": AnticipatoryConfig}
     return GuardConfig(**{k: parts[k](**v) if k in parts else v for k, v in d.items()})
+
+
+def data_config(d: dict):
+    """A DataConfig from a test's dict (its sources as SourceConfigs), through the dataclasses' checks."""
+    from data.config import DataConfig, SourceConfig
+
+    return DataConfig(**{**d, **({"sources": [SourceConfig(**s) for s in d["sources"]]} if "sources" in d else {})})

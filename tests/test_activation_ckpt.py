@@ -12,6 +12,7 @@ from model.checkpointing import set_activation_checkpointing
 from optim import build_optimizer
 from optim.accumulate import count_valid_tokens, forward_backward
 from parallel import Dist, wrap_model
+from stability.config import TelemetryConfig
 from stability.telemetry import Telemetry
 from helpers import in_group, spawn
 
@@ -36,7 +37,7 @@ def grads(mode: str, model_cfg: dict, dist: Dist, parallel: str = "none", compil
     if compile:
         wrapped = torch.compile(wrapped)
     opt, _ = build_optimizer(model, {"lr": 1e-3})
-    tel = Telemetry(model, 1) if telemetry else None
+    tel = Telemetry(model, TelemetryConfig(every=1)) if telemetry else None
     mbs = Loader(ds, 8, dist.rank, dist.world).next().micro_batches(2)
     if tel:
         tel.start(1)

@@ -16,6 +16,7 @@ from optim.levers import Levers
 from stability.anticipatory import AnticipatoryRouting
 from stability.callbacks import Callback, Callbacks, StepState
 from stability.events import EventLog
+from stability.config import FaultConfig
 from stability.faults import FaultDrill, FaultInjector
 from stability.telemetry import StepTelemetry
 
@@ -73,7 +74,7 @@ def test_lr_drill_scales_only_its_window_and_restores_the_schedule_bit_for_bit(t
     model = Transformer(ModelConfig.from_dict({"d_model": 16, "n_layers": 1, "n_heads": 2,
                                                "vocab_size": ds.vocab_size, "seq_len": ds.seq_len}))
     opt, _ = build_optimizer(model, {"lr": 3e-3})
-    inj = FaultInjector({"kind": "lr_spike", "step": 2, "factor": 7.0, "steps": 1}, model=model, optimizer=opt,
+    inj = FaultInjector(FaultConfig(kind="lr_spike", step=2, factor=7.0, steps=1), model=model, optimizer=opt,
                         loader=Loader(ds, 4))
     events = EventLog(tmp_path)
     drill = FaultDrill(inj, opt, events)

@@ -96,12 +96,13 @@ def test_qk_norm_config_must_be_bool():
 def test_telemetry_records_attn_logit_max_per_layer():
     from data.loader import Loader
     from labs.claims.tiny import BATCH, build, make_optimizer, train_step
+    from stability.config import TelemetryConfig
     from stability.telemetry import Telemetry
 
     dataset, model = build(7)
     opt, sched = make_optimizer(model, 1e-2)
     loader = Loader(dataset, BATCH)
-    tel = Telemetry(model, 2)
+    tel = Telemetry(model, TelemetryConfig(every=2))
     # the probe reads the first sequence of each micro-batch (train_step: 2 micro-batches of 4)
     expect, hooks = {}, []
     for i, block in enumerate(model.blocks):

@@ -25,7 +25,7 @@ DATA = {"kind": "synthetic", "seq_len": 32, "min_doc_len": 4,
                     {"name": "copy", "kind": "copy", "weight": 0.5, "alphabet": 16, "segment": 6}]}
 MODEL = {"d_model": 32, "n_layers": 2, "n_heads": 2}
 BATCH, MICRO = 8, 2
-CONSTANT = {"name": "constant"}
+CONSTANT = {"name": "constant", "warmup_steps": 0}
 COSINE = {"name": "cosine", "warmup_steps": 0, "min_lr_ratio": 0.1}
 
 
