@@ -28,6 +28,7 @@ from optim import build_optimizer  # noqa: E402
 from optim.accumulate import count_valid_tokens, forward_backward  # noqa: E402
 from precision import build_recipe  # noqa: E402
 from precision import optimizer_step  # noqa: E402
+from precision.config import PrecisionConfig  # noqa: E402
 
 
 def time_recipe(cfg, name: str, steps: int, warmup: int) -> dict:
@@ -35,7 +36,7 @@ def time_recipe(cfg, name: str, steps: int, warmup: int) -> dict:
     ds = build_data(OmegaConf.to_container(cfg.data, resolve=True))
     model = Transformer(ModelConfig.from_dict({**OmegaConf.to_container(cfg.model, resolve=True),
                                                "vocab_size": ds.vocab_size, "seq_len": ds.seq_len}))
-    recipe = build_recipe(OmegaConf.load(ROOT / "conf" / "precision" / f"{name}.yaml"))
+    recipe = build_recipe(PrecisionConfig(**OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "precision" / f"{name}.yaml"))))
     recipe.convert(model)
     opt, _ = build_optimizer(model, OmegaConf.to_container(cfg.optim, resolve=True))
     scaler = recipe.make_scaler()

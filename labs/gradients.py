@@ -32,6 +32,7 @@ from data.loader import eval_batches
 from labs.common import single_thread, train_small
 from labs.gradcheck import autograd_grads, fd_check, rel_err
 from model import ModelConfig, MoE, MoEConfig
+from precision.config import PrecisionConfig
 
 TITLE = "gradients: autograd vs finite differences (float64), and a correct gradient of a wrong objective"
 TOL = 1e-6
@@ -252,7 +253,7 @@ def mask_bug_lesson(seed: int, steps: int, n: int, gen: torch.Generator, heldout
     correct objective and on the buggy one, and compare their losses and gradients."""
     dataset = build_data({**DATA, "seed": seed})
     trained = {}
-    curve = train_small(MODEL, {}, {"name": "fp32"}, steps, 16, seed, eval_samples=16,
+    curve = train_small(MODEL, {}, PrecisionConfig(), steps, 16, seed, eval_samples=16,
                         dataset=PadTargets(dataset), on_step=lambda s, m, o, l: trained.setdefault("m", m))
     held = heldout_excess(trained["m"], dataset, heldout)
     model = copy.deepcopy(trained["m"]).to(F64)

@@ -23,6 +23,7 @@ import math
 import torch
 
 from labs.common import train_small
+from precision.config import PrecisionConfig
 from precision.fp8_gemm import ACC_BITS, limited_accumulation_gemm_nt
 from precision.fp8_linear import fp8_linear
 from precision.quant import fake_quantize, quantize
@@ -126,7 +127,7 @@ def run(seed: int, quick: bool = False) -> dict:
 
     data = {**DATA, "seq_len": 32 if quick else 64, "seed": seed}
     steps, batch = (20, 8) if quick else (300, 16)
-    runs = {name: train_small(MODEL, data, {"name": name}, steps, batch, seed, eval_samples=64 if quick else 256)
+    runs = {name: train_small(MODEL, data, PrecisionConfig(name=name), steps, batch, seed, eval_samples=64 if quick else 256)
             for name in ("fp32", "fp8_block")}
     gap = (runs["fp8_block"]["eval_loss"] - runs["fp32"]["eval_loss"]) / runs["fp32"]["eval_loss"]
     gap_by_source = {n: (runs["fp8_block"]["eval_by_source"][n] - v) / v for n, v in runs["fp32"]["eval_by_source"].items()}

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 
 from labs.common import single_thread, train_small
+from precision.config import PrecisionConfig
 
 TITLE = "mixture: 'the objective changed' vs 'the optimisation broke', from per-source loss vs floor"
 HEALTHY, OBJECTIVE, BROKE = "healthy", "objective changed", "optimisation broke"
@@ -166,7 +167,7 @@ def _run(seed: int, quick: bool, fault: str | None, new_weights: tuple) -> dict:
     plan = {"a: reference": None,
             f"b: mixture → {'/'.join(f'{w:g}' for w in new_weights)}": _mixture_change(S, new_weights),
             f"c: {fault_label}": fault_hook(S) if fault_hook else None}
-    runs = {name: train_small(model, data, {"name": "fp32"}, steps, 16, seed, eval_samples=64, on_step=hook)
+    runs = {name: train_small(model, data, PrecisionConfig(), steps, 16, seed, eval_samples=64, on_step=hook)
             for name, hook in plan.items()}
     floors = next(iter(runs.values()))["floor_by_source"]
     ref = records_of(runs["a: reference"])

@@ -9,6 +9,7 @@ before the first step). Everything that can reject the config runs before the ru
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from dataclasses import dataclass
@@ -78,7 +79,7 @@ def build_run(cfg: DictConfig, dist: Dist) -> Run:
     if dist.is_main and (run_dir / "metrics.jsonl").exists() and not resume_options(typed.resume)[0]:
         raise ValueError(f"hydra.run.dir={run_dir} already holds a run; pick a new directory")
     torch.manual_seed(cfg.seed)  # same seed on every rank → identical initial weights
-    recipe = build_recipe(config["precision"], dist.device)  # te_fp8 without CUDA/TE stops here, in one line
+    recipe = build_recipe(typed.precision, dist.device)  # te_fp8 without CUDA/TE stops here, in one line
 
     dataset = build_data(OmegaConf.to_container(cfg.data, resolve=True))
     model_cfg = ModelConfig.from_dict({**OmegaConf.to_container(cfg.model, resolve=True),
@@ -87,7 +88,7 @@ def build_run(cfg: DictConfig, dist: Dist) -> Run:
     recipe.convert(model)  # swaps eligible Linears (FP8): before sharding and before the optimizer
     set_activation_checkpointing(model, cfg.train.activation_checkpointing)  # after convert, before wrap and compile
     # before the optimizer: FSDP2 swaps the parameters
-    wrapped = wrap_model(model, dist=dist, **{**config["parallel"], **recipe.fsdp_dtypes()})
+    wrapped = wrap_model(model, dataclasses.replace(typed.parallel, **recipe.fsdp_dtypes()), dist)
     if cfg.train.compile:  # fuses the elementwise ops between matmuls (norms, RoPE, SwiGLU, loss)
         wrapped = torch.compile(wrapped)
     optimizer, group_table = build_optimizer(model, OmegaConf.to_container(cfg.optim, resolve=True))

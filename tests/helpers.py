@@ -154,3 +154,11 @@ def data_config(d: dict):
     from data.config import DataConfig, SourceConfig
 
     return DataConfig(**{**d, **({"sources": [SourceConfig(**s) for s in d["sources"]]} if "sources" in d else {})})
+
+
+def precision_config(d: dict):
+    """A PrecisionConfig from a test's dict (loss_scale as a LossScaleConfig), through the dataclasses' checks."""
+    from optim.config import LossScaleConfig
+    from precision.config import PrecisionConfig
+
+    return PrecisionConfig(**{**d, **({"loss_scale": LossScaleConfig(**d["loss_scale"])} if "loss_scale" in d else {})})

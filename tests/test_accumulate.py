@@ -75,13 +75,14 @@ def _ddp_worker(rank, world, path, steps, store):
 
 def run_steps(dist, steps, micro):
     from parallel import wrap_model
+    from parallel.config import ParallelConfig
 
     ds = build_data(DATA)
     model = tiny_model(ds.vocab_size, 32, moe=True)
     opt, _ = build_optimizer(model, {"lr": 1e-2, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1,
                                      "groups": [{"name": "no_decay", "kinds": ["norm", "embedding", "router"],
                                                  "weight_decay": 0.0}]})
-    wrapped = wrap_model(model, "auto", dist)
+    wrapped = wrap_model(model, ParallelConfig(mode="auto"), dist)
     loader = Loader(ds, 8, dist.rank, dist.world)
     norms = []
     for _ in range(steps):

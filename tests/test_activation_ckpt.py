@@ -11,6 +11,7 @@ from model import ModelConfig, Transformer
 from model.checkpointing import set_activation_checkpointing
 from optim import build_optimizer
 from optim.accumulate import count_valid_tokens, forward_backward
+from parallel.config import ParallelConfig
 from parallel import Dist, wrap_model
 from stability.config import TelemetryConfig
 from stability.telemetry import Telemetry
@@ -33,7 +34,7 @@ def grads(mode: str, model_cfg: dict, dist: Dist, parallel: str = "none", compil
     ds = build_data(DATA)
     model = Transformer(ModelConfig.from_dict({**model_cfg, "vocab_size": ds.vocab_size, "seq_len": ds.seq_len}))
     set_activation_checkpointing(model, mode)
-    wrapped = wrap_model(model, parallel, dist)
+    wrapped = wrap_model(model, ParallelConfig(mode=parallel), dist)
     if compile:
         wrapped = torch.compile(wrapped)
     opt, _ = build_optimizer(model, {"lr": 1e-3})

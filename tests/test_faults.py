@@ -16,6 +16,7 @@ from data.loader import Loader
 from model import ModelConfig, Transformer
 from optim import build_optimizer
 from optim.accumulate import count_valid_tokens, forward_backward
+from parallel.config import ParallelConfig
 from parallel import Dist, wrap_model
 from stability.drills import registry
 from stability.config import FaultConfig
@@ -281,7 +282,7 @@ def _missing_reduce_steps(dist: Dist) -> dict:
     ds = build_data(DATA)
     model = Transformer(ModelConfig.from_dict({**MODEL, "vocab_size": ds.vocab_size, "seq_len": ds.seq_len}))
     bare = copy.deepcopy(model)  # the same weights, never reduced: this rank's local gradient
-    wrapped = wrap_model(model, "ddp", dist)
+    wrapped = wrap_model(model, ParallelConfig(mode="ddp"), dist)
     loader = Loader(ds, 8, rank, world)
     inj = FaultInjector(FaultConfig(kind="missing_reduce", step=2, rank=1), model=model, loader=loader, dist=dist)
     res = {"grads": [], "local": [], "events": []}

@@ -18,6 +18,7 @@ from model import ModelConfig, Transformer
 from optim import build_optimizer
 from optim.accumulate import count_valid_tokens, forward_backward, reduce_step_sums
 from optim.scaler import DynamicLossScaler
+from parallel.config import ParallelConfig
 from parallel import Dist, wrap_model
 from precision import optimizer_step
 from stability.record import floor_by_source
@@ -360,7 +361,7 @@ def run_steps(dist: Dist, mode: str, micro: int, perturb_rank: int | None = None
     """STEPS telemetry steps; with perturb_rank, one more whose gradient on that rank is nudged after
     the all-reduce (as if its reduction had been lost)."""
     ds, model = build()
-    wrapped = wrap_model(model, mode, dist)
+    wrapped = wrap_model(model, ParallelConfig(mode=mode), dist)
     opt, _ = build_optimizer(model, {"lr": 1e-2, "weight_decay": 0.1})  # after sharding: DTensor params
     loader, tel = Loader(ds, BATCH, dist.rank, dist.world), Telemetry(model, TelemetryConfig(every=1))
     outs, records = [], []
