@@ -64,8 +64,7 @@ def run(label: str, precision: dict, steps: int, batch_size: int, seed: int, dry
     sync = (lambda: None) if dry_run else torch.cuda.synchronize
     ds = build_data({**DATA, "seq_len": 128, "min_doc_len": 16} if dry_run else DATA)
     torch.manual_seed(seed)
-    model = Transformer(ModelConfig.from_dict({**(TINY_MODEL if dry_run else MODEL), "vocab_size": ds.vocab_size,
-                                               "seq_len": ds.seq_len})).to(dev)
+    model = Transformer(ModelConfig(**(TINY_MODEL if dry_run else MODEL)).for_data(ds)).to(dev)
     recipe = build_recipe(PrecisionConfig(**precision), dev)
     recipe.convert(model)
     opt, _ = build_optimizer(model, OPTIM)

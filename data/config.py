@@ -23,6 +23,12 @@ _USED = {  # keys each kind reads, beside kind / seq_len / seed
 _SOURCE_USED = {"markov": {"alphabet", "order", "support", "concentration"}, "copy": {"alphabet", "segment"}}
 
 
+def read_keys(saved: Mapping) -> dict:
+    """A saved data node with only the keys its kind reads (those it does not never reached the run)."""
+    kind = saved.get("kind", "synthetic")
+    return {k: v for k, v in saved.items() if k in {"kind", "seq_len", "seed", *_USED.get(kind, ())}}
+
+
 @dataclass
 class SourceConfig:
     """One known-entropy source of the synthetic mixture (data/sources.py)."""

@@ -53,7 +53,7 @@ def eval_loss(model, batches, autocast, names) -> tuple[float, dict[str, float]]
     return (loss_S.sum() / n_S.sum()).item(), {n: (loss_S[i] / n_S[i]).item() for i, n in enumerate(names) if n_S[i]}
 
 
-def train_small(model_cfg: dict, data_cfg: dict, precision: PrecisionConfig, steps: int, batch_size: int, seed: int,
+def train_small(model_cfg: ModelConfig, data_cfg: dict, precision: PrecisionConfig, steps: int, batch_size: int, seed: int,
                 eval_samples: int = 128, max_grad_norm: float = 1.0, dataset=None, on_step=None) -> dict:
     """Train `steps` steps from seed; return the train-loss curve, final eval loss, floor and timing.
 
@@ -64,8 +64,7 @@ def train_small(model_cfg: dict, data_cfg: dict, precision: PrecisionConfig, ste
     """
     dataset = build_data(data_cfg) if dataset is None else dataset
     torch.manual_seed(seed)
-    model = Transformer(ModelConfig.from_dict({**model_cfg, "vocab_size": dataset.vocab_size,
-                                               "seq_len": dataset.seq_len}))
+    model = Transformer(model_cfg.for_data(dataset))
     recipe = build_recipe(precision)
     recipe.convert(model)
     optimizer, _ = build_optimizer(model, OPTIM)

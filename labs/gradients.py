@@ -44,9 +44,9 @@ HELDOUT, SE_MIN = 512, 3.0
 F64 = torch.float64
 # A tiny mixed dense + MoE model (layer 0 dense, layer 1 MoE) on documents short enough that a third
 # of the label positions are padding.
-MODEL = {"d_model": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "swiglu_clamp": L,
-         "moe": {"n_experts": 4, "top_k": 2, "expert_hidden": 32, "shared_expert": True, "first_dense": 1,
-                 "balance_coef": 0.01, "router_z_coef": 1e-3, "bias_update_speed": 1e-3}}
+MODEL = ModelConfig(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, swiglu_clamp=L,
+                    moe=MoEConfig(n_experts=4, top_k=2, expert_hidden=32, shared_expert=True, first_dense=1,
+                                  balance_coef=0.01, router_z_coef=1e-3, bias_update_speed=1e-3))
 DATA = {"kind": "synthetic", "seq_len": 32, "min_doc_len": 4,
         "sources": [{"name": "markov", "kind": "markov", "weight": 0.5, "alphabet": 32, "order": 1,
                      "support": 4, "concentration": 0.5},

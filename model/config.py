@@ -2,10 +2,10 @@
 with one-line messages that name the Hydra key. vocab_size and seq_len come from the data, never the user."""
 from __future__ import annotations
 
-from collections.abc import Mapping
+import dataclasses
 from dataclasses import dataclass
 
-from run.schema import check, fail, from_mapping
+from run.schema import check, fail
 
 SCORES = ("softmax", "sigmoid")
 
@@ -72,13 +72,9 @@ class ModelConfig:
     qk_norm: bool = False           # RMSNorm on each q and k head before RoPE (model/layers.py)
     moe: MoEConfig | None = None
 
-    @classmethod
-    def from_dict(cls, d: Mapping) -> "ModelConfig":
-        """The config of a model to build, from a (Hydra) mapping with vocab_size and seq_len filled
-        in by the data; a nested `moe` mapping becomes MoEConfig."""
-        cfg = from_mapping(cls, d, "model")
-        cfg.check_sizes()
-        return cfg
+    def for_data(self, dataset) -> "ModelConfig":
+        """This model sized by the data: vocab_size and seq_len are the dataset's, never a user setting."""
+        return dataclasses.replace(self, vocab_size=dataset.vocab_size, seq_len=dataset.seq_len)
 
     def check_sizes(self) -> None:
         for key in ("vocab_size", "seq_len"):

@@ -24,7 +24,7 @@ from checkpoint import Checkpointer, TrainState, resume_options
 from checkpoint.state import versions
 from data import build_data
 from data.loader import Loader, eval_batches
-from model import ModelConfig, Transformer
+from model import Transformer
 from model.checkpointing import set_activation_checkpointing
 from optim import build_optimizer, build_scheduler, format_table
 from optim.levers import build_levers
@@ -82,8 +82,7 @@ def build_run(cfg: DictConfig, dist: Dist) -> Run:
     recipe = build_recipe(typed.precision, dist.device)  # te_fp8 without CUDA/TE stops here, in one line
 
     dataset = build_data(OmegaConf.to_container(cfg.data, resolve=True))
-    model_cfg = ModelConfig.from_dict({**OmegaConf.to_container(cfg.model, resolve=True),
-                                       "vocab_size": dataset.vocab_size, "seq_len": dataset.seq_len})
+    model_cfg = typed.model.for_data(dataset)
     model = Transformer(model_cfg).to(dist.device)
     recipe.convert(model)  # swaps eligible Linears (FP8): before sharding and before the optimizer
     set_activation_checkpointing(model, cfg.train.activation_checkpointing)  # after convert, before wrap and compile

@@ -17,14 +17,14 @@ default. OmegaConf then refuses an unknown or mistyped key; `python train.py --c
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from checkpoint.config import CheckpointConfig, ResumeConfig
-from data.config import DataConfig
+from data.config import DataConfig, read_keys
 from model.config import ModelConfig, default_model
 from optim.config import CLIP_MODES, OptimConfig, ZScoreConfig
 from parallel.config import ParallelConfig
@@ -95,6 +95,16 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
+
+    @classmethod
+    def from_dict(cls, saved: Mapping) -> "Config":
+        """A run's saved config.yaml read back (the doctor's replay, checkpoint loading), through the same
+        schema; data keys its kind does not read are dropped (a run saved when one had another default)."""
+        saved = {**saved, "data": read_keys(saved.get("data") or {})}
+        try:
+            return validate(OmegaConf.merge(OmegaConf.structured(cls), saved))
+        except OmegaConfBaseException as e:
+            raise ConfigError(one_line(e)) from None
 
     def __post_init__(self) -> None:
         """Rules across groups (each group checked its own keys when it was built)."""

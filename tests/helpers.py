@@ -162,3 +162,10 @@ def precision_config(d: dict):
     from precision.config import PrecisionConfig
 
     return PrecisionConfig(**{**d, **({"loss_scale": LossScaleConfig(**d["loss_scale"])} if "loss_scale" in d else {})})
+
+
+def model_config(d: dict):
+    """A ModelConfig from a test's dict (moe as a MoEConfig), through the dataclasses' checks."""
+    from model.config import ModelConfig, MoEConfig
+
+    return ModelConfig(**{**d, **({"moe": MoEConfig(**d["moe"])} if d.get("moe") is not None else {})})

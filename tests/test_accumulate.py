@@ -12,7 +12,7 @@ from data.loader import Loader
 from model import ModelConfig, Transformer
 from optim import build_optimizer, clip_grad_norm
 from optim.accumulate import count_valid_tokens, forward_backward
-from helpers import in_group, spawn
+from helpers import in_group, model_config, spawn
 
 DATA = {"kind": "synthetic", "seq_len": 32, "min_doc_len": 16, "seed": 3,
         "sources": [{"name": "markov", "kind": "markov", "weight": 0.6, "alphabet": 16, "order": 2, "support": 3,
@@ -27,7 +27,7 @@ def tiny_model(vocab, seq_len, moe=False, seed=0):
     if moe:  # balancing bias only: the Switch loss is a per-micro-batch mean and not split-invariant
         cfg["moe"] = {"n_experts": 4, "top_k": 2, "expert_hidden": 32, "first_dense": 1, "every": 1,
                       "balance_coef": 0.0, "router_z_coef": 0.0}
-    return Transformer(ModelConfig.from_dict(cfg))
+    return Transformer(model_config(cfg))
 
 
 def grads(model):

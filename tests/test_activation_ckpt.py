@@ -15,7 +15,7 @@ from parallel.config import ParallelConfig
 from parallel import Dist, wrap_model
 from stability.config import TelemetryConfig
 from stability.telemetry import Telemetry
-from helpers import in_group, spawn
+from helpers import in_group, model_config, spawn
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -32,7 +32,7 @@ def grads(mode: str, model_cfg: dict, dist: Dist, parallel: str = "none", compil
           telemetry: bool = False):
     torch.manual_seed(0)
     ds = build_data(DATA)
-    model = Transformer(ModelConfig.from_dict({**model_cfg, "vocab_size": ds.vocab_size, "seq_len": ds.seq_len}))
+    model = Transformer(model_config({**model_cfg, "vocab_size": ds.vocab_size, "seq_len": ds.seq_len}))
     set_activation_checkpointing(model, mode)
     wrapped = wrap_model(model, ParallelConfig(mode=parallel), dist)
     if compile:

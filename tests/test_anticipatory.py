@@ -9,6 +9,7 @@ import torch
 
 from data import build_data
 from data.loader import Loader
+from helpers import model_config
 from model import MoE, ModelConfig, Transformer
 from optim.accumulate import count_valid_tokens, forward_backward
 from stability.anticipatory import AnticipatoryRouting
@@ -26,7 +27,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def tiny_moe(vocab: int, seed: int = 0) -> Transformer:
     torch.manual_seed(seed)
-    return Transformer(ModelConfig.from_dict({
+    return Transformer(model_config({
         "vocab_size": vocab, "seq_len": 16, "d_model": 32, "n_layers": 3, "n_heads": 2, "swiglu_clamp": 10.0,
         "moe": {"n_experts": 6, "top_k": 2, "expert_hidden": 16, "first_dense": 1, "score": "sigmoid",
                 "balance_coef": 0.01, "router_z_coef": 1e-3, "bias_update_speed": 1e-3}}))
@@ -179,7 +180,7 @@ def test_bad_delay_and_dense_model_raise():
     model, loader = tiny_moe(ds.vocab_size), Loader(ds, BATCH)
     with pytest.raises(ValueError, match="guard.anticipatory.delay=-1"):
         AnticipatoryRouting(model, loader, MICRO, AnticipatoryConfig(delay=-1), "cpu")
-    dense = Transformer(ModelConfig.from_dict({"vocab_size": ds.vocab_size, "seq_len": 16, "d_model": 16,
+    dense = Transformer(model_config({"vocab_size": ds.vocab_size, "seq_len": 16, "d_model": 16,
                                                "n_layers": 1, "n_heads": 2}))
     with pytest.raises(ValueError, match="no MoE layer"):
         AnticipatoryRouting(dense, loader, MICRO, AnticipatoryConfig(delay=1), "cpu")

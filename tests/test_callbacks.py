@@ -10,6 +10,7 @@ import torch
 
 from data import build_data
 from data.loader import Loader
+from helpers import model_config
 from model import ModelConfig, Transformer
 from optim import build_optimizer
 from optim.levers import Levers
@@ -71,7 +72,7 @@ def test_an_unstated_order_is_refused():
 def test_lr_drill_scales_only_its_window_and_restores_the_schedule_bit_for_bit(tmp_path):
     torch.manual_seed(0)
     ds = build_data(DATA)
-    model = Transformer(ModelConfig.from_dict({"d_model": 16, "n_layers": 1, "n_heads": 2,
+    model = Transformer(model_config({"d_model": 16, "n_layers": 1, "n_heads": 2,
                                                "vocab_size": ds.vocab_size, "seq_len": ds.seq_len}))
     opt, _ = build_optimizer(model, {"lr": 3e-3})
     inj = FaultInjector(FaultConfig(kind="lr_spike", step=2, factor=7.0, steps=1), model=model, optimizer=opt,

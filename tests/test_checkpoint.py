@@ -17,7 +17,7 @@ from checkpoint.config import CheckpointConfig, ResumeConfig
 from checkpoint.resume import check_config, check_data, check_model
 from data import build_data
 from data.loader import Loader
-from helpers import HANG_S
+from helpers import HANG_S, model_config
 from model import ModelConfig, Transformer
 from optim import build_optimizer, build_scheduler, clip_grad_norm
 from optim.accumulate import count_valid_tokens, forward_backward, reduce_step_sums
@@ -43,7 +43,7 @@ pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def make_state(seed=0, data=DATA, model=MODEL, steps=10) -> TrainState:
     torch.manual_seed(seed)
     ds = build_data(data)
-    m = Transformer(ModelConfig.from_dict({**model, "vocab_size": ds.vocab_size, "seq_len": ds.seq_len}))
+    m = Transformer(model_config({**model, "vocab_size": ds.vocab_size, "seq_len": ds.seq_len}))
     opt, _ = build_optimizer(m, OPTIM)
     sched = build_scheduler(opt, OPTIM["schedule"], steps)
     config = {"seed": seed, "model": model, "optim": OPTIM, "data": data,

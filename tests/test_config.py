@@ -8,6 +8,7 @@ import pytest
 from hydra import initialize_config_dir
 from omegaconf import OmegaConf
 
+from model.config import MoEConfig
 from run.config import Config, compose_check
 from stability.config import DetectorConfig, FaultConfig, GuardConfig
 
@@ -120,3 +121,15 @@ def test_a_component_config_built_in_code_runs_the_same_checks():
     g = GuardConfig(detector=DetectorConfig(metrics={"loss": {}}))
     assert list(g.detector.metrics) == ["loss"]
     assert OmegaConf.to_container(OmegaConf.structured(g))["detector"]["metrics"] == {"loss": {"direction": "up", "log": False}}
+
+
+def test_a_saved_config_reads_back_typed_through_the_same_schema():
+    saved = OmegaConf.to_container(OmegaConf.structured(compose()), resolve=True)  # what config.yaml holds
+    cfg = Config.from_dict(saved)
+    assert cfg == compose() and isinstance(cfg.model.moe, MoEConfig)
+    with pytest.raises(ValueError, match=r"^model\.d_modle: unknown key \(did you mean model\.d_model\?\)$"):
+        Config.from_dict({**saved, "model": {**saved["model"], "d_modle": 64}})
+    # a text run saved when the synthetic sources (which it never read) had another default reads back
+    text = {**saved, "data": {**saved["data"], "kind": "text", "path": "input.txt",
+                              "sources": [{"name": "markov", "kind": "markov", "weight": 0.5}]}}
+    assert Config.from_dict(text).data.kind == "text"

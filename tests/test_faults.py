@@ -21,7 +21,7 @@ from parallel import Dist, wrap_model
 from stability.drills import registry
 from stability.config import FaultConfig
 from stability.faults import FaultInjector
-from helpers import data_config, in_group, spawn
+from helpers import data_config, in_group, model_config, spawn
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = {"kind": "synthetic", "seq_len": 16, "min_doc_len": 4, "seed": 5,
@@ -35,7 +35,7 @@ MODEL = {"d_model": 16, "n_layers": 2, "n_heads": 2,
 def build(fault: dict, batch_size: int = 8, rank: int = 0, world: int = 1, data=DATA, model_cfg=MODEL):
     torch.manual_seed(0)
     ds = build_data(data)
-    model = Transformer(ModelConfig.from_dict({**model_cfg, "vocab_size": ds.vocab_size, "seq_len": ds.seq_len}))
+    model = Transformer(model_config({**model_cfg, "vocab_size": ds.vocab_size, "seq_len": ds.seq_len}))
     opt, _ = build_optimizer(model, {"lr": 1e-2})
     loader = Loader(ds, batch_size, rank, world)
     inj = FaultInjector(FaultConfig(**fault), model=model, optimizer=opt, loader=loader, data_cfg=data_config(data),
@@ -280,7 +280,7 @@ def _missing_reduce_steps(dist: Dist) -> dict:
     rank, world = dist.rank, dist.world
     torch.manual_seed(0)
     ds = build_data(DATA)
-    model = Transformer(ModelConfig.from_dict({**MODEL, "vocab_size": ds.vocab_size, "seq_len": ds.seq_len}))
+    model = Transformer(model_config({**MODEL, "vocab_size": ds.vocab_size, "seq_len": ds.seq_len}))
     bare = copy.deepcopy(model)  # the same weights, never reduced: this rank's local gradient
     wrapped = wrap_model(model, ParallelConfig(mode="ddp"), dist)
     loader = Loader(ds, 8, rank, world)

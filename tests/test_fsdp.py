@@ -15,7 +15,7 @@ from optim import build_optimizer, clip_grad_norm
 from optim.accumulate import count_valid_tokens, forward_backward
 from parallel.config import ParallelConfig
 from parallel import Dist, wrap_model
-from helpers import in_group, spawn
+from helpers import in_group, model_config, spawn
 
 DATA = {"kind": "synthetic", "seq_len": 16, "min_doc_len": 4, "seed": 5,
         "sources": [{"name": "markov", "kind": "markov", "weight": 0.5, "alphabet": 8, "order": 1, "support": 2},
@@ -32,7 +32,7 @@ def run(dist: Dist, micro: int) -> dict:
 
     torch.manual_seed(0)
     ds = build_data(DATA)
-    model = Transformer(ModelConfig.from_dict({**MODEL, "vocab_size": ds.vocab_size, "seq_len": ds.seq_len}))
+    model = Transformer(model_config({**MODEL, "vocab_size": ds.vocab_size, "seq_len": ds.seq_len}))
     wrapped = wrap_model(model, ParallelConfig(mode="fsdp"), dist)
     opt, _ = build_optimizer(model, {"lr": 1e-2, "weight_decay": 0.1})  # after sharding: DTensor params
     loader = Loader(ds, BATCH, dist.rank, dist.world)

@@ -14,7 +14,7 @@ from torch import nn
 
 from model import ModelConfig, Transformer
 from model.moe import GroupedExperts
-from helpers import precision_config
+from helpers import model_config, precision_config
 from precision import RECIPES, build_recipe
 from precision.config import PrecisionConfig
 from precision.fp8_linear import Fp8GroupedExperts, Fp8Linear
@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def tiny(d_model=64, seed=0) -> Transformer:
     torch.manual_seed(seed)
-    return Transformer(ModelConfig.from_dict({
+    return Transformer(model_config({
         "vocab_size": 50, "seq_len": 16, "d_model": d_model, "n_layers": 2, "n_heads": 2, "swiglu_clamp": 10.0,
         "moe": {"n_experts": 4, "top_k": 2, "expert_hidden": 64, "shared_expert": True, "first_dense": 1,
                 "every": 1}}))

@@ -14,7 +14,7 @@ from optim import build_optimizer, clip_grad_norm
 from optim.accumulate import count_valid_tokens, forward_backward
 from optim.scaler import DynamicLossScaler
 from precision import build_recipe, optimizer_step
-from helpers import in_group, precision_config, spawn
+from helpers import in_group, model_config, precision_config, spawn
 
 DATA = {"kind": "synthetic", "seq_len": 16, "min_doc_len": 8, "seed": 5,
         "sources": [{"name": "markov", "kind": "markov", "weight": 1.0, "alphabet": 16, "order": 1, "support": 3,
@@ -26,7 +26,7 @@ OPTIM = {"lr": 1e-2, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1,
 def setup(seed=0):
     ds = build_data(DATA)
     torch.manual_seed(seed)
-    model = Transformer(ModelConfig.from_dict({"vocab_size": ds.vocab_size, "seq_len": 16, "d_model": 32,
+    model = Transformer(model_config({"vocab_size": ds.vocab_size, "seq_len": 16, "d_model": 32,
                                                "n_layers": 2, "n_heads": 2}))
     return ds, model, build_optimizer(model, OPTIM)[0]
 

@@ -89,8 +89,11 @@ def test_qk_norm_gains_are_norm_params_and_do_not_decay():
 
 def test_qk_norm_config_must_be_bool():
     # NOTE: "yes" / "on" are booleans to OmegaConf, as on the command line; "maybe" is not
+    from pathlib import Path
+
+    from run.config import compose_check
     with pytest.raises(ValueError, match="model.qk_norm"):
-        ModelConfig.from_dict({"vocab_size": 5, "seq_len": 4, "qk_norm": "maybe"})
+        compose_check(["model.qk_norm=maybe"], str(Path(__file__).resolve().parents[1] / "conf"))
 
 
 def test_telemetry_records_attn_logit_max_per_layer():

@@ -25,7 +25,7 @@ from stability.record import floor_by_source
 from stability.step_state import state_summary
 from stability.config import TelemetryConfig
 from stability.telemetry import Telemetry, first_nonfinite, moe_summary, nonfinite_flags
-from helpers import in_group, spawn
+from helpers import in_group, model_config, spawn
 
 DATA = {"kind": "synthetic", "seq_len": 16, "min_doc_len": 4, "seed": 5,
         "sources": [{"name": "markov", "kind": "markov", "weight": 0.5, "alphabet": 8, "order": 1, "support": 2},
@@ -45,7 +45,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def build(tied: bool = True, seed: int = 0):
     torch.manual_seed(seed)
     ds = build_data(DATA)
-    model = Transformer(ModelConfig.from_dict({**MODEL, "tie_embeddings": tied,
+    model = Transformer(model_config({**MODEL, "tie_embeddings": tied,
                                                "vocab_size": ds.vocab_size, "seq_len": ds.seq_len}))
     return ds, model
 
@@ -435,7 +435,7 @@ def test_state_summary_equals_fp64_norms_of_the_moments_and_weights():
     from stability.step_state import state_summary
 
     torch.manual_seed(0)
-    model = Transformer(ModelConfig.from_dict({**MODEL, "vocab_size": 8, "seq_len": 16}))
+    model = Transformer(model_config({**MODEL, "vocab_size": 8, "seq_len": 16}))
     opt, _ = build_optimizer(model, {"name": "adamw", "lr": 1e-2})
     for _ in range(2):
         model(torch.randint(0, 8, (2, 16)), torch.randint(0, 8, (2, 16))).loss_sum.backward()

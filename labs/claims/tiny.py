@@ -41,8 +41,7 @@ def build(seed: int, data: dict | None = None, model: dict | None = None, init_s
     """(dataset, model): data seed `seed`, init seed `init_seed` (default: `seed`)."""
     dataset = build_data({**DATA, **(data or {}), "seed": seed})
     torch.manual_seed(seed if init_seed is None else init_seed)
-    net = Transformer(ModelConfig.from_dict({**MODEL, **(model or {}), "vocab_size": dataset.vocab_size,
-                                             "seq_len": dataset.seq_len}))
+    net = Transformer(ModelConfig(**{**MODEL, **(model or {})}).for_data(dataset))
     return dataset, net
 
 
