@@ -14,7 +14,6 @@ import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 from hydra.core.hydra_config import HydraConfig
@@ -31,7 +30,7 @@ from optim.levers import build_levers
 from parallel import Dist, barrier, wrap_model
 from parallel.wrap import is_sharded
 from precision import build_recipe
-from run.config import validate
+from run.config import TrainConfig, validate
 from stability.anticipatory import AnticipatoryRouting
 from stability.callbacks import Callbacks
 from stability.events import EventLog
@@ -45,7 +44,7 @@ from stability.telemetry import StepTelemetry, Telemetry
 class Run:
     """One run's components; train() takes this and nothing else."""
     cfg: DictConfig
-    train: SimpleNamespace  # train.* as plain attributes (an OmegaConf attribute read costs ~17 µs)
+    train: TrainConfig      # train.* as the schema built it (plain attributes, not OmegaConf nodes)
     dist: Dist
     run_dir: Path
     dataset: object
@@ -70,34 +69,37 @@ class Run:
 
 
 def build_run(cfg: DictConfig, dist: Dist) -> Run:
+    """cfg: the composed config (saved as config.yaml, fingerprinted); each component gets its own group of
+    the Config the schema builds from it, checked once."""
     typed = validate(cfg)  # every group's keys, types and rules, once: run/config.py
     typed.train.check_world(dist.world)
-    if cfg.threads:
-        torch.set_num_threads(int(cfg.threads))
+    if typed.threads:
+        torch.set_num_threads(typed.threads)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     config = OmegaConf.to_container(cfg, resolve=True)
     if dist.is_main and (run_dir / "metrics.jsonl").exists() and not resume_options(typed.resume)[0]:
         raise ValueError(f"hydra.run.dir={run_dir} already holds a run; pick a new directory")
-    torch.manual_seed(cfg.seed)  # same seed on every rank → identical initial weights
+    torch.manual_seed(typed.seed)  # same seed on every rank → identical initial weights
     recipe = build_recipe(typed.precision, dist.device)  # te_fp8 without CUDA/TE stops here, in one line
 
-    dataset = build_data(OmegaConf.to_container(cfg.data, resolve=True))
+    dataset = build_data(typed.data)
     model_cfg = typed.model.for_data(dataset)
     model = Transformer(model_cfg).to(dist.device)
     recipe.convert(model)  # swaps eligible Linears (FP8): before sharding and before the optimizer
-    set_activation_checkpointing(model, cfg.train.activation_checkpointing)  # after convert, before wrap and compile
+    set_activation_checkpointing(model, typed.train.activation_checkpointing)  # after convert, before wrap and compile
     # before the optimizer: FSDP2 swaps the parameters
     wrapped = wrap_model(model, dataclasses.replace(typed.parallel, **recipe.fsdp_dtypes()), dist)
-    if cfg.train.compile:  # fuses the elementwise ops between matmuls (norms, RoPE, SwiGLU, loss)
+    if typed.train.compile:  # fuses the elementwise ops between matmuls (norms, RoPE, SwiGLU, loss)
         wrapped = torch.compile(wrapped)
-    optimizer, group_table = build_optimizer(model, OmegaConf.to_container(cfg.optim, resolve=True))
-    scheduler = build_scheduler(optimizer, OmegaConf.to_container(cfg.optim.schedule, resolve=True), cfg.train.steps)
+    optimizer, group_table = build_optimizer(model, typed.optim)
+    scheduler = build_scheduler(optimizer, typed.optim.schedule, typed.train.steps)
     scaler = recipe.make_scaler()  # None unless fp16
     levers = build_levers(typed.train.clip, typed.train.zscore, typed.optim.qk_clip, model)
-    loader = Loader(dataset, cfg.train.batch_size, dist.rank, dist.world)
-    evals = eval_batches(dataset, cfg.train.eval_samples, cfg.train.eval_batch_size, dist.rank, dist.world)
+    tc = typed.train
+    loader = Loader(dataset, tc.batch_size, dist.rank, dist.world)
+    evals = eval_batches(dataset, tc.eval_samples, tc.eval_batch_size, dist.rank, dist.world)
     floor = dataset.expected_floor() if hasattr(dataset, "expected_floor") else None
-    # the stability pieces validate their config here too, before anything is written
+    # the rules that need the model or the data (fault.layer, the mixture weights) fail here, before anything is written
     events = EventLog(run_dir, dist.is_main)
     faults = FaultInjector(typed.fault, model=model, optimizer=optimizer, loader=loader, data_cfg=typed.data,
                            train_cfg=typed.train, dist=dist)
@@ -123,7 +125,7 @@ def build_run(cfg: DictConfig, dist: Dist) -> Run:
     ckpt.resume()  # last: restores every RNG stream just before the first step
     guard.start(state.step)
     barrier()
-    return Run(cfg=cfg, train=SimpleNamespace(**OmegaConf.to_container(cfg.train, resolve=True)), dist=dist,
+    return Run(cfg=cfg, train=typed.train, dist=dist,
                run_dir=run_dir, dataset=dataset, model=model, wrapped=wrapped, optimizer=optimizer,
                scheduler=scheduler, scaler=scaler, recipe=recipe, loader=loader, evals=evals, events=events,
                guard=guard, ckpt=ckpt, callbacks=callbacks, clip=levers.clip, sinks=sinks)

@@ -10,7 +10,7 @@ import torch
 from data import build_data
 from data.loader import Loader
 from helpers import model_config
-from model import MoE, ModelConfig, Transformer
+from model import MoE, Transformer
 from optim.accumulate import count_valid_tokens, forward_backward
 from stability.anticipatory import AnticipatoryRouting
 from stability.config import AnticipatoryConfig

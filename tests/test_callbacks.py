@@ -11,7 +11,7 @@ import torch
 from data import build_data
 from data.loader import Loader
 from helpers import model_config
-from model import ModelConfig, Transformer
+from model import Transformer
 from optim import build_optimizer
 from optim.levers import Levers
 from stability.anticipatory import AnticipatoryRouting

@@ -18,7 +18,7 @@ from checkpoint.resume import check_config, check_data, check_model
 from data import build_data
 from data.loader import Loader
 from helpers import HANG_S, model_config
-from model import ModelConfig, Transformer
+from model import Transformer
 from optim import build_optimizer, build_scheduler, clip_grad_norm
 from optim.accumulate import count_valid_tokens, forward_backward, reduce_step_sums
 from optim.scaler import DynamicLossScaler

@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 from data import build_data
 from data.loader import Loader
 from helpers import TINY, data_config, model_config, run_train
-from model import ModelConfig, Transformer
+from model import Transformer
 from optim import build_optimizer
 from parallel import Dist
 from stability.callbacks import StepState

@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 
 from data import IGNORE_INDEX, PAD_ID, build_data
 from data.loader import Loader
-from model import ModelConfig, Transformer
+from model import Transformer
 from optim import build_optimizer
 from optim.accumulate import count_valid_tokens, forward_backward
 from parallel.config import ParallelConfig

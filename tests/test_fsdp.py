@@ -10,7 +10,7 @@ import torch
 
 from data import build_data
 from data.loader import Loader
-from model import ModelConfig, Transformer
+from model import Transformer
 from optim import build_optimizer, clip_grad_norm
 from optim.accumulate import count_valid_tokens, forward_backward
 from parallel.config import ParallelConfig

@@ -12,7 +12,7 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from model import ModelConfig, Transformer
+from model import Transformer
 from model.moe import GroupedExperts
 from helpers import model_config, precision_config
 from precision import RECIPES, build_recipe

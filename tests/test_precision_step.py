@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from data import build_data
-from model import ModelConfig, Transformer
+from model import Transformer
 from optim import build_optimizer, clip_grad_norm
 from optim.accumulate import count_valid_tokens, forward_backward
 from optim.scaler import DynamicLossScaler

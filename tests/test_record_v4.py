@@ -18,7 +18,7 @@ import yaml
 from data import build_data, eval_batches
 from data.batch import IGNORE_INDEX, Batch, content_hash
 from data.loader import Loader
-from model import ModelConfig, Transformer
+from model import Transformer
 from model.config import MoEConfig
 from model.moe import MoE, grouped_mm_runs
 from optim.accumulate import count_valid_tokens, forward_backward, reduce_step_sums
