@@ -161,13 +161,12 @@ def main() -> None:
 
 def compare_raw(root: Path, over: list[str], args) -> None:
     """ballast's bare step against nanoGPT's, one each in turn (the order swapping every pair), CPU time."""
-    from omegaconf import OmegaConf
 
     from bench.config import build_train_step, compose_config
     from data import build_data
 
     cfg = compose_config(over)
-    vocab = build_data(OmegaConf.to_container(cfg.data, resolve=True)).vocab_size
+    vocab = build_data(cfg.data).vocab_size
     ours_step, _ = build_train_step(cfg)
     model, opt = nanogpt.build(root, vocab)
     fwd = torch.compile(model) if args.compile else model

@@ -17,26 +17,25 @@ for OFF is <= 1 %, i.e. lost in the noise.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from data import build_data  # noqa: E402
 from data.loader import Loader  # noqa: E402
-from model import ModelConfig, Transformer  # noqa: E402
+from bench.config import compose_config  # noqa: E402
+from model import Transformer  # noqa: E402
 from optim import build_optimizer  # noqa: E402
 from optim.accumulate import count_valid_tokens, forward_backward  # noqa: E402
 from precision import optimizer_step  # noqa: E402
-from run.config import TrainConfig  # noqa: E402
 from stability.anticipatory import AnticipatoryRouting  # noqa: E402
 from stability.callbacks import StepState  # noqa: E402
+from stability.config import AnticipatoryConfig  # noqa: E402
 
 ARMS = ("baseline", "off", "on")
 
@@ -54,22 +53,18 @@ def main() -> None:
                    help="torch threads; NOTE: 1 on a shared 2-core box, where 2 threads thrash under load")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    # NOTE: the group files are read directly, not through Hydra's compose: the bench then needs only
-    # the model, data and optimizer groups, whatever else config.yaml's defaults list grows to hold.
-    conf = ROOT / "conf"
-    load = lambda *parts: OmegaConf.to_container(OmegaConf.load(conf.joinpath(*parts)), resolve=True)  # noqa: E731
-    train_cfg = dataclasses.asdict(TrainConfig())  # the schema's train.* defaults (run/config.py)
-    tc = OmegaConf.create({**train_cfg, "batch_size": args.batch_size, "micro_batches": args.micro_batches})
+    cfg = compose_config([f"model={args.model}", "data=synthetic", f"train.batch_size={args.batch_size}",
+                          f"train.micro_batches={args.micro_batches}"])
+    tc = cfg.train
     dev = torch.device(args.device)
     torch.manual_seed(0)
-    ds = build_data(load("data", "synthetic.yaml"))
-    model = Transformer(ModelConfig.from_dict({**load("model", f"{args.model}.yaml"),
-                                               "vocab_size": ds.vocab_size, "seq_len": ds.seq_len})).to(dev)
-    opt, _ = build_optimizer(model, load("optim", "adamw.yaml"))
+    ds = build_data(cfg.data)
+    model = Transformer(cfg.model.for_data(ds)).to(dev)
+    opt, _ = build_optimizer(model, cfg.optim)
     loaders = {arm: Loader(ds, tc.batch_size) for arm in ARMS}
     ars = {"baseline": None,
-           "off": AnticipatoryRouting(model, loaders["off"], tc.micro_batches, args.delay, dev),
-           "on": AnticipatoryRouting(model, loaders["on"], tc.micro_batches, args.delay, dev)}
+           "off": AnticipatoryRouting(model, loaders["off"], tc.micro_batches, AnticipatoryConfig(delay=args.delay), dev),
+           "on": AnticipatoryRouting(model, loaders["on"], tc.micro_batches, AnticipatoryConfig(delay=args.delay), dev)}
     steps = dict.fromkeys(ARMS, 0)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     route_s: list[float] = []  # time_s.route of every ON step, as train.py books it

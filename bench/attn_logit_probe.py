@@ -21,6 +21,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from model import ModelConfig, Transformer  # noqa: E402
+from optim.config import QKClipConfig  # noqa: E402
 from optim.qk_clip import QKClip  # noqa: E402
 
 
@@ -37,7 +38,7 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
     model = Transformer(ModelConfig(vocab_size=256, seq_len=a.seq, d_model=a.d, n_layers=a.layers, n_heads=a.heads))
-    clip = QKClip(model, 1e9)  # τ never reached: measures, never scales
+    clip = QKClip(model, QKClipConfig(tau=1e9))  # τ never reached: measures, never scales
     x = torch.randint(256, (a.batch, a.seq))
     times = {"plain": [], "probe": [], "qk_clip": []}
 

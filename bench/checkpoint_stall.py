@@ -12,6 +12,7 @@ slowed = extra time of the training steps that ran while the async write was in 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import subprocess
 import sys
@@ -23,32 +24,30 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
-from omegaconf import OmegaConf  # noqa: E402
 
 from checkpoint import Saver, TrainState, step_name  # noqa: E402
 from data import build_data  # noqa: E402
 from data.loader import Loader  # noqa: E402
-from model import ModelConfig, Transformer  # noqa: E402
+from bench.config import compose_config  # noqa: E402
+from model import Transformer  # noqa: E402
 from optim import build_optimizer, build_scheduler  # noqa: E402
 from optim.accumulate import count_valid_tokens, forward_backward  # noqa: E402
 
 SIZES = {
-    "quickstart": {},  # conf/model/mixed_tiny.yaml as is
-    "50m": {"d_model": 640, "n_layers": 10, "n_heads": 10, "moe": None},
+    "quickstart": [],  # the default model (model/config.py default_model) as is
+    "50m": ["model.d_model=640", "model.n_layers=10", "model.n_heads=10", "model.moe=null"],
 }
 
 
 def build(size: str, batch_size: int) -> TrainState:
-    conf = ROOT / "conf"
-    data_cfg = OmegaConf.to_container(OmegaConf.load(conf / "data" / "synthetic.yaml"))
-    model_cfg = {**OmegaConf.to_container(OmegaConf.load(conf / "model" / "mixed_tiny.yaml")), **SIZES[size]}
-    optim_cfg = OmegaConf.to_container(OmegaConf.load(conf / "optim" / "adamw.yaml"))
-    ds = build_data(data_cfg)
+    cfg = compose_config(["data=synthetic", "train.steps=100", *SIZES[size]])
+    ds = build_data(cfg.data)
     torch.manual_seed(0)
-    model = Transformer(ModelConfig.from_dict({**model_cfg, "vocab_size": ds.vocab_size, "seq_len": ds.seq_len}))
-    opt, _ = build_optimizer(model, optim_cfg)
-    sched = build_scheduler(opt, optim_cfg["schedule"], 100)
-    state = TrainState(model, opt, sched, Loader(ds, batch_size), {"model": model_cfg, "optim": optim_cfg})
+    model = Transformer(cfg.model.for_data(ds))
+    opt, _ = build_optimizer(model, cfg.optim)
+    sched = build_scheduler(opt, cfg.optim.schedule, 100)
+    state = TrainState(model, opt, sched, Loader(ds, batch_size),
+                       {"model": dataclasses.asdict(cfg.model), "optim": dataclasses.asdict(cfg.optim)})
     train_step(state)  # the moments exist, as in any checkpoint after step 1
     return state
 

@@ -50,12 +50,12 @@ def run(arm: str, args, model_cfg: dict, data_cfg: dict, device) -> dict:
     from optim import build_optimizer
     from optim.accumulate import count_valid_tokens, forward_backward
     from precision import build_recipe, optimizer_step
+    from precision.config import PrecisionConfig
 
     ds = build_data(data_cfg)
     torch.manual_seed(0)
-    model = Transformer(ModelConfig.from_dict({**model_cfg, "vocab_size": ds.vocab_size,
-                                               "seq_len": ds.seq_len})).to(device)
-    recipe = build_recipe({"name": "bf16"}, device)
+    model = Transformer(ModelConfig(**model_cfg).for_data(ds)).to(device)
+    recipe = build_recipe(PrecisionConfig(name="bf16"), device)
     fwd = torch.compile(model) if arm == "compiled" else model
     opt, _ = build_optimizer(model, OPTIM)
     loader = Loader(ds, args.batch_size)

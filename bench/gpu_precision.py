@@ -57,15 +57,15 @@ def run(label: str, precision: dict, steps: int, batch_size: int, seed: int, dry
     from optim import build_optimizer, build_scheduler
     from optim.accumulate import count_valid_tokens, forward_backward
     from precision import build_recipe, optimizer_step
+    from precision.config import PrecisionConfig
     from precision.fp8_gemm import fast_path_status
 
     dev = torch.device("cpu" if dry_run else "cuda")
     sync = (lambda: None) if dry_run else torch.cuda.synchronize
     ds = build_data({**DATA, "seq_len": 128, "min_doc_len": 16} if dry_run else DATA)
     torch.manual_seed(seed)
-    model = Transformer(ModelConfig.from_dict({**(TINY_MODEL if dry_run else MODEL), "vocab_size": ds.vocab_size,
-                                               "seq_len": ds.seq_len})).to(dev)
-    recipe = build_recipe(precision, dev)
+    model = Transformer(ModelConfig(**(TINY_MODEL if dry_run else MODEL)).for_data(ds)).to(dev)
+    recipe = build_recipe(PrecisionConfig(**precision), dev)
     recipe.convert(model)
     opt, _ = build_optimizer(model, OPTIM)
     sched = build_scheduler(opt, {**OPTIM["schedule"], "warmup_steps": min(steps, OPTIM["schedule"]["warmup_steps"])},

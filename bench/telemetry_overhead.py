@@ -27,17 +27,17 @@ import time
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench.config import compose_config  # noqa: E402
 from data import build_data  # noqa: E402
 from data.loader import Loader  # noqa: E402
-from model import ModelConfig, Transformer  # noqa: E402
+from model import Transformer  # noqa: E402
 from optim import build_optimizer  # noqa: E402
 from optim.accumulate import count_valid_tokens, forward_backward  # noqa: E402
 from precision import optimizer_step  # noqa: E402
+from stability.config import TelemetryConfig  # noqa: E402
 from stability.telemetry import Telemetry, moe_summary, nonfinite_flags  # noqa: E402
 
 
@@ -54,13 +54,12 @@ def main() -> None:
     cfg = compose_config(args.overrides)
     tc = cfg.train
     torch.manual_seed(cfg.seed)
-    ds = build_data(OmegaConf.to_container(cfg.data, resolve=True))
-    model = Transformer(ModelConfig.from_dict({**OmegaConf.to_container(cfg.model, resolve=True),
-                                               "vocab_size": ds.vocab_size, "seq_len": ds.seq_len}))
-    opt, _ = build_optimizer(model, OmegaConf.to_container(cfg.optim, resolve=True))
+    ds = build_data(cfg.data)
+    model = Transformer(cfg.model.for_data(ds))
+    opt, _ = build_optimizer(model, cfg.optim)
     loader = Loader(ds, tc.batch_size)
-    arms = {"off": Telemetry(model, every=0), "every10": Telemetry(model, every=10),
-            "every1": Telemetry(model, every=1)}
+    arms = {"off": Telemetry(model, TelemetryConfig(every=0)), "every10": Telemetry(model, TelemetryConfig(every=10)),
+            "every1": Telemetry(model, TelemetryConfig(every=1))}
     names = list(arms)
 
     def one_step(tel: Telemetry, n: int) -> tuple[float, float]:

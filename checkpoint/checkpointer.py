@@ -1,6 +1,6 @@
 """The checkpoint side of train.py: resume once at start, save at the snapshot point, wait at exit.
 
-    ckpt = Checkpointer(cfg, dist, run_dir, state)   # validates checkpoint.* and resume.*
+    ckpt = Checkpointer(cfg.checkpoint, cfg.resume, cfg.train.steps, dist, run_dir, state)
     ckpt.resume()                                      # no-op unless resume=... is set
     for step in range(ckpt.state.step + 1, ckpt.last_step + 1):
         ...optimizer step...
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import datetime
 import json
-from collections.abc import Mapping
 from pathlib import Path
 
 import torch.distributed as tdist
@@ -24,7 +23,6 @@ from checkpoint.resume import check_config, check_data, check_model, check_progr
 from checkpoint.saver import Saver
 from checkpoint.state import TrainState, read_blobs, versions
 from parallel.dist import broadcast_object
-from run.schema import from_mapping
 from stability.record import read_records_partial
 
 AUTO = "auto"  # resume=auto: resume when a complete checkpoint exists, else start fresh
@@ -39,24 +37,24 @@ class RunComplete(Exception):
     restarts a job killed after its final save gets exit 0 and this line, not a refusal."""
 
 
-def resume_options(resume) -> tuple[str | None, bool, list[str]]:
-    """(what to resume from, allow_data_change, allow_config_change) from `resume=latest` or the full node."""
+def resume_options(resume: str | ResumeConfig | None) -> tuple[str | None, bool, list[str]]:
+    """(what to resume from, allow_data_change, allow_config_change) from `resume=latest` or the full form
+    (a ResumeConfig, checked by the schema)."""
     if resume is None or isinstance(resume, str):  # `resume=latest` replaces the node with a string
         return resume, False, []
-    r = from_mapping(ResumeConfig, resume, "resume")  # the schema checks the keys and types
-    return r.path, bool(r.allow_data_change), list(r.allow_config_change)
+    return resume.path, bool(resume.allow_data_change), list(resume.allow_config_change)
 
 
 class Checkpointer:
-    def __init__(self, cfg: Mapping, dist, run_dir: Path, state: TrainState):
-        ck = CheckpointConfig.from_dict(cfg["checkpoint"])  # the schema checks keys, types and ranges
-        steps = cfg["train"]["steps"]
-        ck.check_steps(steps)
+    def __init__(self, ck: CheckpointConfig, resume: str | ResumeConfig | None, steps: int, dist, run_dir: Path,
+                 state: TrainState):
+        """ck: checkpoint.*, resume: resume, steps: train.steps (all checked by the schema, with the rule
+        between them)."""
         self.every, self.stop_after = ck.every, ck.stop_after
         self.last_step = self.stop_after or steps  # the schedule still spans train.steps
         self.verify_hashes = bool(ck.verify_hashes)
         self.steps, self.deferred = steps, None  # deferred: the step a withheld last save moved to
-        self.spec, self.allow_data_change, self.allow_config = resume_options(cfg.get("resume"))
+        self.spec, self.allow_data_change, self.allow_config = resume_options(resume)
         self.root = Path(ck.dir) if ck.dir else run_dir / "checkpoints"
         self.dist, self.run_dir, self.state = dist, run_dir, state
         self.ckpt_id: str | None = None  # the checkpoint this run last published or resumed from

@@ -2,9 +2,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping
 
-from run.schema import check, choice, from_mapping
+from run.schema import check, choice
 
 MODES = ("async", "sync")
 
@@ -32,10 +31,6 @@ class CheckpointConfig:
     def check_steps(self, steps: int) -> None:
         check(self.stop_after is None or self.stop_after <= steps, "checkpoint.stop_after", self.stop_after,
               f"beyond train.steps={steps}")
-
-    @classmethod
-    def from_dict(cls, d: Mapping) -> "CheckpointConfig":
-        return from_mapping(cls, d, "checkpoint")
 
 
 @dataclass

@@ -43,13 +43,13 @@ def load_model(run_dir, checkpoint: str | None = None, device: str = "cpu"):
 
     from checkpoint.state import read_tensors
     from data import build_data
-    from model import ModelConfig, Transformer
+    from model import Transformer
+    from run.config import Config
 
     config = run_config(Path(run_dir))
     path = find_checkpoint(Path(run_dir), config, checkpoint)
     dataset = build_data(config["data"])
-    model = Transformer(ModelConfig.from_dict({**config["model"], "vocab_size": dataset.vocab_size,
-                                               "seq_len": dataset.seq_len}))
+    model = Transformer(Config.from_dict(config).model.for_data(dataset))
     sd = {k[len("model."):]: v for k, v in read_tensors(path).items() if k.startswith("model.")}
     missing, unexpected = model.load_state_dict(sd, strict=False)
     # NOTE: a tied head is one tensor under two names; the checkpoint may hold either name only.

@@ -23,6 +23,12 @@ _USED = {  # keys each kind reads, beside kind / seq_len / seed
 _SOURCE_USED = {"markov": {"alphabet", "order", "support", "concentration"}, "copy": {"alphabet", "segment"}}
 
 
+def read_keys(saved: Mapping) -> dict:
+    """A saved data node with only the keys its kind reads (those it does not never reached the run)."""
+    kind = saved.get("kind", "synthetic")
+    return {k: v for k, v in saved.items() if k in {"kind", "seq_len", "seed", *_USED.get(kind, ())}}
+
+
 @dataclass
 class SourceConfig:
     """One known-entropy source of the synthetic mixture (data/sources.py)."""
@@ -60,8 +66,12 @@ class SourceConfig:
 
 
 def _default_sources() -> list[SourceConfig]:
-    return [SourceConfig(name="markov", kind="markov", weight=0.5, order=1, support=4, concentration=0.5),
-            SourceConfig(name="copy", kind="copy", weight=0.5, segment=12)]
+    """The quickstart's mixture: markov (order 1) + copy, the copy source at weight 0.75."""
+    # NOTE: with three copy documents in four the copy source's induction head forms early in the default
+    # run's 400 steps on every seed, data seed and thread count tried, and every run ends at its floor; with
+    # equal weights (conf/data/synthetic.yaml) it formed late or never (README: the default run; issue 15)
+    return [SourceConfig(name="markov", kind="markov", weight=0.25, order=1, support=4, concentration=0.5),
+            SourceConfig(name="copy", kind="copy", weight=0.75, segment=12)]
 
 
 @dataclass

@@ -61,7 +61,8 @@ def replay(run_dir, step: int, dtype: str = "float32", checkpoint=None, train_to
 
     from checkpoint import publish, read_blobs
     from data import Loader, build_data
-    from model import ModelConfig, Transformer
+    from model import Transformer
+    from run.config import Config
     from optim import build_optimizer, build_scheduler
 
     run_dir = Path(run_dir)
@@ -84,7 +85,7 @@ def replay(run_dir, step: int, dtype: str = "float32", checkpoint=None, train_to
 
     ds = build_data(config["data"])
     torch.manual_seed(int(config.get("seed", 0)))
-    model = Transformer(ModelConfig.from_dict({**config["model"], "vocab_size": ds.vocab_size, "seq_len": ds.seq_len}))
+    model = Transformer(Config.from_dict(config).model.for_data(ds))
     optimizer, _ = build_optimizer(model, config["optim"])
     scheduler = build_scheduler(optimizer, config["optim"]["schedule"], int(config["train"]["steps"]))
     from checkpoint import TrainState

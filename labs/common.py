@@ -17,6 +17,7 @@ from model import ModelConfig, Transformer
 from optim import build_optimizer, build_scheduler
 from optim.accumulate import count_valid_tokens, forward_backward
 from precision import build_recipe, optimizer_step
+from precision.config import PrecisionConfig
 
 OPTIM = {"lr": 3.0e-3, "betas": [0.9, 0.95], "eps": 1.0e-8, "weight_decay": 0.1,
          "groups": [{"name": "no_decay", "kinds": ["bias", "norm", "embedding", "router"], "weight_decay": 0.0}],
@@ -52,7 +53,7 @@ def eval_loss(model, batches, autocast, names) -> tuple[float, dict[str, float]]
     return (loss_S.sum() / n_S.sum()).item(), {n: (loss_S[i] / n_S[i]).item() for i, n in enumerate(names) if n_S[i]}
 
 
-def train_small(model_cfg: dict, data_cfg: dict, precision: dict, steps: int, batch_size: int, seed: int,
+def train_small(model_cfg: ModelConfig, data_cfg: dict, precision: PrecisionConfig, steps: int, batch_size: int, seed: int,
                 eval_samples: int = 128, max_grad_norm: float = 1.0, dataset=None, on_step=None) -> dict:
     """Train `steps` steps from seed; return the train-loss curve, final eval loss, floor and timing.
 
@@ -63,8 +64,7 @@ def train_small(model_cfg: dict, data_cfg: dict, precision: dict, steps: int, ba
     """
     dataset = build_data(data_cfg) if dataset is None else dataset
     torch.manual_seed(seed)
-    model = Transformer(ModelConfig.from_dict({**model_cfg, "vocab_size": dataset.vocab_size,
-                                               "seq_len": dataset.seq_len}))
+    model = Transformer(model_cfg.for_data(dataset))
     recipe = build_recipe(precision)
     recipe.convert(model)
     optimizer, _ = build_optimizer(model, OPTIM)

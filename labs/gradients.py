@@ -32,6 +32,7 @@ from data.loader import eval_batches
 from labs.common import single_thread, train_small
 from labs.gradcheck import autograd_grads, fd_check, rel_err
 from model import ModelConfig, MoE, MoEConfig
+from precision.config import PrecisionConfig
 
 TITLE = "gradients: autograd vs finite differences (float64), and a correct gradient of a wrong objective"
 TOL = 1e-6
@@ -43,9 +44,9 @@ HELDOUT, SE_MIN = 512, 3.0
 F64 = torch.float64
 # A tiny mixed dense + MoE model (layer 0 dense, layer 1 MoE) on documents short enough that a third
 # of the label positions are padding.
-MODEL = {"d_model": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "swiglu_clamp": L,
-         "moe": {"n_experts": 4, "top_k": 2, "expert_hidden": 32, "shared_expert": True, "first_dense": 1,
-                 "balance_coef": 0.01, "router_z_coef": 1e-3, "bias_update_speed": 1e-3}}
+MODEL = ModelConfig(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, swiglu_clamp=L,
+                    moe=MoEConfig(n_experts=4, top_k=2, expert_hidden=32, shared_expert=True, first_dense=1,
+                                  balance_coef=0.01, router_z_coef=1e-3, bias_update_speed=1e-3))
 DATA = {"kind": "synthetic", "seq_len": 32, "min_doc_len": 4,
         "sources": [{"name": "markov", "kind": "markov", "weight": 0.5, "alphabet": 32, "order": 1,
                      "support": 4, "concentration": 0.5},
@@ -252,7 +253,7 @@ def mask_bug_lesson(seed: int, steps: int, n: int, gen: torch.Generator, heldout
     correct objective and on the buggy one, and compare their losses and gradients."""
     dataset = build_data({**DATA, "seed": seed})
     trained = {}
-    curve = train_small(MODEL, {}, {"name": "fp32"}, steps, 16, seed, eval_samples=16,
+    curve = train_small(MODEL, {}, PrecisionConfig(), steps, 16, seed, eval_samples=16,
                         dataset=PadTargets(dataset), on_step=lambda s, m, o, l: trained.setdefault("m", m))
     held = heldout_excess(trained["m"], dataset, heldout)
     model = copy.deepcopy(trained["m"]).to(F64)

@@ -35,9 +35,11 @@ from labs.claims.tiny import build, check_lines, figure, save
 from labs.common import single_thread
 from optim import build_optimizer, build_scheduler
 from optim.accumulate import count_valid_tokens, forward_backward
+from optim.config import QKClipConfig, ZScoreConfig
 from optim.qk_clip import QKClip
 from optim.zclip import ZScoreClip
 from precision import optimizer_step
+from stability.config import DetectorConfig
 from stability.detector import SpikeDetector
 
 TITLE = "levers: the largest stable learning rate per stability lever, each alone, on a spiky configuration"
@@ -68,9 +70,9 @@ def train(seed: int, lever: dict, lr: float, steps: int) -> dict:
     optimizer, _ = build_optimizer(model, optim_cfg(lr, lever.get("optim", "adamw")))
     schedule = {"name": "constant", "warmup_steps": max(1, steps // 20)}
     scheduler = build_scheduler(optimizer, schedule, steps)
-    clip = ZScoreClip(**lever["zscore"]) if "zscore" in lever else None
-    qk_clip = QKClip(model, lever["qk_clip"]) if "qk_clip" in lever else None
-    detector = SpikeDetector(**DETECTOR)
+    clip = ZScoreClip(ZScoreConfig(**lever["zscore"])) if "zscore" in lever else None
+    qk_clip = QKClip(model, QKClipConfig(tau=lever["qk_clip"])) if "qk_clip" in lever else None
+    detector = SpikeDetector(DetectorConfig(**DETECTOR))
     loader = Loader(dataset, BATCH)
     for b in model.blocks:
         b.attn.probe_logits = True  # the telemetry probe, every step: one sequence's QKᵀ per forward

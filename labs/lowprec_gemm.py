@@ -23,6 +23,8 @@ import math
 import torch
 
 from labs.common import train_small
+from model import ModelConfig, MoEConfig
+from precision.config import PrecisionConfig
 from precision.fp8_gemm import ACC_BITS, limited_accumulation_gemm_nt
 from precision.fp8_linear import fp8_linear
 from precision.quant import fake_quantize, quantize
@@ -33,9 +35,9 @@ HEADLINE = 1e4  # outlier channels at 10^4 × the typical activation
 SWEEP = (1.0, 1e1, 1e2, 1e3, 1e4, 1e5)
 # The training comparison: every FP8 path (attention and MLP Linears, routed experts) in a small model
 # on the quickstart's mixture (a Markov source and a copy source that needs an induction head).
-MODEL = {"d_model": 128, "n_layers": 2, "n_heads": 4, "swiglu_clamp": 10.0,
-         "moe": {"n_experts": 4, "top_k": 2, "expert_hidden": 128, "shared_expert": True,
-                 "first_dense": 1, "every": 1, "bias_update_speed": 0.001, "balance_coef": 0.0}}
+MODEL = ModelConfig(d_model=128, n_layers=2, n_heads=4, swiglu_clamp=10.0,
+                    moe=MoEConfig(n_experts=4, top_k=2, expert_hidden=128, shared_expert=True, first_dense=1, every=1,
+                                  bias_update_speed=0.001, balance_coef=0.0))
 DATA = {"kind": "synthetic", "min_doc_len": 16,
         "sources": [{"name": "markov", "kind": "markov", "weight": 0.5, "alphabet": 32, "order": 1,
                      "support": 4, "concentration": 0.5},
@@ -126,7 +128,7 @@ def run(seed: int, quick: bool = False) -> dict:
 
     data = {**DATA, "seq_len": 32 if quick else 64, "seed": seed}
     steps, batch = (20, 8) if quick else (300, 16)
-    runs = {name: train_small(MODEL, data, {"name": name}, steps, batch, seed, eval_samples=64 if quick else 256)
+    runs = {name: train_small(MODEL, data, PrecisionConfig(name=name), steps, batch, seed, eval_samples=64 if quick else 256)
             for name in ("fp32", "fp8_block")}
     gap = (runs["fp8_block"]["eval_loss"] - runs["fp32"]["eval_loss"]) / runs["fp32"]["eval_loss"]
     gap_by_source = {n: (runs["fp8_block"]["eval_by_source"][n] - v) / v for n, v in runs["fp32"]["eval_by_source"].items()}

@@ -15,16 +15,19 @@ runs/<run>/metrics.jsonl.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from labs.common import single_thread, train_small
+from model import ModelConfig
+from precision.config import PrecisionConfig
 
 TITLE = "mixture: 'the objective changed' vs 'the optimisation broke', from per-source loss vs floor"
 HEALTHY, OBJECTIVE, BROKE = "healthy", "objective changed", "optimisation broke"
 K = 5.0            # a change counts when it exceeds K standard errors of the reference's noise
 NEW_WEIGHTS = (0.1, 0.9)
 LR_MULT, FAULT_STEPS = 30.0, 5
-MODEL = {"d_model": 64, "n_layers": 2, "n_heads": 4}
+MODEL = ModelConfig(d_model=64, n_layers=2, n_heads=4)
 DATA = {"kind": "synthetic", "min_doc_len": 32,
         "sources": [{"name": "easy", "kind": "markov", "weight": 0.5, "alphabet": 16, "order": 1, "support": 2,
                      "concentration": 0.5},
@@ -161,12 +164,12 @@ def _run(seed: int, quick: bool, fault: str | None, new_weights: tuple) -> dict:
     S = int(0.6 * steps)
     data = {**DATA, "seq_len": seq_len, "seed": seed}
     # NOTE: one layer learns these order-1 sources as fast as two (measured), at half the time per step
-    model = {**MODEL, "n_layers": 1} if quick else MODEL
+    model = dataclasses.replace(MODEL, n_layers=1) if quick else MODEL
     fault_hook, fault_label = FAULTS[fault] if fault else (None, "no fault (switched off)")
     plan = {"a: reference": None,
             f"b: mixture → {'/'.join(f'{w:g}' for w in new_weights)}": _mixture_change(S, new_weights),
             f"c: {fault_label}": fault_hook(S) if fault_hook else None}
-    runs = {name: train_small(model, data, {"name": "fp32"}, steps, 16, seed, eval_samples=64, on_step=hook)
+    runs = {name: train_small(model, data, PrecisionConfig(), steps, 16, seed, eval_samples=64, on_step=hook)
             for name, hook in plan.items()}
     floors = next(iter(runs.values()))["floor_by_source"]
     ref = records_of(runs["a: reference"])

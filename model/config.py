@@ -2,10 +2,10 @@
 with one-line messages that name the Hydra key. vocab_size and seq_len come from the data, never the user."""
 from __future__ import annotations
 
-from collections.abc import Mapping
+import dataclasses
 from dataclasses import dataclass
 
-from run.schema import check, fail, from_mapping
+from run.schema import check, fail
 
 SCORES = ("softmax", "sigmoid")
 
@@ -72,13 +72,9 @@ class ModelConfig:
     qk_norm: bool = False           # RMSNorm on each q and k head before RoPE (model/layers.py)
     moe: MoEConfig | None = None
 
-    @classmethod
-    def from_dict(cls, d: Mapping) -> "ModelConfig":
-        """The config of a model to build, from a (Hydra) mapping with vocab_size and seq_len filled
-        in by the data; a nested `moe` mapping becomes MoEConfig."""
-        cfg = from_mapping(cls, d, "model")
-        cfg.check_sizes()
-        return cfg
+    def for_data(self, dataset) -> "ModelConfig":
+        """This model sized by the data: vocab_size and seq_len are the dataset's, never a user setting."""
+        return dataclasses.replace(self, vocab_size=dataset.vocab_size, seq_len=dataset.seq_len)
 
     def check_sizes(self) -> None:
         for key in ("vocab_size", "seq_len"):
@@ -125,3 +121,12 @@ class ModelConfig:
     def is_moe_layer(self, i: int) -> bool:
         m = self.moe
         return m is not None and i >= m.first_dense and (i - m.first_dense) % m.every == 0
+
+
+def default_model() -> ModelConfig:
+    """The default run's model (the root schema's `model`; conf/model/*.yaml change it from here): dense
+    layers 0 and 2, MoE layers 1 and 3 with a shared expert and aux-loss-free bias balancing, SwiGLU
+    clamped at 10 (DeepSeek-V4: silu(min(gate, 10)) * clamp(up, -10, 10)). A bare ModelConfig() is the
+    dense model a test or lab starts from."""
+    return ModelConfig(swiglu_clamp=10.0, moe=MoEConfig(shared_expert=True, every=2, bias_update_speed=0.001,
+                                                        router_z_coef=0.001))

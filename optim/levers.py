@@ -1,6 +1,6 @@
 """The stability levers a run switches on from its config, as one object the training loop calls.
 
-    levers = build_levers(config, model)       # validates train.clip / train.zscore / optim.qk_clip
+    levers = build_levers(train.clip, train.zscore, optim.qk_clip, model)
     res = optimizer_step(..., clip=levers.clip)   # None: the fixed clip; a ZScoreClip: adaptive
     after_update(s)                               # the step's callback point: QK-clip after the update,
                                                   # s.qk_clip and s.clip for the StepRecord
@@ -10,14 +10,14 @@
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
-
-from optim.qk_clip import QKClip, check_tau
+from optim.config import QKClipConfig, ZScoreConfig
+from optim.qk_clip import QKClip
 from optim.zclip import ZScoreClip, build_clip_policy
 from stability.callbacks import Callback, StepState
 
 
 class Levers(Callback):
+    order = {"after_update": 10}  # QK-clip first: telemetry's Δθ and the drills then see the clipped weights
     def __init__(self, clip: ZScoreClip | None, qk_clip: QKClip | None):
         self.clip, self.qk_clip = clip, qk_clip
 
@@ -39,8 +39,6 @@ class Levers(Callback):
         return {"zscore_clip": self.clip} if self.clip is not None else {}
 
 
-def build_levers(config: Mapping, model) -> Levers:
-    """config: the resolved run config (train, optim); model: the bare Transformer."""
-    clip = build_clip_policy(config["train"])
-    tau = check_tau((config["optim"].get("qk_clip") or {}).get("tau"))
-    return Levers(clip, QKClip(model, tau) if tau is not None else None)
+def build_levers(clip: str, zscore: ZScoreConfig, qk_clip: QKClipConfig, model) -> Levers:
+    """clip, zscore: train.clip, train.zscore; qk_clip: optim.qk_clip; model: the bare Transformer."""
+    return Levers(build_clip_policy(clip, zscore), QKClip(model, qk_clip) if qk_clip.tau is not None else None)

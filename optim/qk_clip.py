@@ -31,22 +31,16 @@ from torch import Tensor, nn
 from model.layers import head_logit_max
 from optim.config import QKClipConfig
 from parallel.dist import all_reduce_max
-from run.schema import from_mapping
 
 SEQ_CHUNK = 8  # sequences per QKᵀ block: bounds the (chunk, H, T, T) score tensor
-
-
-def check_tau(tau) -> float | None:
-    """The schema's rule (optim/config.py QKClipConfig), for a tau given outside a config."""
-    tau = from_mapping(QKClipConfig, {"tau": tau}, "optim.qk_clip").tau
-    return None if tau is None else float(tau)
 
 
 class QKClip:
     """model: the bare Transformer (not a DDP wrapper). Call after_update(tokens) after each optimizer step."""
 
-    def __init__(self, model: nn.Module, tau: float):
-        self.tau = check_tau(tau)
+    def __init__(self, model: nn.Module, cfg: QKClipConfig):
+        """cfg: optim.qk_clip, checked by the schema (tau > 0 or null)."""
+        tau = self.tau = None if cfg.tau is None else float(cfg.tau)
         if self.tau is None:
             raise ValueError("optim.qk_clip.tau=None: build QKClip only when QK-clip is on")
         if getattr(model.cfg, "qk_norm", False):

@@ -23,14 +23,12 @@ import torch
 
 from optim.clip import scale_grads_
 from optim.config import ZScoreConfig
-from run.schema import choice, from_mapping
 
-CLIP_MODES = ("fixed", "zscore")
 
 
 class ZScoreClip:
-    def __init__(self, alpha: float = 0.97, z_thresh: float = 2.5, warmup: int = 25, eps: float = 1e-6):
-        cfg = ZScoreConfig(alpha=alpha, z_thresh=z_thresh, warmup=warmup)  # the schema's one check (optim/config.py)
+    def __init__(self, cfg: ZScoreConfig, eps: float = 1e-6):
+        """cfg: train.zscore, checked by the schema (optim/config.py)."""
         self.alpha, self.z_thresh, self.warmup, self.eps = float(cfg.alpha), float(cfg.z_thresh), cfg.warmup, float(eps)
         self.count = 0          # finite norms seen
         self.mean = self.var = 0.0
@@ -87,11 +85,7 @@ class ZScoreClip:
         self.warm_sum, self.warm_sq = float(sd["warm_sum"]), float(sd["warm_sq"])
 
 
-def build_clip_policy(train_cfg: Mapping) -> ZScoreClip | None:
-    """train.clip = fixed → None (optimizer_step's fixed global-norm clip); zscore → a ZScoreClip."""
-    mode = train_cfg.get("clip", "fixed")
-    choice("train.clip", mode, CLIP_MODES)
-    if mode == "fixed":
-        return None
-    zc = from_mapping(ZScoreConfig, train_cfg.get("zscore"), "train.zscore")
-    return ZScoreClip(zc.alpha, zc.z_thresh, zc.warmup)
+def build_clip_policy(clip: str, zc: ZScoreConfig) -> ZScoreClip | None:
+    """train.clip = fixed → None (optimizer_step's fixed global-norm clip); zscore → a ZScoreClip from
+    train.zscore (both checked by the schema)."""
+    return None if clip == "fixed" else ZScoreClip(zc)

@@ -11,28 +11,26 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from parallel.config import ParallelConfig
 from parallel.dist import Dist
-from run.schema import from_mapping
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def wrap_model(model: nn.Module, mode: str, dist: Dist, **fsdp) -> nn.Module:
+def wrap_model(model: nn.Module, cfg: ParallelConfig, dist: Dist) -> nn.Module:
     """Return the module the step calls. `auto` = DDP when there is more than one process.
 
-    fsdp options (parallel.*, used by mode=fsdp): param_dtype, reduce_dtype, reshard_after_forward.
+    cfg: parallel.*, checked by the schema (mode=fsdp reads param_dtype, reduce_dtype, reshard_after_forward;
+    a precision recipe's dtypes replace the first two: dataclasses.replace(cfg, **recipe.fsdp_dtypes())).
 
     NOTE: ddp and fsdp over one process return the model itself: a 1-way replica or shard is the
     module, and one command line then works for any world size (resume 2 -> 1 included).
     """
-    # the schema checks the mode, the option names and the dtypes on any world size: a typo fails on the laptop too
-    fsdp = vars(from_mapping(ParallelConfig, {"mode": mode, **fsdp}, "parallel")).copy()
-    mode = fsdp.pop("mode")
+    mode = cfg.mode
     if dist.world == 1:
         return model
     if mode == "none":
         raise ValueError(f"parallel.mode=none with {dist.world} processes: gradients would never be reduced")
     if mode == "fsdp":
-        return shard_model(model, dist, **fsdp)
+        return shard_model(model, dist, cfg.param_dtype, cfg.reduce_dtype, cfg.reshard_after_forward)
     # NOTE: broadcast_buffers=False. Every buffer is either a constant (RoPE tables) or updated from
     # all-reduced statistics (MoE balancing bias), so ranks never disagree and the per-forward
     # broadcast would be pure overhead. find_unused_parameters stays off: the MoE layer runs every

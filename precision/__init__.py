@@ -7,8 +7,6 @@
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 import torch
 
 from precision.amp import Bf16Recipe, Fp16Recipe
@@ -21,9 +19,9 @@ from precision.table import ModuleDecision, PrecisionTable
 # NOTE: te_fp8 is imported lazily: precision/te.py is import-safe, but nothing pays for it unless asked.
 
 
-def build_recipe(cfg: Mapping | None, device: torch.device | str = "cpu") -> Recipe:
-    """The recipe named by cfg["name"] (a plain mapping or an OmegaConf node; None means fp32)."""
-    cfg = PrecisionConfig.from_dict(cfg).options()  # the schema checks names, options and ranges
+def build_recipe(cfg: PrecisionConfig, device: torch.device | str = "cpu") -> Recipe:
+    """The recipe named by precision.name, from precision.* (checked by the schema)."""
+    cfg = cfg.options()  # the options this recipe reads, the by-name defaults filled in
     name = cfg["name"]
     if name == "fp32":
         return Recipe(cfg, device)

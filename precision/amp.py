@@ -63,8 +63,7 @@ class Fp16Recipe(AmpRecipe):
 
     def __init__(self, cfg, device="cpu"):
         super().__init__(cfg, device)
-        self._scaler_cfg = cfg.get("loss_scale")
-        scaler_from_cfg(self._scaler_cfg)  # validate at build time, not at the first step
+        self._scaler_cfg = cfg["loss_scale"]
 
     def make_scaler(self) -> DynamicLossScaler:
         return scaler_from_cfg(self._scaler_cfg)

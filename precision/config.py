@@ -3,10 +3,9 @@ rule that a recipe refuses an option it does not read (precision/__init__.py bui
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Mapping
 
 from optim.config import LossScaleConfig
-from run.schema import check, choice, from_mapping, unused_keys
+from run.schema import check, choice, unused_keys
 
 RECIPES = ("fp32", "bf16", "fp16", "fp8_block", "fp8_tensor", "te_fp8")
 SCALINGS = ("block", "tensor")
@@ -52,13 +51,9 @@ class PrecisionConfig:
         for f in fields(self):
             if f.name in _USED[self.name]:
                 v = getattr(self, f.name)
-                out[f.name] = vars(v).copy() if isinstance(v, LossScaleConfig) else v
+                out[f.name] = v
         if "scaling" in out and out["scaling"] is None:
             out["scaling"] = "tensor" if self.name == "fp8_tensor" else "block"
         if "fp8_format" in out and out["fp8_format"] is None:
             out["fp8_format"] = "E4M3" if self.recipe == "block" else "HYBRID"
         return out
-
-    @classmethod
-    def from_dict(cls, d: Mapping | None) -> "PrecisionConfig":
-        return from_mapping(cls, d if d is not None else {"name": "fp32"}, "precision")

@@ -34,8 +34,7 @@ class Fp8Recipe(Recipe):
 
     def __init__(self, cfg, device="cpu"):
         super().__init__(cfg, device)
-        self.scaling = cfg.get("scaling", "tensor" if cfg.get("name") == "fp8_tensor" else "block")
-        self.name = cfg.get("name", self.name)
+        self.scaling, self.name = cfg["scaling"], cfg["name"]  # resolved by name: PrecisionConfig.options()
         self.high = dtype_from_cfg(cfg, "autocast_dtype")  # None: non-FP8 ops in fp32
 
     def autocast(self):

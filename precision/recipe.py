@@ -19,7 +19,6 @@ from model.layers import Attention
 from optim.config import LossScaleConfig
 from optim.scaler import DynamicLossScaler
 from precision.table import ModuleDecision, PrecisionTable
-from run.schema import from_mapping
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -68,8 +67,8 @@ def swap_module(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
 
 
-def scaler_from_cfg(cfg: Mapping | None) -> DynamicLossScaler:
-    c = from_mapping(LossScaleConfig, cfg or {}, "precision.loss_scale")  # the schema's keys and ranges
+def scaler_from_cfg(c: LossScaleConfig) -> DynamicLossScaler:
+    """c: precision.loss_scale, checked by the schema (optim/config.py)."""
     return DynamicLossScaler(init_scale=float(c.init), growth_factor=float(c.growth_factor),
                              backoff_factor=float(c.backoff_factor), growth_interval=c.growth_interval,
                              min_scale=float(c.min_scale))

@@ -48,11 +48,8 @@ class TeRecipe(Recipe):
     def __init__(self, cfg, device="cpu"):
         super().__init__(cfg, device)
         # the schema checks these options (precision/config.py)
-        self.kind = cfg.get("recipe", "block")
-        self.fmt = cfg.get("fp8_format", "E4M3" if self.kind == "block" else "HYBRID")
-        self.history = cfg.get("amax_history_len", 1024)
-        self.algo = cfg.get("amax_compute_algo", "max")
-        self.margin = cfg.get("margin", 0)
+        self.kind, self.fmt = cfg["recipe"], cfg["fp8_format"]  # resolved by name: PrecisionConfig.options()
+        self.history, self.algo, self.margin = cfg["amax_history_len"], cfg["amax_compute_algo"], cfg["margin"]
         self.high = dtype_from_cfg(cfg, "autocast_dtype")
         # NOTE: checked at build, so a CPU run stops before any model is built or data is read.
         self.te, recipes = load_te()

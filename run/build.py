@@ -9,11 +9,11 @@ before the first step). Everything that can reject the config runs before the ru
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 from hydra.core.hydra_config import HydraConfig
@@ -23,15 +23,14 @@ from checkpoint import Checkpointer, TrainState, resume_options
 from checkpoint.state import versions
 from data import build_data
 from data.loader import Loader, eval_batches
-from model import ModelConfig, Transformer
+from model import Transformer
 from model.checkpointing import set_activation_checkpointing
 from optim import build_optimizer, build_scheduler, format_table
-from optim.config import ScheduleConfig
 from optim.levers import build_levers
 from parallel import Dist, barrier, wrap_model
 from parallel.wrap import is_sharded
 from precision import build_recipe
-from run.config import validate
+from run.config import TrainConfig, validate
 from stability.anticipatory import AnticipatoryRouting
 from stability.callbacks import Callbacks
 from stability.events import EventLog
@@ -45,7 +44,7 @@ from stability.telemetry import StepTelemetry, Telemetry
 class Run:
     """One run's components; train() takes this and nothing else."""
     cfg: DictConfig
-    train: SimpleNamespace  # train.* as plain attributes (an OmegaConf attribute read costs ~17 µs)
+    train: TrainConfig      # train.* as the schema built it (plain attributes, not OmegaConf nodes)
     dist: Dist
     run_dir: Path
     dataset: object
@@ -70,68 +69,69 @@ class Run:
 
 
 def build_run(cfg: DictConfig, dist: Dist) -> Run:
-    validate(cfg).train.check_world(dist.world)  # every group's keys, types and rules: run/config.py
-    if cfg.threads:
-        torch.set_num_threads(int(cfg.threads))
+    """cfg: the composed config (saved as config.yaml, fingerprinted); each component gets its own group of
+    the Config the schema builds from it, checked once."""
+    typed = validate(cfg)  # every group's keys, types and rules, once: run/config.py
+    typed.train.check_world(dist.world)
+    if typed.threads:
+        torch.set_num_threads(typed.threads)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     config = OmegaConf.to_container(cfg, resolve=True)
-    if dist.is_main and (run_dir / "metrics.jsonl").exists() and not resume_options(config["resume"])[0]:
+    if dist.is_main and (run_dir / "metrics.jsonl").exists() and not resume_options(typed.resume)[0]:
         raise ValueError(f"hydra.run.dir={run_dir} already holds a run; pick a new directory")
-    torch.manual_seed(cfg.seed)  # same seed on every rank → identical initial weights
-    recipe = build_recipe(config["precision"], dist.device)  # te_fp8 without CUDA/TE stops here, in one line
+    torch.manual_seed(typed.seed)  # same seed on every rank → identical initial weights
+    recipe = build_recipe(typed.precision, dist.device)  # te_fp8 without CUDA/TE stops here, in one line
 
-    dataset = build_data(OmegaConf.to_container(cfg.data, resolve=True))
-    model_cfg = ModelConfig.from_dict({**OmegaConf.to_container(cfg.model, resolve=True),
-                                       "vocab_size": dataset.vocab_size, "seq_len": dataset.seq_len})
+    dataset = build_data(typed.data)
+    model_cfg = typed.model.for_data(dataset)
     model = Transformer(model_cfg).to(dist.device)
     recipe.convert(model)  # swaps eligible Linears (FP8): before sharding and before the optimizer
-    set_activation_checkpointing(model, cfg.train.activation_checkpointing)  # after convert, before wrap and compile
+    set_activation_checkpointing(model, typed.train.activation_checkpointing)  # after convert, before wrap and compile
     # before the optimizer: FSDP2 swaps the parameters
-    wrapped = wrap_model(model, dist=dist, **{**config["parallel"], **recipe.fsdp_dtypes()})
-    if cfg.train.compile:  # fuses the elementwise ops between matmuls (norms, RoPE, SwiGLU, loss)
+    wrapped = wrap_model(model, dataclasses.replace(typed.parallel, **recipe.fsdp_dtypes()), dist)
+    if typed.train.compile:  # fuses the elementwise ops between matmuls (norms, RoPE, SwiGLU, loss)
         wrapped = torch.compile(wrapped)
-    optimizer, group_table = build_optimizer(model, OmegaConf.to_container(cfg.optim, resolve=True))
-    scheduler = build_scheduler(optimizer, OmegaConf.to_container(cfg.optim.schedule, resolve=True), cfg.train.steps)
+    optimizer, group_table = build_optimizer(model, typed.optim)
+    scheduler = build_scheduler(optimizer, typed.optim.schedule, typed.train.steps)
     scaler = recipe.make_scaler()  # None unless fp16
-    levers = build_levers(config, model)  # train.clip=zscore policy, optim.qk_clip
-    loader = Loader(dataset, cfg.train.batch_size, dist.rank, dist.world)
-    evals = eval_batches(dataset, cfg.train.eval_samples, cfg.train.eval_batch_size, dist.rank, dist.world)
+    levers = build_levers(typed.train.clip, typed.train.zscore, typed.optim.qk_clip, model)
+    tc = typed.train
+    loader = Loader(dataset, tc.batch_size, dist.rank, dist.world)
+    evals = eval_batches(dataset, tc.eval_samples, tc.eval_batch_size, dist.rank, dist.world)
     floor = dataset.expected_floor() if hasattr(dataset, "expected_floor") else None
-    # the stability pieces validate their config here too, before anything is written
+    # the rules that need the model or the data (fault.layer, the mixture weights) fail here, before anything is written
     events = EventLog(run_dir, dist.is_main)
-    faults = FaultInjector(config["fault"], model=model, optimizer=optimizer, loader=loader,
-                           data_cfg=config["data"], train_cfg=config["train"], dist=dist)
+    faults = FaultInjector(typed.fault, model=model, optimizer=optimizer, loader=loader, data_cfg=typed.data,
+                           train_cfg=typed.train, dist=dist)
     faults.wrap(wrapped)  # a missing-reduction drill hooks DDP's gradient communication
-    telemetry = Telemetry(model, cfg.telemetry.every)
+    telemetry = Telemetry(model, typed.telemetry)
     is_moe = bool(model.moe_layers())
-    an = config["guard"]["anticipatory"]
-    routing = AnticipatoryRouting(model, loader, cfg.train.micro_batches, an["delay"], dist.device,
-                                  recipe.autocast, forward=wrapped) if is_moe and an["enabled"] else None
+    an = typed.guard.anticipatory
+    routing = AnticipatoryRouting(model, loader, typed.train.micro_batches, an, dist.device, recipe.autocast,
+                                  forward=wrapped) if is_moe and an.enabled else None
     state = TrainState(model, optimizer, scheduler, loader, config, dist.rank, dist.world,
                        extras={**({"loss_scaler": scaler} if scaler else {}), "faults": faults, **levers.extras()})
-    state.guard = guard = Guard(config["guard"], state=state, ckpt=None, events=events, routing=routing,
+    state.guard = guard = Guard(typed.guard, state=state, ckpt=None, events=events, routing=routing,
                                 is_moe=is_moe)
-    ckpt = Checkpointer(config, dist, run_dir, state)
+    ckpt = Checkpointer(typed.checkpoint, typed.resume, typed.train.steps, dist, run_dir, state)
     ckpt.check_resume()  # which checkpoint, and is it this run: fails before anything is written
-    # NOTE: after_update runs in reverse: QK-clip (levers, last) rescales W_q, W_k first, telemetry then
-    # measures the whole update, and an optimizer-state drill (first) corrupts the moments after both.
     callbacks = Callbacks([FaultDrill(faults, optimizer, events, guard) if faults.kind != "none" else None, routing,
                            StepTelemetry(telemetry) if telemetry.every else None, levers])
 
     if dist.is_main:
-        write_header(cfg, dist, run_dir, dataset, model, model_cfg, group_table, recipe)
-    sinks = build_sinks(cfg.logging, run_dir, cfg.train.steps, floor, cfg.run_name, config) if dist.is_main else []
+        write_header(cfg, typed, dist, run_dir, dataset, model, model_cfg, group_table, recipe)
+    sinks = build_sinks(typed.logging, run_dir, typed.train.steps, floor, typed.run_name, config) if dist.is_main else []
     guard.ckpt = ckpt
     ckpt.resume()  # last: restores every RNG stream just before the first step
     guard.start(state.step)
     barrier()
-    return Run(cfg=cfg, train=SimpleNamespace(**OmegaConf.to_container(cfg.train, resolve=True)), dist=dist,
+    return Run(cfg=cfg, train=typed.train, dist=dist,
                run_dir=run_dir, dataset=dataset, model=model, wrapped=wrapped, optimizer=optimizer,
                scheduler=scheduler, scaler=scaler, recipe=recipe, loader=loader, evals=evals, events=events,
                guard=guard, ckpt=ckpt, callbacks=callbacks, clip=levers.clip, sinks=sinks)
 
 
-def write_header(cfg, dist: Dist, run_dir: Path, dataset, model, model_cfg, group_table, recipe) -> None:
+def write_header(cfg, typed, dist: Dist, run_dir: Path, dataset, model, model_cfg, group_table, recipe) -> None:
     """Rank 0: the resolved config, the environment, and the tables a reader checks before the loss."""
     run_dir.mkdir(parents=True, exist_ok=True)
     OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
@@ -142,7 +142,7 @@ def write_header(cfg, dist: Dist, run_dir: Path, dataset, model, model_cfg, grou
     print(f"model: {model.num_params() / 1e6:.3f}M parameters, "
           f"{sum(model_cfg.is_moe_layer(i) for i in range(model_cfg.n_layers))} MoE layer(s) of {model_cfg.n_layers}")
     print(format_table(group_table))
-    if note := ScheduleConfig.from_dict(cfg.optim.schedule).clamp_note(cfg.train.steps):
+    if note := typed.optim.schedule.clamp_note(typed.train.steps):
         print(note)  # a run shorter than its schedule's warmup (or wsd decay) runs on the clamped schedule
     table = recipe.table(sharded=is_sharded(model))  # FSDP2's param_dtype reaches the fp32 modules too
     print(table.to_markdown())

@@ -19,16 +19,16 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from checkpoint.config import CheckpointConfig, ResumeConfig
-from data.config import DataConfig
-from model.config import ModelConfig
-from optim.config import OptimConfig, ZScoreConfig
+from data.config import DataConfig, read_keys
+from model.config import ModelConfig, default_model
+from optim.config import CLIP_MODES, OptimConfig, ZScoreConfig
 from parallel.config import ParallelConfig
 from precision.config import PrecisionConfig
 from run.schema import ConfigError, check, choice, fail, from_mapping, known_keys_only, one_line
@@ -62,7 +62,7 @@ class TrainConfig:
         check(self.max_grad_norm is None or self.max_grad_norm >= 0, "train.max_grad_norm", self.max_grad_norm,
               "must be >= 0 or null")
         check(self.z_loss >= 0, "train.z_loss", self.z_loss, "must be >= 0")
-        choice("train.clip", self.clip, ("fixed", "zscore"))
+        choice("train.clip", self.clip, CLIP_MODES)
         choice("train.activation_checkpointing", self.activation_checkpointing, ("none", "full", "selective"))
 
     def check_world(self, world: int) -> None:
@@ -88,7 +88,7 @@ class Config:
     resume: Any = field(default_factory=_resume_default)
     train: TrainConfig = field(default_factory=TrainConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: ModelConfig = field(default_factory=default_model)
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -98,12 +98,22 @@ class Config:
     guard: GuardConfig = field(default_factory=GuardConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
 
+    @classmethod
+    def from_dict(cls, saved: Mapping) -> "Config":
+        """A run's saved config.yaml read back (the doctor's replay, checkpoint loading), through the same
+        schema; data keys its kind does not read are dropped (a run saved when one had another default)."""
+        saved = {**saved, "data": read_keys(saved.get("data") or {})}
+        try:
+            return validate(OmegaConf.merge(OmegaConf.structured(cls), saved))
+        except OmegaConfBaseException as e:
+            raise ConfigError(one_line(e)) from None
+
     def __post_init__(self) -> None:
         """Rules across groups (each group checked its own keys when it was built)."""
         choice("device", self.device, DEVICES)
         check(self.threads is None or self.threads >= 1, "threads", self.threads, "must be >= 1 or null")
-        if isinstance(self.resume, (dict, DictConfig)):
-            from_mapping(ResumeConfig, self.resume, "resume")
+        if isinstance(self.resume, (dict, DictConfig)):  # the full form, checked and kept as a ResumeConfig
+            self.resume = from_mapping(ResumeConfig, self.resume, "resume")
         elif self.resume is not None and not isinstance(self.resume, str):
             fail("resume", self.resume, "expected latest, a checkpoint path, or resume.path=...")
         for key in ("vocab_size", "seq_len"):

@@ -36,7 +36,6 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from stability.callbacks import Callback, StepState
-from run.schema import from_mapping
 from stability.config import AnticipatoryConfig
 
 Routes = list[dict[int, Tensor]]  # one {MoE layer: ids (b, T, k)} per micro-batch
@@ -49,12 +48,15 @@ class _Entry:
 
 
 class AnticipatoryRouting(Callback):
-    def __init__(self, model, loader, micro_batches: int, delay: int, device, autocast=None, forward=None):
+    order = {"on_batch": 10}  # after a data drill replaced the batch: the routes are the trained batch's
+    def __init__(self, model, loader, micro_batches: int, cfg: AnticipatoryConfig, device, autocast=None,
+                 forward=None):
         """model: the unwrapped Transformer; forward: the module the step calls (DDP / FSDP2 wrapper,
         default `model`): the routing forward goes through it so FSDP2 gathers the parameters; loader:
         micro_batches: train.micro_batches (routes follow the same split); autocast: the recipe's
-        callable returning a context manager, so routing sees the activations training will see."""
-        delay = from_mapping(AnticipatoryConfig, {"delay": delay}, "guard.anticipatory").delay  # the schema's check
+        callable returning a context manager, so routing sees the activations training will see; cfg:
+        guard.anticipatory, checked by the schema (this object reads its delay Δt)."""
+        delay = cfg.delay
         if not model.moe_layers():
             raise ValueError("guard.anticipatory: the model has no MoE layer to route (model.moe=null)")
         self.model, self.loader, self.micro_batches = model, loader, micro_batches

@@ -16,22 +16,27 @@ or anticipatory routing is one object attached at start, and the loop does not g
                                                                 an LR drill restores the planned LRs; an
                                                                 optimizer-state drill corrupts the moments
 
-`before_*` points call the callbacks in the order they were attached, `after_update` in reverse (the
-last one in is the first one out, like nested context managers): telemetry, attached after a drill,
-measures the update before the drill tampers with the optimizer state.
+Each callback declares, where it is defined, its `order` at every point it acts at (lower runs
+first; `Callbacks` sorts once and refuses a tie): the drill acts first on the way in (it corrupts the
+batch or arms a hook before anyone measures) and last on the way out, where QK-clip rescales W_q, W_k
+first, telemetry then measures the whole update, and an optimizer-state drill corrupts the moments
+after both.
 WARN: every rank must call every point (telemetry and the reduce drill run collectives inside them).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 
 @dataclass
 class StepState:
-    """What one step has computed so far: callbacks read and write it, stability/record.py turns it
-    into the StepRecord."""
-    step: int
+    """What one step has computed so far, in the order the step fills it: each section names the phase
+    that writes its fields and who writes them there; a later phase only reads an earlier one's (a drill
+    at its point may rewrite its own phase's inputs). stability/record.py turns it into the StepRecord."""
+    step: int                         # the loop
+    # --- batch: train.py (loader.next, micro-batches, global valid count, input statistics) and the
+    # on_batch callbacks (a data drill replaces the batch; anticipatory routing sets routes, routing) ---
     first_id: int = 0                 # global id of the batch's first sample (the batch ID)
     batch: Any = None                 # this rank's Batch
     micro: list = field(default_factory=list)     # its micro-batches, on the device
@@ -39,27 +44,44 @@ class StepState:
     routing: dict = field(default_factory=dict)   # StepRecord.routing
     n_valid: int = 0                  # global valid label tokens
     inputs: dict = field(default_factory=dict)    # input-layer statistics of the global batch
+    # --- forward: train.py, from the forward/backward's sums ---
     stats: dict = field(default_factory=dict)     # reduced loss / source / MoE sums (optim.accumulate)
+    ranks: dict = field(default_factory=dict)     # per-rank first sample id, count, content hash, local loss
     loss_by_source: dict[str, float] = field(default_factory=dict)
-    lr: float = float("nan")          # the LR this step's update used (group 0, without its lr_scale)
+    # --- update: the before_update callbacks (an LR / clip drill), train.py's optimizer step and the guard's
+    # veto in it, then the after_update callbacks (levers: qk_clip, clip; telemetry: post) ---
     max_grad_norm: float | None = None  # the clip threshold this step's update uses (train.max_grad_norm
     #                                   unless a drill changed it; read after before_update)
+    lr: float = float("nan")          # the LR this step's update used (group 0, without its lr_scale)
     flags: dict = field(default_factory=dict)     # non-finite loss / logits / grads
     result: Any = None                # precision.step.StepResult
-    post: dict = field(default_factory=dict)      # telemetry after the update (layers, ρ, replicas)
+    post: dict = field(default_factory=dict)      # telemetry after the update (layers, ρ, replicas; train.py
+    #                                               adds the optimizer state's non-finite flag)
     clip: dict = field(default_factory=dict)      # the adaptive clip's numbers (train.clip=zscore)
     qk_clip: dict = field(default_factory=dict)   # heads QK-clip scaled after the update
+    # --- post-update and record: train.py after the scheduler step (time_s.route: anticipatory routing,
+    # booked at on_batch; events: any writer, one-line notes) ---
     moe: dict = field(default_factory=dict)       # expert-load summary per MoE layer
     opt_state: dict = field(default_factory=dict)  # optimizer-state and MoE-bias norms (stability/step_state.py)
-    ranks: dict = field(default_factory=dict)     # per-rank first sample id, count, content hash, local loss
-    events: list[str] = field(default_factory=list)  # one-line notes of this step (StepRecord.events)
     eval: dict | None = None
+    events: list[str] = field(default_factory=list)  # one-line notes of this step (StepRecord.events)
     time_s: dict[str, float] = field(default_factory=dict)
 
 
+POINTS = ("before_batch", "on_batch", "before_forward", "before_update", "after_update")
+
 
 class Callback:
-    """Base: every point is a no-op. Subclasses override the points they act at."""
+    """Base: every point is a no-op. A subclass overrides the points it acts at and declares its
+    `order` at each of them (lower runs first): the order is stated with the callback, not by where
+    it happens to be attached."""
+    order: ClassVar[dict[str, int]] = {}
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        missing = [p for p in POINTS if getattr(cls, p) is not getattr(Callback, p) and p not in cls.order]
+        if missing:
+            raise TypeError(f"{cls.__name__} acts at {', '.join(missing)} without an order there (Callback.order)")
 
     def before_batch(self, s: StepState) -> None: ...
 
@@ -73,27 +95,35 @@ class Callback:
 
 
 class Callbacks:
-    """The attached callbacks, called at each point in attachment order (after_update: reversed)."""
+    """The attached callbacks (None: not attached), each point's sorted once by the callbacks' `order`."""
 
     def __init__(self, callbacks):
-        self.items = [c for c in callbacks if c is not None]
+        items = [c for c in callbacks if c is not None]
+        self.at: dict[str, list[Callback]] = {}
+        for point in POINTS:
+            acting = sorted((c for c in items if point in c.order), key=lambda c: c.order[point])
+            for a, b in zip(acting, acting[1:]):
+                if a.order[point] == b.order[point]:
+                    raise ValueError(f"callbacks {type(a).__name__} and {type(b).__name__} both declare order "
+                                     f"{a.order[point]} at {point}: the order between them would be unstated")
+            self.at[point] = acting
 
     def before_batch(self, s: StepState) -> None:
-        for c in self.items:
+        for c in self.at["before_batch"]:
             c.before_batch(s)
 
     def on_batch(self, s: StepState) -> None:
-        for c in self.items:
+        for c in self.at["on_batch"]:
             c.on_batch(s)
 
     def before_forward(self, s: StepState) -> None:
-        for c in self.items:
+        for c in self.at["before_forward"]:
             c.before_forward(s)
 
     def before_update(self, s: StepState) -> None:
-        for c in self.items:
+        for c in self.at["before_update"]:
             c.before_update(s)
 
     def after_update(self, s: StepState) -> None:
-        for c in reversed(self.items):
+        for c in self.at["after_update"]:
             c.after_update(s)

@@ -1,16 +1,14 @@
 """Schemas of the stability groups: `telemetry`, `guard` (detector, rollback, anticipatory) and `fault`.
 
-Defaults are the components' own (a guard or fault built from a partial dict in a test or lab gets
-them too); conf/guard/*.yaml and conf/fault/*.yaml keep only what an option changes. run/config.py
+Each default is the default run's value; conf/guard/*.yaml and conf/fault/*.yaml keep only what an
+option changes. A component takes its dataclass (a test or lab builds one directly). run/config.py
 registers these with Hydra as parts of the root config.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, fields, make_dataclass, replace
-from typing import Any, Mapping, Optional, get_type_hints
-
-from omegaconf import DictConfig, OmegaConf
+from dataclasses import asdict, dataclass, field, fields, make_dataclass
+from typing import Any, Optional, get_type_hints
 
 from run.schema import ConfigError, check, choice, from_mapping, unused_keys
 from stability.drills import NONE, registry
@@ -60,11 +58,11 @@ class DetectorConfig:
     # NOTE: Any, not MetricSpec: a signal added from the command line (+guard.detector.metrics.NAME={log:true})
     # arrives as a plain dict, which OmegaConf refuses into a typed dict of dataclasses; __post_init__ types it
     metrics: dict[str, Any] = field(default_factory=_default_metrics)
-    window: int = 50       # accepted values kept per metric
+    window: int = 30       # accepted values kept per metric: short, because loss and ρ drift as training goes
     threshold: float = 6.0  # robust z above which a value is a spike
     min_history: int = 20  # no z-score before this many accepted values (non-finite fires at once)
     cooldown: int = 10     # steps after a trigger in which further spikes of that metric are not acted on
-    warmup: int = 0        # no z-score before this step: early training is a transient, not a baseline
+    warmup: int = 50       # no z-score before this step: early training is a transient, not a baseline
     # NOTE: the spread assumed at least for a log metric, in log units: a scale-free quantity (grad norm,
     # update ratio) jitters step to step however steady its history looks, and a MAD measured on a calm
     # stretch says otherwise; at 0.2 and threshold 6 a move smaller than ×e^1.2 ≈ ×3.3 never fires. The
@@ -89,19 +87,6 @@ class DetectorConfig:
                 raise ConfigError(f"{p}.metrics.{name}: not a registered signal (stability/signals.py); "
                                   f"one of {', '.join(SIGNALS)}")
             choice(f"{p}.metrics.{name}.direction", spec.direction, DIRECTIONS)
-
-    @classmethod
-    def from_dict(cls, d: Mapping) -> "DetectorConfig":
-        if isinstance(d, cls):
-            return d
-        d = _plain(d)
-        metrics = d.pop("metrics", None)
-        cfg = from_mapping(cls, d, "guard.detector")
-        if metrics is None:
-            return cfg
-        # NOTE: a given metrics dict replaces the default set (OmegaConf would merge the two)
-        return replace(cfg, metrics={name: from_mapping(MetricSpec, spec or {}, f"guard.detector.metrics.{name}")
-                                     for name, spec in dict(metrics).items()})
 
 
 @dataclass
@@ -148,14 +133,6 @@ class GuardConfig:
         choice("guard.action", self.action, ACTIONS)
         check(self.replica_tol >= 0, "guard.replica_tol", self.replica_tol, "must be >= 0")
 
-    @classmethod
-    def from_dict(cls, d: Mapping) -> "GuardConfig":
-        if isinstance(d, cls):
-            return d
-        d = _plain(d)
-        detector = DetectorConfig.from_dict(d.pop("detector", None) or {})
-        return replace(from_mapping(cls, d, "guard"), detector=detector)
-
 
 @dataclass
 class _FaultKindStep:
@@ -173,10 +150,6 @@ class _FaultKindStep:
             raise ConfigError(f"fault.step: missing (required for fault.kind={self.kind})")
         check(self.step >= 1, "fault.step", self.step, "must be >= 1")
         self.drill_config()  # the drill's own checks
-
-    @classmethod
-    def from_dict(cls, d: Mapping | None) -> "FaultConfig":
-        return from_mapping(cls, d or {"kind": NONE}, "fault")
 
     def drill_config(self):
         """The drill's own Config from the keys set here (None: the drill's default)."""
@@ -210,6 +183,3 @@ FaultConfig = make_dataclass("FaultConfig", _drill_keys(), bases=(_FaultKindStep
 FaultConfig.__doc__ = """One deliberate fault at optimizer step `step` (stability/faults.py, stability/drills/). kind=none
 ignores every other key, so one override (fault.kind=none) turns any drill into its clean twin."""
 
-
-def _plain(d) -> dict:
-    return dict(OmegaConf.to_container(d, resolve=True) if isinstance(d, DictConfig) else d)

@@ -68,17 +68,18 @@ def _family(series: str) -> str:
     return sig.name if sig is not None else series.split("/")[0]
 
 
+# NOTE: the spread assumed at least for a linear metric, relative to its median: a metric flat to the last
+# digit (MAD 0) would otherwise turn any change into an infinite z
+REL_FLOOR = 1e-3
+
+
 class SpikeDetector:
-    def __init__(self, metrics: dict, window: int = 50, threshold: float = 6.0, min_history: int = 20,
-                 cooldown: int = 10, warmup: int = 0, rel_floor: float = 1e-3, log_floor: float = 0.2):
-        # the schema checks the settings (stability/config.py)
-        cfg = DetectorConfig.from_dict({"metrics": metrics, "window": window, "threshold": threshold,
-                                        "min_history": min_history, "cooldown": cooldown, "warmup": warmup,
-                                        "log_floor": log_floor})
+    def __init__(self, cfg: DetectorConfig):
+        """cfg: guard.detector, checked by the schema when it was built (stability/config.py)."""
         self.metrics = {n: {"direction": m.direction, "log": m.log} for n, m in cfg.metrics.items()}
-        self.window, self.threshold, self.min_history = window, threshold, min_history
-        self.cooldown, self.warmup, self.rel_floor, self.log_floor = cooldown, warmup, rel_floor, log_floor
-        self.history: dict[str, deque] = {m: deque(maxlen=window) for m in self.metrics}
+        self.window, self.threshold, self.min_history = cfg.window, cfg.threshold, cfg.min_history
+        self.cooldown, self.warmup, self.rel_floor, self.log_floor = cfg.cooldown, cfg.warmup, REL_FLOOR, cfg.log_floor
+        self.history: dict[str, deque] = {m: deque(maxlen=self.window) for m in self.metrics}
         self.counts: dict[str, deque] = {}  # metric -> the sample sizes of its accepted values (when given)
         self.quiet_until: dict[str, int] = {m: 0 for m in self.metrics}  # cooldown ends before this step
         self.fired = 0  # triggers acted on, over the whole run

@@ -31,26 +31,22 @@ from stability.config import FaultConfig
 from stability.drills import NONE, Context, registry
 
 
-def parse_fault(cfg) -> dict:
-    """The `fault` node as a plain dict of the keys its kind reads; the schema (stability/config.py,
-    FaultConfig, from the drills' Configs) checks keys, types and ranges. kind none: {"kind": "none"}."""
-    return FaultConfig.from_dict(_plain(cfg)).resolved()
-
-
 class FaultInjector:
     """One run's fault (kind "none": every call returns at once). Built on every rank after the
     optimizer and loader; errors that need the model or the data (layer, param, weights) surface here."""
 
-    def __init__(self, cfg, *, model=None, optimizer=None, loader=None, data_cfg=None, train_cfg=None, dist=None):
-        fc = FaultConfig.from_dict(_plain(cfg))
+    def __init__(self, fc: FaultConfig, *, model=None, optimizer=None, loader=None, data_cfg=None, train_cfg=None,
+                 dist=None):
+        """fc: fault.*, checked by the schema (stability/config.py, from the drills' Configs); data_cfg,
+        train_cfg: the run's DataConfig and TrainConfig (None where a test drives a drill by hand)."""
         self.cfg = fc.resolved()
         self.kind, self.s = self.cfg["kind"], self.cfg.get("step")
         rank, world = (dist.rank, dist.world) if dist is not None else (0, 1)
         self.step = 0  # the step last given to a per-step call
         self.drill = None
         if self.kind != NONE:
-            ctx = Context(model=model, optimizer=optimizer, loader=loader, data_cfg=_plain(data_cfg),
-                          train_cfg=_plain(train_cfg), rank=rank, world=world)
+            ctx = Context(model=model, optimizer=optimizer, loader=loader, data_cfg=data_cfg, train_cfg=train_cfg,
+                          rank=rank, world=world)
             self.drill = registry()[self.kind](fc.drill_config(), self.s, ctx)
             self.drill.check()
 
@@ -112,6 +108,9 @@ class FaultDrill(Callback):
     this seed or CPU), the fault's event says so (`preceded_by`), and the console line with it, so nobody
     reads the run's incidents as the drill's alone.
     """
+    # first on the way in (the batch is corrupted, a hook armed, before routing or telemetry see the step);
+    # last out: an optimizer-state drill corrupts the moments after telemetry measured the clean update
+    order = {"before_batch": 0, "on_batch": 0, "before_forward": 0, "before_update": 0, "after_update": 30}
 
     def __init__(self, injector: FaultInjector, optimizer, events, guard=None):
         self.inj, self.optimizer, self.events, self.guard = injector, optimizer, events, guard
@@ -152,13 +151,6 @@ class FaultDrill(Callback):
                                 f"{det.fired} trigger(s) already (last at step {det.last_trigger_step}), so "
                                 f"this run's incidents are not the drill's alone")
             self.events.emit(e["step"], "fault", summary, **info)
-
-
-def _plain(cfg):
-    if hasattr(cfg, "_metadata"):  # an OmegaConf node -> plain, resolved python
-        from omegaconf import OmegaConf
-        cfg = OmegaConf.to_container(cfg, resolve=True)
-    return cfg
 
 
 if __name__ == "__main__":  # the drills, as the registry declares them

@@ -65,20 +65,18 @@ class Verdict:
 
 
 class Guard:
-    def __init__(self, cfg: dict, *, state, ckpt, events, routing=None, is_moe: bool = False):
-        cfg = GuardConfig.from_dict(cfg)  # the schema checks keys, types and ranges (stability/config.py)
-        d = cfg.detector
-        self.detector = SpikeDetector({n: vars(m) for n, m in d.metrics.items()}, d.window, d.threshold,
-                                      d.min_history, d.cooldown, d.warmup, log_floor=d.log_floor)
+    def __init__(self, cfg: GuardConfig, *, state, ckpt, events, routing=None, is_moe: bool = False):
+        d = cfg.detector  # checked by the schema when it was built (stability/config.py)
+        self.detector = SpikeDetector(d)
         # the watched signals beyond the step's own arguments (loss, loss by source, grad norm, max ρ)
         self._others = [n for n in d.metrics if n not in ("loss", "loss_by_source", "grad_norm", "update_ratio_max")]
         self.watches_more = bool(self._others)  # the step then hands the guard its partial record (extra)
         self.action, self.replica_tol = cfg.action, float(cfg.replica_tol)
-        self.rb, self.an = vars(cfg.rollback).copy(), vars(cfg.anticipatory).copy()
+        self.rb, self.an = cfg.rollback, cfg.anticipatory
         self.state, self.ckpt, self.events = state, ckpt, events
         # NOTE: anticipatory routing exists only on MoE models; on a dense model a rollback is a rollback.
-        self.routing = routing if (is_moe and self.an["enabled"]) else None
-        self.ring: deque = deque(maxlen=int(self.rb["keep"]))  # (step, TrainState snapshot, detector state)
+        self.routing = routing if (is_moe and self.an.enabled) else None
+        self.ring: deque = deque(maxlen=self.rb.keep)  # (step, TrainState snapshot, detector state)
         # counters that survive a rollback (they describe the run, not a point of the trajectory)
         self.skipped_steps = self.skipped_tokens = self.rollbacks = 0
         self.bad_batches: set[int] = set()  # first sample ids that triggered (data-borne if seen twice)
@@ -169,9 +167,9 @@ class Guard:
         elif acted and self.action == "skip":
             self.events.emit(step, "skip", "post-update trigger: the update is already applied, a skip cannot "
                              "undo it (guard=rollback can)", applied=True)
-        spent = self.incident is not None and self.incident.get("rollbacks", 0) >= int(self.rb["max_rollbacks"])
+        spent = self.incident is not None and self.incident.get("rollbacks", 0) >= self.rb.max_rollbacks
         why = (f"{self.incident['rollbacks']} rollback(s) in this incident did not clear it (guard.rollback."
-               f"max_rollbacks={self.rb['max_rollbacks']})") if spent else ""
+               f"max_rollbacks={self.rb.max_rollbacks})") if spent else ""
         if acted and self.action == "rollback" and not spent and self.incident is not None and \
                 self.incident.get("rollbacks", 0) and not self._has_target(self._limit(step)):
             spent, why = True, f"no snapshot older than step {self._limit(step) + 1} is left to roll back to"
@@ -190,7 +188,7 @@ class Guard:
                              batch_first=first_id)
         elif acted and self.action == "rollback":
             v.rollback = True
-            if first_id in self.bad_batches and self.rb["data"] == "replay":
+            if first_id in self.bad_batches and self.rb.data == "replay":
                 self.skip_next_window = True  # same batch, same failure: the data, not the state
             self.bad_batches.add(first_id)
             if self.incident is None:
@@ -226,7 +224,7 @@ class Guard:
         """
         if step > 0:
             self.end_step(step, announce=False)
-        if self.action == "rollback" and self.rb["source"] == "memory" and step > 0:
+        if self.action == "rollback" and self.rb.source == "memory" and step > 0:
             self.ring.append((step, self.state.snapshot(skip_extras=("faults",)), self.detector.state_dict()))
 
     def healthy(self) -> bool:
@@ -236,16 +234,16 @@ class Guard:
 
     def maybe_snapshot(self, step: int) -> None:
         """After a healthy step (nothing acted on): keep an in-memory snapshot every snapshot_every steps."""
-        if self.action != "rollback" or self.rb["source"] != "memory" or self.verdict.acted_on:
+        if self.action != "rollback" or self.rb.source != "memory" or self.verdict.acted_on:
             return
-        if step % int(self.rb["snapshot_every"]) == 0 or not self.ring:
+        if step % self.rb.snapshot_every == 0 or not self.ring:
             while self.ring and self.ring[-1][0] >= step:  # a replayed step replaces its old copy
                 self.ring.pop()
             self.ring.append((step, self.state.snapshot(skip_extras=("faults",)), self.detector.state_dict()))
 
     def _limit(self, step: int) -> int:
         """The newest step a rollback triggered at `step` may restore."""
-        limit = step - 1 - int(self.rb["margin"])
+        limit = step - 1 - self.rb.margin
         if self.replay_until is not None and step <= self.replay_until and not self.skip_next_window:
             # fired again while replaying the last rollback, on other data: that target may already
             # hold the damage (a lagging detector), so go further back. (The same batch again is the
@@ -254,7 +252,7 @@ class Guard:
         return limit
 
     def _has_target(self, limit: int) -> bool:
-        if self.rb["source"] == "memory":
+        if self.rb.source == "memory":
             return any(s <= limit for s, _, _ in self.ring)
         return self.ckpt is not None and self.ckpt.has_before(limit)
 
@@ -263,7 +261,7 @@ class Guard:
         limit = self._limit(step)
         cursor_after = self.state.loader.samples_consumed  # just past the batch that triggered
         kept = self._persistent()
-        if self.rb["source"] == "memory":
+        if self.rb.source == "memory":
             found = next(((s, snap, det) for s, snap, det in reversed(self.ring) if s <= limit), None)
             if found is None:
                 raise GuardAbort(f"guard: no snapshot at step <= {limit} to roll back to (ring holds "
@@ -284,13 +282,13 @@ class Guard:
         self.rollbacks += 1
         self.replay_until, self.last_target = step, to_step
         cursor_restored = self.state.loader.samples_consumed
-        skip = self.rb["data"] == "skip" or self.skip_next_window
+        skip = self.rb.data == "skip" or self.skip_next_window
         if skip:
             self.state.loader.samples_consumed = cursor_after
             self.skip_next_window = False
         policy = "skip" if skip else "replay"
         why = " (the same batch triggered again on replay: the fault is in the data)" if (
-            skip and self.rb["data"] == "replay") else ""
+            skip and self.rb.data == "replay") else ""
         self.events.emit(step, "rollback", f"step {step} -> {to_step} from {source}; data {policy}{why}",
                          trigger_step=step, to_step=to_step, source=source, data_policy=policy,
                          cursor_restored=cursor_restored, cursor_now=self.state.loader.samples_consumed,
@@ -309,7 +307,7 @@ class Guard:
                 self.events.emit(to_step + 1, "anticipatory_on", f"anticipatory routing on from step {to_step + 1}, "
                                  f"delay {delay} (ramping 0..{delay} while the route cache fills)",
                                  delay=delay, feature_version=to_step, route_version=to_step,
-                                 window=int(self.an["window"]), quiet_steps=int(self.an["quiet_steps"]))
+                                 window=self.an.window, quiet_steps=self.an.quiet_steps)
         return to_step
 
     def end_step(self, step: int, announce: bool = True) -> None:
@@ -318,7 +316,7 @@ class Guard:
         Quiet = no trigger acted on for `quiet_steps` executed steps; an incident closes only once quiet
         and past the furthest step it triggered at. While an incident is open its rollbacks are counted against max_rollbacks.
         """
-        inc, quiet_n = self.incident, int(self.an["quiet_steps"])
+        inc, quiet_n = self.incident, self.an.quiet_steps
         emit = self.events.emit if announce else (lambda *a, **k: None)
         # NOTE: counted in executed steps by the guard, not from the detector's last_trigger_step (a
         # rollback restores that, and replayed steps would look quiet)
@@ -327,9 +325,9 @@ class Guard:
         if r is not None and r.active:
             on = self.incident_on
             ran = step - on + 1
-            if ran >= int(self.an["window"]) or (ran >= quiet_n and quiet):
+            if ran >= self.an.window or (ran >= quiet_n and quiet):
                 r.deactivate(step)
-                reason = "window reached" if ran >= int(self.an["window"]) else f"quiet for {quiet_n} steps"
+                reason = "window reached" if ran >= self.an.window else f"quiet for {quiet_n} steps"
                 trail = inc or {}
                 emit(step, "anticipatory_off", f"anticipatory routing off after {ran} steps ({reason})",
                      duration=ran, on_step=on, reason=reason, recovered_step=trail.get("recovered_step"),

@@ -10,7 +10,6 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from run.schema import from_mapping
 from stability.config import WANDB_MODES, LoggingConfig  # noqa: F401  (WANDB_MODES: re-exported)
 from stability.record import StepRecord
 
@@ -86,8 +85,9 @@ class WandbSink:
         self.run.finish()
 
 
-def build_sinks(log_cfg, run_dir: Path, total_steps: int, floor: float | None, name: str, config: dict) -> list:
-    log_cfg = from_mapping(LoggingConfig, log_cfg, "logging")  # the schema checks the keys and values
+def build_sinks(log_cfg: LoggingConfig, run_dir: Path, total_steps: int, floor: float | None, name: str,
+                config: dict) -> list:
+    """log_cfg: logging.*, checked by the schema; config: the resolved run config, for wandb's record."""
     mode = log_cfg.wandb
     sinks = [JsonlSink(run_dir / "metrics.jsonl"), ConsoleSink(total_steps, log_cfg.log_every, floor, log_cfg.progress)]
     if mode != "disabled":

@@ -34,15 +34,15 @@ from torch import Tensor, nn
 from model.checkpointing import recomputing
 from parallel.dist import all_reduce_max, all_reduce_sum
 from stability.callbacks import Callback, StepState
-from run.schema import from_mapping
 from stability.config import TelemetryConfig
 from stability.telemetry_layers import ParamLayout, layer_order, local, norms, swiglu_layer
 
 
 class Telemetry:
-    def __init__(self, model: nn.Module, every: int, eps: float = 1e-8):
-        """model: the bare Transformer (not the DDP / compile wrapper), after parallel.wrap_model."""
-        every = from_mapping(TelemetryConfig, {"every": every}, "telemetry").every  # the schema's check
+    def __init__(self, model: nn.Module, cfg: TelemetryConfig, eps: float = 1e-8):
+        """model: the bare Transformer (not the DDP / compile wrapper), after parallel.wrap_model; cfg:
+        telemetry.*, checked by the schema."""
+        every = cfg.every
         if not eps > 0:
             raise ValueError(f"telemetry.eps={eps!r} must be > 0")
         self.model, self.every, self.eps = model, every, float(eps)
@@ -225,6 +225,9 @@ class Telemetry:
 class StepTelemetry(Callback):
     """Telemetry attached to the step: hooks on before the forward, θ snapshot before the update, the
     per-layer numbers into s.post after it (on telemetry steps; every call is a no-op otherwise)."""
+    # after a drill armed its hooks (the NaN drill's output shows in the activations); after the update,
+    # after QK-clip (the measured Δθ is the whole update) and before an optimizer-state drill
+    order = {"before_forward": 20, "before_update": 20, "after_update": 20}
 
     def __init__(self, telemetry: Telemetry):
         self.tel = telemetry

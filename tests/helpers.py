@@ -139,3 +139,33 @@ class DrillRuns:
             self.done[name] = self._train(name)
         return self.done[name]
 
+
+
+def guard_config(d: dict):
+    """A GuardConfig from a test's nested dict, through the dataclasses (each checks its own keys)."""
+    from stability.config import AnticipatoryConfig, DetectorConfig, GuardConfig, RollbackConfig
+
+    parts = {"detector": DetectorConfig, "rollback": RollbackConfig, "anticipatory": AnticipatoryConfig}
+    return GuardConfig(**{k: parts[k](**v) if k in parts else v for k, v in d.items()})
+
+
+def data_config(d: dict):
+    """A DataConfig from a test's dict (its sources as SourceConfigs), through the dataclasses' checks."""
+    from data.config import DataConfig, SourceConfig
+
+    return DataConfig(**{**d, **({"sources": [SourceConfig(**s) for s in d["sources"]]} if "sources" in d else {})})
+
+
+def precision_config(d: dict):
+    """A PrecisionConfig from a test's dict (loss_scale as a LossScaleConfig), through the dataclasses' checks."""
+    from optim.config import LossScaleConfig
+    from precision.config import PrecisionConfig
+
+    return PrecisionConfig(**{**d, **({"loss_scale": LossScaleConfig(**d["loss_scale"])} if "loss_scale" in d else {})})
+
+
+def model_config(d: dict):
+    """A ModelConfig from a test's dict (moe as a MoEConfig), through the dataclasses' checks."""
+    from model.config import ModelConfig, MoEConfig
+
+    return ModelConfig(**{**d, **({"moe": MoEConfig(**d["moe"])} if d.get("moe") is not None else {})})

@@ -9,10 +9,10 @@ import torch
 from data import build_data
 from data.batch import IGNORE_INDEX, Batch
 from data.loader import Loader
-from model import ModelConfig, Transformer
+from model import Transformer
 from optim import build_optimizer, clip_grad_norm
 from optim.accumulate import count_valid_tokens, forward_backward
-from helpers import in_group, spawn
+from helpers import in_group, model_config, spawn
 
 DATA = {"kind": "synthetic", "seq_len": 32, "min_doc_len": 16, "seed": 3,
         "sources": [{"name": "markov", "kind": "markov", "weight": 0.6, "alphabet": 16, "order": 2, "support": 3,
@@ -27,7 +27,7 @@ def tiny_model(vocab, seq_len, moe=False, seed=0):
     if moe:  # balancing bias only: the Switch loss is a per-micro-batch mean and not split-invariant
         cfg["moe"] = {"n_experts": 4, "top_k": 2, "expert_hidden": 32, "first_dense": 1, "every": 1,
                       "balance_coef": 0.0, "router_z_coef": 0.0}
-    return Transformer(ModelConfig.from_dict(cfg))
+    return Transformer(model_config(cfg))
 
 
 def grads(model):
@@ -75,13 +75,14 @@ def _ddp_worker(rank, world, path, steps, store):
 
 def run_steps(dist, steps, micro):
     from parallel import wrap_model
+    from parallel.config import ParallelConfig
 
     ds = build_data(DATA)
     model = tiny_model(ds.vocab_size, 32, moe=True)
     opt, _ = build_optimizer(model, {"lr": 1e-2, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1,
                                      "groups": [{"name": "no_decay", "kinds": ["norm", "embedding", "router"],
                                                  "weight_decay": 0.0}]})
-    wrapped = wrap_model(model, "auto", dist)
+    wrapped = wrap_model(model, ParallelConfig(mode="auto"), dist)
     loader = Loader(ds, 8, dist.rank, dist.world)
     norms = []
     for _ in range(steps):

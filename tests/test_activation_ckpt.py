@@ -11,9 +11,11 @@ from model import ModelConfig, Transformer
 from model.checkpointing import set_activation_checkpointing
 from optim import build_optimizer
 from optim.accumulate import count_valid_tokens, forward_backward
+from parallel.config import ParallelConfig
 from parallel import Dist, wrap_model
+from stability.config import TelemetryConfig
 from stability.telemetry import Telemetry
-from helpers import in_group, spawn
+from helpers import in_group, model_config, spawn
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -30,13 +32,13 @@ def grads(mode: str, model_cfg: dict, dist: Dist, parallel: str = "none", compil
           telemetry: bool = False):
     torch.manual_seed(0)
     ds = build_data(DATA)
-    model = Transformer(ModelConfig.from_dict({**model_cfg, "vocab_size": ds.vocab_size, "seq_len": ds.seq_len}))
+    model = Transformer(model_config({**model_cfg, "vocab_size": ds.vocab_size, "seq_len": ds.seq_len}))
     set_activation_checkpointing(model, mode)
-    wrapped = wrap_model(model, parallel, dist)
+    wrapped = wrap_model(model, ParallelConfig(mode=parallel), dist)
     if compile:
         wrapped = torch.compile(wrapped)
     opt, _ = build_optimizer(model, {"lr": 1e-3})
-    tel = Telemetry(model, 1) if telemetry else None
+    tel = Telemetry(model, TelemetryConfig(every=1)) if telemetry else None
     mbs = Loader(ds, 8, dist.rank, dist.world).next().micro_batches(2)
     if tel:
         tel.start(1)

@@ -9,9 +9,11 @@ import torch
 
 from data import build_data
 from data.loader import Loader
-from model import MoE, ModelConfig, Transformer
+from helpers import model_config
+from model import MoE, Transformer
 from optim.accumulate import count_valid_tokens, forward_backward
 from stability.anticipatory import AnticipatoryRouting
+from stability.config import AnticipatoryConfig
 
 DATA = {"kind": "synthetic", "seq_len": 16, "min_doc_len": 8, "seed": 5,
         "sources": [{"name": "markov", "kind": "markov", "weight": 0.6, "alphabet": 16, "order": 1, "support": 3,
@@ -25,7 +27,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def tiny_moe(vocab: int, seed: int = 0) -> Transformer:
     torch.manual_seed(seed)
-    return Transformer(ModelConfig.from_dict({
+    return Transformer(model_config({
         "vocab_size": vocab, "seq_len": 16, "d_model": 32, "n_layers": 3, "n_heads": 2, "swiglu_clamp": 10.0,
         "moe": {"n_experts": 6, "top_k": 2, "expert_hidden": 16, "first_dense": 1, "score": "sigmoid",
                 "balance_coef": 0.01, "router_z_coef": 1e-3, "bias_update_speed": 1e-3}}))
@@ -40,7 +42,7 @@ def train(steps: int, delay: int | None, lr: float = 1e-3, before_forward=None):
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     ar = None
     if delay is not None:
-        ar = AnticipatoryRouting(model, loader, MICRO, delay, "cpu")
+        ar = AnticipatoryRouting(model, loader, MICRO, AnticipatoryConfig(delay=delay), "cpu")
         ar.activate(1)
     ran: list | None = None  # set only around the training forwards: routing forwards fire hooks too
 
@@ -145,7 +147,7 @@ def test_off_costs_nothing_and_on_routes_each_batch_once():
     real_routes, real_peek = model.compute_routes, loader.peek
     model.compute_routes = lambda t: (calls.__setitem__("routes", calls["routes"] + 1), real_routes(t))[1]
     loader.peek = lambda k: (calls.__setitem__("peek", calls["peek"] + 1), real_peek(k))[1]
-    ar = AnticipatoryRouting(model, loader, MICRO, 3, "cpu")
+    ar = AnticipatoryRouting(model, loader, MICRO, AnticipatoryConfig(delay=3), "cpu")
 
     def step(t):
         first_id = loader.samples_consumed
@@ -163,7 +165,7 @@ def test_off_costs_nothing_and_on_routes_each_batch_once():
     ar.deactivate(5)
     assert step(6) is None and calls["routes"] == 6 * MICRO and not ar._cache
     ar.activate(7)
-    resumed = AnticipatoryRouting(model, loader, MICRO, 3, "cpu")
+    resumed = AnticipatoryRouting(model, loader, MICRO, AnticipatoryConfig(delay=3), "cpu")
     resumed.load_state_dict(ar.state_dict())  # on/off travels, the cache does not: route 7..10 afresh
     assert resumed.active and resumed.on_since == 7
     first_id = loader.samples_consumed
@@ -177,9 +179,9 @@ def test_bad_delay_and_dense_model_raise():
     ds = build_data(DATA)
     model, loader = tiny_moe(ds.vocab_size), Loader(ds, BATCH)
     with pytest.raises(ValueError, match="guard.anticipatory.delay=-1"):
-        AnticipatoryRouting(model, loader, MICRO, -1, "cpu")
-    dense = Transformer(ModelConfig.from_dict({"vocab_size": ds.vocab_size, "seq_len": 16, "d_model": 16,
+        AnticipatoryRouting(model, loader, MICRO, AnticipatoryConfig(delay=-1), "cpu")
+    dense = Transformer(model_config({"vocab_size": ds.vocab_size, "seq_len": 16, "d_model": 16,
                                                "n_layers": 1, "n_heads": 2}))
     with pytest.raises(ValueError, match="no MoE layer"):
-        AnticipatoryRouting(dense, loader, MICRO, 1, "cpu")
+        AnticipatoryRouting(dense, loader, MICRO, AnticipatoryConfig(delay=1), "cpu")
     assert not any(isinstance(m, MoE) for m in dense.modules())

@@ -13,11 +13,12 @@ import torch
 
 from checkpoint import Checkpointer, Saver, TrainState, publish, read_tensors, resume_options
 from checkpoint.checkpointer import supersede_records
+from checkpoint.config import CheckpointConfig, ResumeConfig
 from checkpoint.resume import check_config, check_data, check_model
 from data import build_data
 from data.loader import Loader
-from helpers import HANG_S
-from model import ModelConfig, Transformer
+from helpers import HANG_S, model_config
+from model import Transformer
 from optim import build_optimizer, build_scheduler, clip_grad_norm
 from optim.accumulate import count_valid_tokens, forward_backward, reduce_step_sums
 from optim.scaler import DynamicLossScaler
@@ -42,7 +43,7 @@ pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def make_state(seed=0, data=DATA, model=MODEL, steps=10) -> TrainState:
     torch.manual_seed(seed)
     ds = build_data(data)
-    m = Transformer(ModelConfig.from_dict({**model, "vocab_size": ds.vocab_size, "seq_len": ds.seq_len}))
+    m = Transformer(model_config({**model, "vocab_size": ds.vocab_size, "seq_len": ds.seq_len}))
     opt, _ = build_optimizer(m, OPTIM)
     sched = build_scheduler(opt, OPTIM["schedule"], steps)
     config = {"seed": seed, "model": model, "optim": OPTIM, "data": data,
@@ -273,7 +274,9 @@ def test_resume_checks_name_the_difference():
 
 def _checkpointer(st, tmp_path, resume):
     cfg = {**st.config, "resume": resume}
-    return Checkpointer(cfg, SOLO, tmp_path / "run", TrainState(st.model, st.optimizer, st.scheduler, st.loader, cfg))
+    return Checkpointer(CheckpointConfig(**cfg["checkpoint"]), ResumeConfig(**resume) if isinstance(resume, dict)
+                        else resume, cfg["train"]["steps"], SOLO, tmp_path / "run",
+                        TrainState(st.model, st.optimizer, st.scheduler, st.loader, cfg))
 
 
 def test_checkpointer_resume_refuses_other_model_and_data_then_allows_declared_data_change(tmp_path):
@@ -300,10 +303,8 @@ def test_checkpointer_resume_refuses_other_model_and_data_then_allows_declared_d
 def test_resume_options_shorthand_and_full_form():
     assert resume_options(None) == (None, False, [])
     assert resume_options("latest") == ("latest", False, [])
-    assert resume_options({"path": "latest", "allow_data_change": True, "allow_config_change": ["train.steps"]}) \
-        == ("latest", True, ["train.steps"])
-    with pytest.raises(ValueError, match="resume.pth"):
-        resume_options({"pth": "latest"})
+    full = ResumeConfig(path="latest", allow_data_change=True, allow_config_change=["train.steps"])
+    assert resume_options(full) == ("latest", True, ["train.steps"])
 
 
 def test_supersede_records_truncates_in_place(tmp_path):

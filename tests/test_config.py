@@ -8,8 +8,9 @@ import pytest
 from hydra import initialize_config_dir
 from omegaconf import OmegaConf
 
+from model.config import MoEConfig
 from run.config import Config, compose_check
-from stability.config import FaultConfig, GuardConfig
+from stability.config import DetectorConfig, FaultConfig, GuardConfig
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
 EXPERIMENTS = sorted(p.stem for p in Path(CONF, "experiment").glob("*.yaml"))
@@ -109,13 +110,25 @@ def test_fault_kind_none_ignores_the_other_keys():
     assert drill.fault.resolved() == {"kind": "lr_spike", "step": 80, "factor": 50.0, "steps": 3}
 
 
-def test_a_component_mapping_goes_through_the_same_schema():
-    # labs and tests build components from plain dicts: the dataclass runs the same checks
-    with pytest.raises(ValueError, match=r"^guard\.detector\.windw: unknown key \(did you mean guard\.detector\.window\?\)$"):
-        GuardConfig.from_dict({"detector": {"windw": 3}})
+def test_a_component_config_built_in_code_runs_the_same_checks():
+    # labs and tests build a component's dataclass directly: its __post_init__ is the schema's one check
+    with pytest.raises(ValueError, match=r"^guard\.detector\.window=2: must be >= 3$"):
+        GuardConfig(detector=DetectorConfig(window=2))
     with pytest.raises(ValueError, match=r"^fault\.step=0: must be >= 1$"):
-        FaultConfig.from_dict({"kind": "lr_spike", "step": 0})
+        FaultConfig(kind="lr_spike", step=0)
     # a given metrics dict replaces the default set instead of merging into it
-    g = GuardConfig.from_dict({"detector": {"metrics": {"loss": {}}}})
+    g = GuardConfig(detector=DetectorConfig(metrics={"loss": {}}))
     assert list(g.detector.metrics) == ["loss"]
     assert OmegaConf.to_container(OmegaConf.structured(g))["detector"]["metrics"] == {"loss": {"direction": "up", "log": False}}
+
+
+def test_a_saved_config_reads_back_typed_through_the_same_schema():
+    saved = OmegaConf.to_container(OmegaConf.structured(compose()), resolve=True)  # what config.yaml holds
+    cfg = Config.from_dict(saved)
+    assert cfg == compose() and isinstance(cfg.model.moe, MoEConfig)
+    with pytest.raises(ValueError, match=r"^model\.d_modle: unknown key \(did you mean model\.d_model\?\)$"):
+        Config.from_dict({**saved, "model": {**saved["model"], "d_modle": 64}})
+    # a text run saved when the synthetic sources (which it never read) had another default reads back
+    text = {**saved, "data": {**saved["data"], "kind": "text", "path": "input.txt",
+                              "sources": [{"name": "markov", "kind": "markov", "weight": 0.5}]}}
+    assert Config.from_dict(text).data.kind == "text"

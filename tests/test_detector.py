@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from stability.config import DetectorConfig
 from stability.detector import SpikeDetector
 
 METRICS = {"loss": {"direction": "up"}, "grad_norm": {"direction": "up", "log": True}}
@@ -27,14 +28,14 @@ def feed(det, losses, norms=None, start=1):
 
 @pytest.mark.parametrize("seed", range(5))
 def test_quiet_on_noisy_stationary_series(seed):
-    det = SpikeDetector(METRICS, window=50, threshold=6.0, min_history=20, cooldown=10)
+    det = SpikeDetector(DetectorConfig(metrics=METRICS, window=50, threshold=6.0, min_history=20, cooldown=10, warmup=0))
     rng = random.Random(100 + seed)
     norms = [math.exp(rng.gauss(0, 0.1)) for _ in range(2000)]
     assert feed(det, noisy_series(2000, seed), norms) == []
 
 
 def test_fires_on_planted_spike_at_its_step():
-    det = SpikeDetector(METRICS, window=50, threshold=6.0, min_history=20, cooldown=10)
+    det = SpikeDetector(DetectorConfig(metrics=METRICS, window=50, threshold=6.0, min_history=20, cooldown=10, warmup=0))
     losses = noisy_series(200, 0)
     losses[120] += 1.0  # a 20σ one-step spike
     fired = feed(det, losses)
@@ -44,7 +45,7 @@ def test_fires_on_planted_spike_at_its_step():
 
 
 def test_grad_norm_is_scored_on_log_scale():
-    det = SpikeDetector(METRICS, window=50, threshold=6.0, min_history=20, cooldown=10)
+    det = SpikeDetector(DetectorConfig(metrics=METRICS, window=50, threshold=6.0, min_history=20, cooldown=10, warmup=0))
     rng = random.Random(3)
     norms = [0.01 * math.exp(rng.gauss(0, 0.1)) for _ in range(100)]
     norms[80] *= 20  # ×20 is a spike at 0.01 just as at 10
@@ -59,7 +60,7 @@ def test_a_log_metric_floor_is_in_log_units_whatever_the_unit(scale):
     rng = random.Random(5)
     fired_at = {}
     for blip in (2.5, 5.0):
-        det = SpikeDetector(METRICS, window=50, threshold=6.0, min_history=20, cooldown=10)
+        det = SpikeDetector(DetectorConfig(metrics=METRICS, window=50, threshold=6.0, min_history=20, cooldown=10, warmup=0))
         norms = [scale * math.exp(rng.gauss(0, 0.03)) for _ in range(100)]
         norms[80] *= blip
         fired_at[blip] = [s for s, t in feed(det, noisy_series(100, 1), norms) if t.metric == "grad_norm"]
@@ -67,13 +68,13 @@ def test_a_log_metric_floor_is_in_log_units_whatever_the_unit(scale):
 
 
 def test_non_finite_fires_at_once_even_without_history():
-    det = SpikeDetector(METRICS, window=50, threshold=6.0, min_history=20, cooldown=10)
+    det = SpikeDetector(DetectorConfig(metrics=METRICS, window=50, threshold=6.0, min_history=20, cooldown=10, warmup=0))
     fired = feed(det, [3.0, 2.9, math.nan])
     assert [(s, t.metric, t.nonfinite) for s, t in fired] == [(3, "loss", True)]
 
 
 def test_no_z_score_before_min_history():
-    det = SpikeDetector(METRICS, window=50, threshold=6.0, min_history=20, cooldown=10)
+    det = SpikeDetector(DetectorConfig(metrics=METRICS, window=50, threshold=6.0, min_history=20, cooldown=10, warmup=0))
     losses = noisy_series(30, 2)
     losses[10] += 5.0  # before min_history: unscored (and accepted, a known blind spot)
     losses[25] += 5.0
@@ -81,7 +82,7 @@ def test_no_z_score_before_min_history():
 
 
 def test_cooldown_suppresses_repeat_triggers_then_rearms():
-    det = SpikeDetector(METRICS, window=50, threshold=6.0, min_history=20, cooldown=10)
+    det = SpikeDetector(DetectorConfig(metrics=METRICS, window=50, threshold=6.0, min_history=20, cooldown=10, warmup=0))
     losses = noisy_series(120, 4)
     for i in (60, 63, 75):
         losses[i] += 2.0
@@ -91,7 +92,7 @@ def test_cooldown_suppresses_repeat_triggers_then_rearms():
 
 
 def test_spike_never_joins_the_baseline():
-    det = SpikeDetector(METRICS, window=50, threshold=6.0, min_history=20, cooldown=0)
+    det = SpikeDetector(DetectorConfig(metrics=METRICS, window=50, threshold=6.0, min_history=20, cooldown=0, warmup=0))
     losses = noisy_series(100, 5) + [10.0] * 3  # a plateau of spikes: every one still fires
     fired = feed(det, losses)
     assert [s for s, _ in fired] == [101, 102, 103]
@@ -99,16 +100,16 @@ def test_spike_never_joins_the_baseline():
 
 
 def test_state_round_trips_so_a_resume_is_not_blind():
-    a = SpikeDetector(METRICS, window=50, threshold=6.0, min_history=20, cooldown=10)
+    a = SpikeDetector(DetectorConfig(metrics=METRICS, window=50, threshold=6.0, min_history=20, cooldown=10, warmup=0))
     losses = noisy_series(150, 6)
     losses[105] += 1.0  # 5 steps after the "resume" at step 100
     feed(a, losses[:100])
-    b = SpikeDetector(METRICS, window=50, threshold=6.0, min_history=20, cooldown=10)
+    b = SpikeDetector(DetectorConfig(metrics=METRICS, window=50, threshold=6.0, min_history=20, cooldown=10, warmup=0))
     b.load_state_dict(a.state_dict())
     fired_a, fired_b = feed(a, losses[100:], start=101), feed(b, losses[100:], start=101)
     assert [(s, t.metric, t.z) for s, t in fired_a] == [(s, t.metric, t.z) for s, t in fired_b]
     assert [s for s, _ in fired_b] == [106]
-    fresh = SpikeDetector(METRICS, window=50, threshold=6.0, min_history=20, cooldown=10)
+    fresh = SpikeDetector(DetectorConfig(metrics=METRICS, window=50, threshold=6.0, min_history=20, cooldown=10, warmup=0))
     assert feed(fresh, losses[100:], start=101) == []  # without the saved state it starts blind
 
 
@@ -118,16 +119,16 @@ def test_state_round_trips_so_a_resume_is_not_blind():
 ])
 def test_bad_settings_name_the_key(kwargs, key):
     with pytest.raises(ValueError, match=f"guard.detector.{key}"):
-        SpikeDetector(METRICS, **{"window": 50, "threshold": 6.0, "min_history": 20, "cooldown": 10, **kwargs})
+        SpikeDetector(DetectorConfig(metrics=METRICS, **{"window": 50, "threshold": 6.0, "min_history": 20, "cooldown": 10, **kwargs}))
 
 
 def test_bad_metric_spec_names_the_key():
     with pytest.raises(ValueError, match="guard.detector.metrics.loss.direction"):
-        SpikeDetector({"loss": {"direction": "down"}})
+        SpikeDetector(DetectorConfig(metrics={"loss": {"direction": "down"}}, window=50, warmup=0))
 
 
 def test_warmup_steps_are_not_scored_but_fill_the_history():
-    det = SpikeDetector(METRICS, window=50, threshold=6.0, min_history=20, cooldown=0, warmup=40)
+    det = SpikeDetector(DetectorConfig(metrics=METRICS, window=50, threshold=6.0, min_history=20, cooldown=0, warmup=40))
     losses = noisy_series(60, 7)
     losses[30] += 2.0  # step 31: inside warmup, unscored
     losses[50] += 2.0  # step 51: scored
@@ -135,15 +136,15 @@ def test_warmup_steps_are_not_scored_but_fill_the_history():
 
 
 def test_a_metric_family_keeps_one_history_per_member():
-    det = SpikeDetector({"loss_by_source": {"direction": "up"}}, window=50, threshold=6.0, min_history=20,
-                        cooldown=0)
+    det = SpikeDetector(DetectorConfig(metrics={"loss_by_source": {"direction": "up"}}, window=50, threshold=6.0, min_history=20,
+                        cooldown=0, warmup=0))
     a, b = noisy_series(80, 8, base=1.0), noisy_series(80, 9, base=3.0)
     a[70] += 1.0  # one source's jump, small beside the gap between sources
     fired = []
     for i in range(80):
         fired += [(i + 1, t.metric) for t in det.observe(i + 1, {"loss_by_source/a": a[i], "loss_by_source/b": b[i]})]
     assert fired == [(71, "loss_by_source/a")]
-    restored = SpikeDetector({"loss_by_source": {"direction": "up"}}, window=50, min_history=20)
+    restored = SpikeDetector(DetectorConfig(metrics={"loss_by_source": {"direction": "up"}}, window=50, min_history=20, warmup=0))
     restored.load_state_dict(det.state_dict())
     assert list(restored.history["loss_by_source/b"]) == list(det.history["loss_by_source/b"])
 
@@ -155,7 +156,7 @@ def test_a_mean_over_few_tokens_is_scored_with_its_own_noise():
     Without counts the detector cannot tell the two apart and fires on both."""
     def run(n_last, counts):
         rng = random.Random(3)
-        det = SpikeDetector({"loss_by_source": {}}, window=30, min_history=20)
+        det = SpikeDetector(DetectorConfig(metrics={"loss_by_source": {}}, window=30, min_history=20, warmup=0))
         for t in range(60):
             x = 2.0 + 0.1 * rng.gauss(0, 1)
             det.observe(t, {"loss_by_source/a": x}, {"loss_by_source/a": 64} if counts else None)
@@ -164,9 +165,9 @@ def test_a_mean_over_few_tokens_is_scored_with_its_own_noise():
     (few,), (many,) = run(4, counts=False), run(64, counts=True)
     assert few.z > 6 and many.z > 6
     # the counts ride in the state: a resumed detector scales the same way
-    det = SpikeDetector({"loss_by_source": {}}, window=30, min_history=20)
+    det = SpikeDetector(DetectorConfig(metrics={"loss_by_source": {}}, window=30, min_history=20, warmup=0))
     for t in range(30):
         det.observe(t, {"loss_by_source/a": 2.0 + 0.01 * (t % 5)}, {"loss_by_source/a": 64})
-    again = SpikeDetector({"loss_by_source": {}}, window=30, min_history=20)
+    again = SpikeDetector(DetectorConfig(metrics={"loss_by_source": {}}, window=30, min_history=20, warmup=0))
     again.load_state_dict(det.state_dict())
     assert list(again.counts["loss_by_source/a"]) == [64.0] * 30

@@ -134,7 +134,7 @@ def fake_run(d, n: int = 90, world: int = 1, tweak=None):
             tweak(t, recs[-1])
     d.mkdir(parents=True, exist_ok=True)
     (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
-    (d / "config.yaml").write_text(yaml.safe_dump({"optim": {"lr": 1e-3, "schedule": {"name": "constant"}},
+    (d / "config.yaml").write_text(yaml.safe_dump({"optim": {"lr": 1e-3, "schedule": {"name": "constant", "warmup_steps": 0}},
                                                    "train": {"steps": 400}}))
     return d
 

@@ -98,6 +98,7 @@ def test_per_source_loss_is_judged_with_its_token_count(tmp_path, tokens, named)
     online guard's detector (the real class, fed the same counts) agrees with the doctor either way. NOTE: only
     the guard's test (threshold 6) flags the 75-token blip; the doctor's own tests read z ≈ 5 < 8, and the blip
     returns at once: judged natural (doctor/judge.py own_noise), so the headline stays healthy."""
+    from stability.config import DetectorConfig
     from stability.detector import SpikeDetector
 
     def tweak(t, r):
@@ -111,7 +112,7 @@ def test_per_source_loss_is_judged_with_its_token_count(tmp_path, tokens, named)
     cfg["guard"] = {"detector": {"window": 30, "warmup": 40}}
     (d / "config.yaml").write_text(yaml.safe_dump(cfg))
     import json
-    det = SpikeDetector({"loss_by_source": {}}, window=30, warmup=40)
+    det = SpikeDetector(DetectorConfig(metrics={"loss_by_source": {}}, window=30, warmup=40))
     fired = [r["step"] for r in map(json.loads, (d / "metrics.jsonl").read_text().splitlines())
              if det.observe(r["step"], {f"loss_by_source/{k}": v for k, v in r["loss_by_source"].items()},
                             {f"loss_by_source/{k}": n for k, n in r["tokens_by_source"].items()})]

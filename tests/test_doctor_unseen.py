@@ -195,6 +195,7 @@ def test_guard_never_more_sensitive_than_the_doctor(tmp_path):
     """The online guard's detector (the real class, the run's settings) fires on a loss bump that the
     doctor's own point test (threshold 8) scores below threshold: the doctor finds it too, at that step, and
     judges it (doctor/judge.py): back at once, nothing persists, only the guard's test — natural, healthy."""
+    from stability.config import DetectorConfig
     from stability.detector import SpikeDetector
 
     def bump(t, r):
@@ -206,7 +207,7 @@ def test_guard_never_more_sensitive_than_the_doctor(tmp_path):
     cfg = yaml.safe_load((d / "config.yaml").read_text())
     cfg["guard"] = {"detector": {"window": 30, "warmup": 40}}
     (d / "config.yaml").write_text(yaml.safe_dump(cfg))
-    det = SpikeDetector({"loss": {}}, window=30, warmup=40)
+    det = SpikeDetector(DetectorConfig(metrics={"loss": {}}, window=30, warmup=40))
     recs = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
     fired = next(r["step"] for r in recs if det.observe(r["step"], {"loss": r["loss"]}))
     rep = doctor(d, plots=False)

@@ -17,12 +17,13 @@ from omegaconf import OmegaConf
 
 from data import build_data
 from data.loader import Loader
-from helpers import TINY, run_train
-from model import ModelConfig, Transformer
+from helpers import TINY, data_config, model_config, run_train
+from model import Transformer
 from optim import build_optimizer
 from parallel import Dist
 from stability.callbacks import StepState
 from stability.events import read_events
+from stability.config import FaultConfig
 from stability.faults import FaultDrill, FaultInjector
 from stability.record import read_records
 
@@ -38,10 +39,10 @@ MODEL = {"d_model": 16, "n_layers": 2, "n_heads": 2,  # layer 0 dense, layer 1 M
 def build(fault: dict, model_cfg=MODEL, opt_cfg=None):
     torch.manual_seed(0)
     ds = build_data(DATA)
-    model = Transformer(ModelConfig.from_dict({**model_cfg, "vocab_size": ds.vocab_size, "seq_len": ds.seq_len}))
+    model = Transformer(model_config({**model_cfg, "vocab_size": ds.vocab_size, "seq_len": ds.seq_len}))
     opt, _ = build_optimizer(model, opt_cfg or {"lr": 1e-2})
     loader = Loader(ds, 8)
-    inj = FaultInjector(fault, model=model, optimizer=opt, loader=loader, data_cfg=DATA,
+    inj = FaultInjector(FaultConfig(**fault), model=model, optimizer=opt, loader=loader, data_cfg=data_config(DATA),
                         dist=Dist(0, 1, 0, torch.device("cpu"), None))
     return inj, model, opt, loader
 

@@ -10,11 +10,12 @@ import torch
 
 from data import build_data
 from data.loader import Loader
-from model import ModelConfig, Transformer
+from model import Transformer
 from optim import build_optimizer, clip_grad_norm
 from optim.accumulate import count_valid_tokens, forward_backward
+from parallel.config import ParallelConfig
 from parallel import Dist, wrap_model
-from helpers import in_group, spawn
+from helpers import in_group, model_config, spawn
 
 DATA = {"kind": "synthetic", "seq_len": 16, "min_doc_len": 4, "seed": 5,
         "sources": [{"name": "markov", "kind": "markov", "weight": 0.5, "alphabet": 8, "order": 1, "support": 2},
@@ -31,8 +32,8 @@ def run(dist: Dist, micro: int) -> dict:
 
     torch.manual_seed(0)
     ds = build_data(DATA)
-    model = Transformer(ModelConfig.from_dict({**MODEL, "vocab_size": ds.vocab_size, "seq_len": ds.seq_len}))
-    wrapped = wrap_model(model, "fsdp", dist)
+    model = Transformer(model_config({**MODEL, "vocab_size": ds.vocab_size, "seq_len": ds.seq_len}))
+    wrapped = wrap_model(model, ParallelConfig(mode="fsdp"), dist)
     opt, _ = build_optimizer(model, {"lr": 1e-2, "weight_decay": 0.1})  # after sharding: DTensor params
     loader = Loader(ds, BATCH, dist.rank, dist.world)
     norms, sharded = [], []
@@ -55,11 +56,10 @@ def _worker(rank, world, store, out):
 
 
 @pytest.mark.parametrize("options, key", [({"param_dtype": "fp8"}, "parallel.param_dtype"),
-                                          ({"reduce_dtype": "float64"}, "parallel.reduce_dtype"),
-                                          ({"shard_degree": 2}, "parallel.shard_degree")])
+                                          ({"reduce_dtype": "float64"}, "parallel.reduce_dtype")])
 def test_bad_fsdp_options_name_the_key(options, key):
     with pytest.raises(ValueError, match=key):
-        wrap_model(torch.nn.Linear(2, 2), "fsdp", Dist(0, 1, 0, torch.device("cpu"), None), **options)
+        ParallelConfig(mode="fsdp", **options)
 
 
 @pytest.mark.distributed

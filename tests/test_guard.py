@@ -15,6 +15,7 @@ from model import ModelConfig, Transformer
 from optim import build_optimizer, build_scheduler
 from optim.accumulate import count_valid_tokens, forward_backward, reduce_step_sums
 from precision import optimizer_step
+from helpers import guard_config
 from stability.events import EventLog, read_events
 from stability.guard import Guard
 
@@ -31,7 +32,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def guard_cfg(action, **rollback):
     return {"action": action, "replica_tol": 0.0,
-            "detector": {"window": 20, "threshold": 6.0, "min_history": 3, "cooldown": 0,
+            "detector": {"window": 20, "threshold": 6.0, "min_history": 3, "cooldown": 0, "warmup": 0,
                          "metrics": {"loss": {"direction": "up"}}},
             "rollback": {"source": "memory", "snapshot_every": 2, "keep": 3, "margin": 1, "data": "replay",
                          "max_rollbacks": 5, **rollback},
@@ -51,7 +52,7 @@ class Rig:
         self.loader = Loader(ds, 4)
         self.state = TrainState(self.model, self.opt, self.sched, self.loader, {})
         self.events = EventLog(tmp_path)
-        self.guard = Guard(guard_cfg(action, **rollback), state=self.state, ckpt=None, events=self.events)
+        self.guard = Guard(guard_config(guard_cfg(action, **rollback)), state=self.state, ckpt=None, events=self.events)
         self.state.guard = self.guard
         self.guard.start(0)
         self.step, self.spike_ids = 0, set()
@@ -189,7 +190,7 @@ def test_bad_guard_config_names_the_key(tmp_path, path, value, key):
         node = node[p]
     node[path[-1]] = value
     with pytest.raises(ValueError, match=key.replace(".", r"\.")):
-        Guard(cfg, state=None, ckpt=None, events=EventLog(None))
+        Guard(guard_config(cfg), state=None, ckpt=None, events=EventLog(None))
 
 
 def test_a_second_trigger_while_replaying_rolls_back_further(tmp_path):

@@ -12,6 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from helpers import guard_config
 from stability.events import EventLog, read_events
 from stability.guard import Guard, GuardAbort
 
@@ -64,7 +65,7 @@ class FakeCkpt:
 
 def cfg(source="memory", max_rollbacks=1, margin=1, snapshot_every=5, keep=4, data="replay", quiet_steps=5):
     return {"action": "rollback", "replica_tol": 0.0,
-            "detector": {"window": 20, "threshold": 6.0, "min_history": 3, "cooldown": 0,
+            "detector": {"window": 20, "threshold": 6.0, "min_history": 3, "cooldown": 0, "warmup": 0,
                          "metrics": {"loss": {"direction": "up"}}},
             "rollback": {"source": source, "snapshot_every": snapshot_every, "keep": keep, "margin": margin,
                          "data": data, "max_rollbacks": max_rollbacks},
@@ -77,7 +78,7 @@ def drive(tmp_path, c, steps, fires, every=10, cap=None):
     state = FakeState()
     events = EventLog(tmp_path)
     ckpt = FakeCkpt(state, every) if c["rollback"]["source"] == "disk" else None
-    guard = Guard(c, state=state, ckpt=ckpt, events=events)
+    guard = Guard(guard_config(c), state=state, ckpt=ckpt, events=events)
     state.guard = guard
     guard.start(0)
     budget, step, execs, seen, applied = c["rollback"]["max_rollbacks"], 0, 0, {}, {}

@@ -9,9 +9,10 @@ from torch import nn
 from model import ModelConfig, MoEConfig, Transformer
 from model.moe import MoE
 from parallel.dist import Dist
+from parallel.config import ParallelConfig
 from parallel.wrap import is_sharded, wrap_model
 from precision import build_recipe
-from helpers import in_group, spawn
+from helpers import in_group, precision_config, spawn
 
 SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 
@@ -21,9 +22,9 @@ def observe(mode: str, dist: Dist) -> tuple[dict, dict]:
     torch.manual_seed(0)
     model = Transformer(ModelConfig(vocab_size=17, seq_len=8, d_model=16, n_layers=2, n_heads=2,
                                     moe=MoEConfig(n_experts=4, top_k=2, expert_hidden=8, first_dense=1)))
-    recipe = build_recipe({"name": "bf16"})
+    recipe = build_recipe(precision_config({"name": "bf16"}))
     recipe.convert(model)
-    wrapped = wrap_model(model, mode, dist=dist, **recipe.fsdp_dtypes())
+    wrapped = wrap_model(model, ParallelConfig(mode=mode, **recipe.fsdp_dtypes()), dist)
     seen = {}
 
     def hook(name, get_w):

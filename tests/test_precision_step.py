@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from data import build_data
-from model import ModelConfig, Transformer
+from model import Transformer
 from optim import build_optimizer, clip_grad_norm
 from optim.accumulate import count_valid_tokens, forward_backward
 from optim.scaler import DynamicLossScaler
 from precision import build_recipe, optimizer_step
-from helpers import in_group, spawn
+from helpers import in_group, model_config, precision_config, spawn
 
 DATA = {"kind": "synthetic", "seq_len": 16, "min_doc_len": 8, "seed": 5,
         "sources": [{"name": "markov", "kind": "markov", "weight": 1.0, "alphabet": 16, "order": 1, "support": 3,
@@ -26,7 +26,7 @@ OPTIM = {"lr": 1e-2, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1,
 def setup(seed=0):
     ds = build_data(DATA)
     torch.manual_seed(seed)
-    model = Transformer(ModelConfig.from_dict({"vocab_size": ds.vocab_size, "seq_len": 16, "d_model": 32,
+    model = Transformer(model_config({"vocab_size": ds.vocab_size, "seq_len": 16, "d_model": 32,
                                                "n_layers": 2, "n_heads": 2}))
     return ds, model, build_optimizer(model, OPTIM)[0]
 
@@ -94,7 +94,7 @@ def test_clip_after_unscale_gives_the_true_coefficient_and_clip_before_does_not(
 
 def test_fp16_overflow_skips_counts_and_backs_off_until_the_step_fits():
     ds, model, opt = setup()
-    recipe = build_recipe({"name": "fp16", "loss_scale": {"init": 2.0 ** 32, "growth_interval": 1000}})
+    recipe = build_recipe(precision_config({"name": "fp16", "loss_scale": {"init": 2.0 ** 32, "growth_interval": 1000}}))
     scaler = recipe.make_scaler()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     log = []

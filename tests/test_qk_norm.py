@@ -89,19 +89,23 @@ def test_qk_norm_gains_are_norm_params_and_do_not_decay():
 
 def test_qk_norm_config_must_be_bool():
     # NOTE: "yes" / "on" are booleans to OmegaConf, as on the command line; "maybe" is not
+    from pathlib import Path
+
+    from run.config import compose_check
     with pytest.raises(ValueError, match="model.qk_norm"):
-        ModelConfig.from_dict({"vocab_size": 5, "seq_len": 4, "qk_norm": "maybe"})
+        compose_check(["model.qk_norm=maybe"], str(Path(__file__).resolve().parents[1] / "conf"))
 
 
 def test_telemetry_records_attn_logit_max_per_layer():
     from data.loader import Loader
     from labs.claims.tiny import BATCH, build, make_optimizer, train_step
+    from stability.config import TelemetryConfig
     from stability.telemetry import Telemetry
 
     dataset, model = build(7)
     opt, sched = make_optimizer(model, 1e-2)
     loader = Loader(dataset, BATCH)
-    tel = Telemetry(model, 2)
+    tel = Telemetry(model, TelemetryConfig(every=2))
     # the probe reads the first sequence of each micro-batch (train_step: 2 micro-batches of 4)
     expect, hooks = {}, []
     for i, block in enumerate(model.blocks):

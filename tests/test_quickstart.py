@@ -7,9 +7,15 @@ schedule shape on shorter documents), on 2 seeds. `-m slow`: the full recipe ove
 """
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import pytest
 
 from bench import quickstart_grid as grid
+from helpers import HANG_S, ROOT, env
+from stability.record import read_records
 
 TOL = 0.05  # nats: the README's claim, for both the copy source and the whole mixture
 FORMS_BY = 0.6  # the head forms before this fraction of the schedule: the margin from the edge
@@ -28,15 +34,51 @@ SHORT_STEPS = 300
 SHORT = ["data.seq_len=32", "train.micro_batches=1", "train.eval_every=300"]
 
 
+@pytest.fixture(scope="module")
+def short_runs(tmp_path_factory) -> dict:
+    """seed -> (its grid row, its run directory), trained once for the tests below."""
+    out = {}
+    for seed in (0, 1):
+        root = tmp_path_factory.mktemp(f"seed{seed}")
+        out[seed] = (grid.one({"seed": seed, "data_seed": 1234, "threads": 1}, SHORT_STEPS, 0.0, SHORT, root),
+                     next(p for p in root.iterdir() if p.is_dir()))
+    return out
+
+
 @pytest.mark.parametrize("seed", [0, 1])
-def test_quickstart_mechanism_reaches_the_copy_floor(tmp_path, seed):
-    check([grid.one({"seed": seed, "data_seed": 1234, "threads": 1}, SHORT_STEPS, 0.0, SHORT, tmp_path)])
+def test_quickstart_mechanism_reaches_the_copy_floor(short_runs, seed):
+    row, run_dir = short_runs[seed]
+    check([row])
     # the doctor on the same clean run, the induction head forming in it: healthy, nothing prescribed; whatever
     # moved as the head formed is listed, each judged natural with its reason
     from doctor.cli import doctor
-    rep = doctor(next(tmp_path.iterdir()), plots=False)
+    rep = doctor(run_dir, plots=False)
     assert rep["class"] == "healthy" and rep["earliest"] is None and rep["fix"] is None, rep["summary"]
     assert all(i["judgement"] == "natural" and i["reason"] for i in rep["incidents"]), rep["incidents"]
+
+
+def test_the_readme_follow_ups_run_on_the_default_run(short_runs):
+    """What the README shows after `python train.py`, on the default run's own checkpoints (checkpoint.every's
+    default): sample it, replay a step, continue it; export says in one line what it cannot carry."""
+    row, run_dir = short_runs[0]
+    argv = json.loads((run_dir / "environment.json").read_text())["argv"]  # the run's own command line
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, *args], cwd=ROOT, env=env(), capture_output=True, text=True,
+                              timeout=HANG_S)
+
+    sample = cli("-m", "sample", str(run_dir), "--max-new-tokens", "8", "--seed", "1")
+    assert sample.returncode == 0 and sample.stdout.strip(), sample.stderr[-2000:]
+    replay = cli("-m", "doctor.replay", str(run_dir), "--step", "101")
+    assert replay.returncode == 0 and "replay of step 101 from step_000100" in replay.stdout, replay.stderr[-2000:]
+    export = cli("-m", "checkpoint.export_hf", str(run_dir), str(run_dir / "hf"))
+    err = export.stderr.strip().splitlines()
+    assert export.returncode != 0 and len(err) == 1 and "model.swiglu_clamp" in err[0], export.stderr[-2000:]
+    more = cli("train.py", *argv, "resume=latest", "resume.allow_config_change=[train.steps]",
+               f"train.steps={SHORT_STEPS + 5}")
+    assert more.returncode == 0, more.stderr[-2000:]
+    steps = [r["step"] for r in read_records(run_dir / "metrics.jsonl")]
+    assert steps == list(range(1, SHORT_STEPS + 6))
 
 
 @pytest.mark.slow

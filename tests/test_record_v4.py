@@ -18,13 +18,13 @@ import yaml
 from data import build_data, eval_batches
 from data.batch import IGNORE_INDEX, Batch, content_hash
 from data.loader import Loader
-from model import ModelConfig, Transformer
+from model import Transformer
 from model.config import MoEConfig
 from model.moe import MoE, grouped_mm_runs
 from optim.accumulate import count_valid_tokens, forward_backward, reduce_step_sums
 from stability.record import RECORD_VERSION, V4_FIELDS, batch_floor, floor_by_source
 from stability.telemetry import moe_summary
-from helpers import TINY, run_train
+from helpers import TINY, model_config, run_train
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -76,7 +76,7 @@ def test_content_hash_is_the_formula_the_records_used():
 def tiny(seed: int = 0):
     torch.manual_seed(seed)
     ds = build_data(DATA)
-    model = Transformer(ModelConfig.from_dict({**MODEL, "vocab_size": ds.vocab_size, "seq_len": ds.seq_len}))
+    model = Transformer(model_config({**MODEL, "vocab_size": ds.vocab_size, "seq_len": ds.seq_len}))
     return ds, model
 
 

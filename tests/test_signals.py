@@ -8,6 +8,7 @@ import pytest
 
 from doctor.classes import CLASSES
 from stability.config import ConfigError, DetectorConfig
+from helpers import guard_config
 from stability.events import EventLog
 from stability.guard import Guard
 from stability.signals import SIGNALS, LAYERS, ReadContext, family, guard_values
@@ -75,17 +76,18 @@ def test_every_fault_class_has_its_fix():
 
 def test_the_guard_accepts_any_registered_signal_and_refuses_others():
     for name in SIGNALS:
-        assert name in DetectorConfig.from_dict({"metrics": {name: {}}}).metrics
+        assert name in DetectorConfig(metrics={name: {}}).metrics
     with pytest.raises(ConfigError, match=r"guard.detector.metrics.act_rmss: not a registered signal"):
-        DetectorConfig.from_dict({"metrics": {"act_rmss": {}}})
+        DetectorConfig(metrics={"act_rmss": {}})
 
 
 def test_the_guard_fires_on_a_signal_chosen_by_config(tmp_path):
     """guard.detector.metrics.attn_logit_max: the guard reads it from the step's telemetry after the update and
     fires on one block's logit max ×20, naming that block; the default set never sees it."""
     def run(metrics):
-        cfg = {"action": "log", "detector": {"window": 20, "min_history": 5, "cooldown": 0, "metrics": metrics}}
-        g = Guard(cfg, state=None, ckpt=None, events=EventLog(tmp_path))
+        cfg = {"action": "log", "detector": {"window": 20, "min_history": 5, "cooldown": 0, "warmup": 0,
+                                             "metrics": metrics}}
+        g = Guard(guard_config(cfg), state=None, ckpt=None, events=EventLog(tmp_path))
         fired = []
         for t in range(1, 31):
             v = 4.0 * (1 + 0.02 * math.sin(t)) * (20 if t == 25 else 1)

@@ -14,16 +14,18 @@ import torch
 
 from data import build_data
 from data.loader import Loader
-from model import ModelConfig, Transformer
+from model import Transformer
 from optim import build_optimizer
 from optim.accumulate import count_valid_tokens, forward_backward, reduce_step_sums
 from optim.scaler import DynamicLossScaler
+from parallel.config import ParallelConfig
 from parallel import Dist, wrap_model
 from precision import optimizer_step
 from stability.record import floor_by_source
 from stability.step_state import state_summary
+from stability.config import TelemetryConfig
 from stability.telemetry import Telemetry, first_nonfinite, moe_summary, nonfinite_flags
-from helpers import in_group, spawn
+from helpers import in_group, model_config, spawn
 
 DATA = {"kind": "synthetic", "seq_len": 16, "min_doc_len": 4, "seed": 5,
         "sources": [{"name": "markov", "kind": "markov", "weight": 0.5, "alphabet": 8, "order": 1, "support": 2},
@@ -43,7 +45,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def build(tied: bool = True, seed: int = 0):
     torch.manual_seed(seed)
     ds = build_data(DATA)
-    model = Transformer(ModelConfig.from_dict({**MODEL, "tie_embeddings": tied,
+    model = Transformer(model_config({**MODEL, "tie_embeddings": tied,
                                                "vocab_size": ds.vocab_size, "seq_len": ds.seq_len}))
     return ds, model
 
@@ -150,7 +152,7 @@ def close(a: float, b: float, rel=1e-5) -> bool:
 def test_layers_match_naive_recomputation(tied, fp16):
     ds, model = build(tied)
     opt, _ = build_optimizer(model, {"lr": 1e-2, "weight_decay": 0.1})
-    loader, tel = Loader(ds, BATCH), Telemetry(model, every=1)
+    loader, tel = Loader(ds, BATCH), Telemetry(model, TelemetryConfig(every=1))
     scaler = DynamicLossScaler(init_scale=2.0**10) if fp16 else None
     step(model, model, opt, tel, loader.next().micro_batches(2), 1, scaler)  # Adam state exists now
     mbs = loader.next().micro_batches(2)
@@ -200,7 +202,7 @@ def test_telemetry_leaves_training_bit_identical(clamp, monkeypatch):
     for every in (0, 1):
         ds, model = build()
         opt, _ = build_optimizer(model, {"lr": 1e-2, "weight_decay": 0.1})
-        loader, tel = Loader(ds, BATCH), Telemetry(model, every=every)
+        loader, tel = Loader(ds, BATCH), Telemetry(model, TelemetryConfig(every=every))
         outs = [step(model, model, opt, tel, loader.next().micro_batches(2), n)[0] for n in range(1, 5)]
         params.append([p.detach().clone() for p in model.parameters()])
     assert all(outs) and all("clamp_hit_rate" in outs[-1]["layers"][f"block{i}.mlp"] for i in range(3))
@@ -214,7 +216,7 @@ def _plant_inf_grad(model):
 def test_skipped_step_has_zero_update_and_reads_real_params():
     ds, model = build()
     opt, _ = build_optimizer(model, {"lr": 1e-2})
-    loader, tel = Loader(ds, BATCH), Telemetry(model, every=1)
+    loader, tel = Loader(ds, BATCH), Telemetry(model, TelemetryConfig(every=1))
     step(model, model, opt, tel, loader.next().micro_batches(2), 1)
     out, res = step(model, model, opt, tel, loader.next().micro_batches(2), 2, before=_plant_inf_grad)
     assert res.skipped and out["nonfinite"]["grads"]
@@ -239,7 +241,7 @@ def test_skipped_step_has_zero_update_and_reads_real_params():
 def test_nan_activation_marks_its_layer_and_every_later_one():
     ds, model = build()
     opt, _ = build_optimizer(model, {"lr": 1e-2})
-    tel = Telemetry(model, every=1)
+    tel = Telemetry(model, TelemetryConfig(every=1))
 
     def plant(module, args, out):  # registered before telemetry's hooks: they see the NaN
         out = out.clone()
@@ -261,7 +263,7 @@ def test_nonfinite_optimizer_state_is_flagged():
     from stability.step_state import state_nonfinite, state_summary
     ds, model = build()
     opt, _ = build_optimizer(model, {"lr": 1e-2})
-    loader, tel = Loader(ds, BATCH), Telemetry(model, every=1)
+    loader, tel = Loader(ds, BATCH), Telemetry(model, TelemetryConfig(every=1))
     step(model, model, opt, tel, loader.next().micro_batches(2), 1)
     assert state_nonfinite(opt, state_summary(opt, model)) is False
     state = opt.state[model.blocks[2].mlp.router.weight]["exp_avg_sq"]
@@ -280,7 +282,7 @@ def test_nonfinite_muon_momentum_is_flagged():
     from stability.step_state import state_nonfinite, state_summary
     ds, model = build()
     opt, _ = build_optimizer(model, {"name": "muon", "lr": 1e-2})
-    loader, tel = Loader(ds, BATCH), Telemetry(model, every=1)
+    loader, tel = Loader(ds, BATCH), Telemetry(model, TelemetryConfig(every=1))
     step(model, model, opt, tel, loader.next().micro_batches(2), 1)
     bufs = [st["momentum_buffer"] for st in opt.state.values() if "momentum_buffer" in st]
     assert bufs and state_nonfinite(opt, state_summary(opt, model)) is False
@@ -291,7 +293,7 @@ def test_nonfinite_muon_momentum_is_flagged():
 def test_large_finite_gradient_is_measured_not_flagged():
     ds, model = build()
     opt, _ = build_optimizer(model, {"lr": 1e-2})
-    tel, ref = Telemetry(model, every=1), {}
+    tel, ref = Telemetry(model, TelemetryConfig(every=1)), {}
 
     def plant(m):  # |g| = 1e25: Σg² overflows FP32, yet the gradient is finite
         m.blocks[0].mlp.w_down.weight.grad.view(-1)[0] = 1e25
@@ -314,22 +316,21 @@ def test_every_gates_the_work_and_bad_values_name_the_key():
 
     def no_hooks(m):
         assert not any(mod._forward_hooks for mod in m.modules())
-    off = Telemetry(model, every=0)
+    off = Telemetry(model, TelemetryConfig(every=0))
     assert not off.wants(0) and not off.start(5)
     assert step(model, model, opt, off, loader.next().micro_batches(2), 1, before=no_hooks)[0] == {}
-    tel = Telemetry(model, every=3)
+    tel = Telemetry(model, TelemetryConfig(every=3))
     assert [s for s in range(1, 10) if tel.wants(s)] == [3, 6, 9]
     assert step(model, model, opt, tel, loader.next().micro_batches(2), 4, before=no_hooks)[0] == {}
     out, _ = step(model, model, opt, tel, loader.next().micro_batches(2), 6, before=assert_armed)
     assert out["layers"] and not any(mod._forward_hooks for mod in model.modules())
-    for bad in (-1, 1.5, True, "two"):  # the schema's rule (stability/config.py); "2" parses as 2, as on the CLI
-        with pytest.raises(ValueError, match="telemetry.every"):
-            Telemetry(model, every=bad)
+    with pytest.raises(ValueError, match="telemetry.every"):  # the schema's rule (stability/config.py)
+        TelemetryConfig(every=-1)
 
 
 def test_parameters_replaced_after_construction_are_followed():
     ds, model = build()
-    tel = Telemetry(model, every=1)  # before the swap, as if built before an FSDP wrap
+    tel = Telemetry(model, TelemetryConfig(every=1))  # before the swap, as if built before an FSDP wrap
     model.norm.weight = torch.nn.Parameter(model.norm.weight.detach().clone())
     opt, _ = build_optimizer(model, {"lr": 1e-2})
     out, _ = step(model, model, opt, tel, Loader(ds, BATCH).next().micro_batches(2), 1)
@@ -360,9 +361,9 @@ def run_steps(dist: Dist, mode: str, micro: int, perturb_rank: int | None = None
     """STEPS telemetry steps; with perturb_rank, one more whose gradient on that rank is nudged after
     the all-reduce (as if its reduction had been lost)."""
     ds, model = build()
-    wrapped = wrap_model(model, mode, dist)
+    wrapped = wrap_model(model, ParallelConfig(mode=mode), dist)
     opt, _ = build_optimizer(model, {"lr": 1e-2, "weight_decay": 0.1})  # after sharding: DTensor params
-    loader, tel = Loader(ds, BATCH, dist.rank, dist.world), Telemetry(model, every=1)
+    loader, tel = Loader(ds, BATCH, dist.rank, dist.world), Telemetry(model, TelemetryConfig(every=1))
     outs, records = [], []
     for n in range(1, STEPS + 1):
         records.append({})
@@ -434,7 +435,7 @@ def test_state_summary_equals_fp64_norms_of_the_moments_and_weights():
     from stability.step_state import state_summary
 
     torch.manual_seed(0)
-    model = Transformer(ModelConfig.from_dict({**MODEL, "vocab_size": 8, "seq_len": 16}))
+    model = Transformer(model_config({**MODEL, "vocab_size": 8, "seq_len": 16}))
     opt, _ = build_optimizer(model, {"name": "adamw", "lr": 1e-2})
     for _ in range(2):
         model(torch.randint(0, 8, (2, 16)), torch.randint(0, 8, (2, 16))).loss_sum.backward()

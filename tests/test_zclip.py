@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from optim.config import ZScoreConfig
 from optim.zclip import ZScoreClip, build_clip_policy
 from precision import optimizer_step
 
@@ -25,7 +26,7 @@ def _step(policy, g: float, fixed=None):
 
 
 def test_planted_series_against_hand_computation():
-    z = ZScoreClip(alpha=0.5, z_thresh=1.0, warmup=3)
+    z = ZScoreClip(ZScoreConfig(alpha=0.5, z_thresh=1.0, warmup=3))
     # warm-up: 1, 2, 3 pass untouched (fixed = None); then μ = 2, σ² = (1 + 4 + 9)/3 − 2² = 2/3
     for g in (1.0, 2.0, 3.0):
         res, got = _step(z, g)
@@ -52,7 +53,7 @@ def test_planted_series_against_hand_computation():
 
 
 def test_warmup_uses_the_fixed_threshold_and_logs_the_fixed_coefficient():
-    z = ZScoreClip(alpha=0.9, z_thresh=2.0, warmup=2)
+    z = ZScoreClip(ZScoreConfig(alpha=0.9, z_thresh=2.0, warmup=2))
     res, got = _step(z, 4.0, fixed=1.0)  # warm-up: the fixed clip at 1.0 applies
     assert got == pytest.approx(1.0, rel=1e-5) and z.last["warmup"]
     # the EMA starts from the clipped warm-up norms: 1.0 and 1.0 → μ = 1, σ = 0
@@ -68,32 +69,27 @@ def _series(z, norms):
 
 def test_state_round_trip_continues_exactly():
     norms = [1.0, 1.3, 0.9, 1.1, 1.2, 6.0, 1.0, 0.8, 9.0, 1.1, 1.4, 7.5]
-    straight = _series(ZScoreClip(alpha=0.8, z_thresh=2.0, warmup=4), norms)
-    a = ZScoreClip(alpha=0.8, z_thresh=2.0, warmup=4)
+    straight = _series(ZScoreClip(ZScoreConfig(alpha=0.8, z_thresh=2.0, warmup=4)), norms)
+    a = ZScoreClip(ZScoreConfig(alpha=0.8, z_thresh=2.0, warmup=4))
     first = _series(a, norms[:6])
     buf = io.BytesIO()
     torch.save(a.state_dict(), buf)
     buf.seek(0)
-    b = ZScoreClip(alpha=0.8, z_thresh=2.0, warmup=4)
+    b = ZScoreClip(ZScoreConfig(alpha=0.8, z_thresh=2.0, warmup=4))
     b.load_state_dict(torch.load(buf))
     assert first + _series(b, norms[6:]) == straight
     assert sum(c < 1 for c in straight) >= 2  # the planted spikes were clipped
 
 
-@pytest.mark.parametrize("cfg, key", [
-    ({"clip": "zscore", "zscore": {"z_thresh": 0}}, "train.zscore.z_thresh"),
-    ({"clip": "zscore", "zscore": {"z_thresh": -1.0}}, "train.zscore.z_thresh"),
-    ({"clip": "zscore", "zscore": {"alpha": 1.0}}, "train.zscore.alpha"),
-    ({"clip": "zscore", "zscore": {"warmup": 1}}, "train.zscore.warmup"),
-    ({"clip": "zscore", "zscore": {"beta": 1}}, "train.zscore.beta"),
-    ({"clip": "adaptive"}, "train.clip"),
+@pytest.mark.parametrize("zscore, key", [
+    ({"z_thresh": 0}, "train.zscore.z_thresh"), ({"z_thresh": -1.0}, "train.zscore.z_thresh"),
+    ({"alpha": 1.0}, "train.zscore.alpha"), ({"warmup": 1}, "train.zscore.warmup"),
 ])
-def test_bad_config_names_the_key(cfg, key):
+def test_bad_config_names_the_key(zscore, key):
     with pytest.raises(ValueError, match=rf"^{key}"):
-        build_clip_policy(cfg)
+        ZScoreConfig(**zscore)
 
 
 def test_fixed_builds_no_policy():
-    assert build_clip_policy({"clip": "fixed"}) is None
-    assert isinstance(build_clip_policy({"clip": "zscore", "zscore": {"alpha": 0.9, "z_thresh": 2.5, "warmup": 5}}),
-                      ZScoreClip)
+    assert build_clip_policy("fixed", ZScoreConfig()) is None
+    assert isinstance(build_clip_policy("zscore", ZScoreConfig(alpha=0.9, z_thresh=2.5, warmup=5)), ZScoreClip)

@@ -29,6 +29,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from data.loader import Loader
 from labs.claims.tiny import build, check_lines, figure, first_index, make_optimizer, save, train_step
 from labs.common import single_thread
+from stability.config import TelemetryConfig
 from stability.telemetry import Telemetry
 from stability.telemetry_layers import param_layer
 
@@ -48,7 +49,7 @@ def train(seed: int, ramp: float, max_steps: int) -> dict:
     optimizer, _ = make_optimizer(model, LR0)
     # NOTE: the ramp replaces the constant schedule: lr(s) = LR0 · ramp^s for step s = 0, 1, ...
     scheduler = LambdaLR(optimizer, lambda s: ramp ** s)
-    telemetry = Telemetry(model, every=1)
+    telemetry = Telemetry(model, TelemetryConfig(every=1))
     loader = Loader(dataset, 8)
     loss, lr, rho_max, layers = [], [], [], {}
     for step in range(1, max_steps + 1):
@@ -90,7 +91,7 @@ def train_layer_fault(seed: int, layer: str, factor: float, start: int, steps: i
     # step_with_fault calls the marked original, so the order the check protects is kept.
     step_with_fault._wrapped_by_lr_sched = True
     optimizer.step = step_with_fault
-    telemetry, loader, params = Telemetry(model, every=1), Loader(dataset, 8), list(model.parameters())
+    telemetry, loader, params = Telemetry(model, TelemetryConfig(every=1)), Loader(dataset, 8), list(model.parameters())
     loss, lr, whole, layers = [], [], [], {}
     for step in range(1, steps + 1):
         step_now[0] = step

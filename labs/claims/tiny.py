@@ -25,7 +25,7 @@ DATA = {"kind": "synthetic", "seq_len": 32, "min_doc_len": 4,
                     {"name": "copy", "kind": "copy", "weight": 0.5, "alphabet": 16, "segment": 6}]}
 MODEL = {"d_model": 32, "n_layers": 2, "n_heads": 2}
 BATCH, MICRO = 8, 2
-CONSTANT = {"name": "constant"}
+CONSTANT = {"name": "constant", "warmup_steps": 0}
 COSINE = {"name": "cosine", "warmup_steps": 0, "min_lr_ratio": 0.1}
 
 
@@ -41,8 +41,7 @@ def build(seed: int, data: dict | None = None, model: dict | None = None, init_s
     """(dataset, model): data seed `seed`, init seed `init_seed` (default: `seed`)."""
     dataset = build_data({**DATA, **(data or {}), "seed": seed})
     torch.manual_seed(seed if init_seed is None else init_seed)
-    net = Transformer(ModelConfig.from_dict({**MODEL, **(model or {}), "vocab_size": dataset.vocab_size,
-                                             "seq_len": dataset.seq_len}))
+    net = Transformer(ModelConfig(**{**MODEL, **(model or {})}).for_data(dataset))
     return dataset, net
 
 

@@ -43,8 +43,8 @@ class Context:
     model: Any = None
     optimizer: Any = None
     loader: Any = None
-    data_cfg: dict | None = None   # the run's data node (mixture_switch rebuilds the data from it)
-    train_cfg: dict | None = None  # the run's train node (clip_threshold reads max_grad_norm and clip)
+    data_cfg: Any = None   # the run's DataConfig (mixture_switch rebuilds the data from it)
+    train_cfg: Any = None  # the run's TrainConfig (clip_threshold reads max_grad_norm and clip)
     rank: int = 0
     world: int = 1
 

@@ -30,10 +30,10 @@ class ClipThreshold(Drill):
         t = self.ctx.train_cfg
         if t is None:  # a test driving the drill by hand
             return
-        if t.get("max_grad_norm") is None:
+        if t.max_grad_norm is None:
             self.fail("needs a clip threshold to scale; train.max_grad_norm=null")
-        if t.get("clip", "fixed") != "fixed":
-            self.fail(f"scales the fixed threshold; needs train.clip=fixed, got train.clip={t['clip']}")
+        if t.clip != "fixed":
+            self.fail(f"scales the fixed threshold; needs train.clip=fixed, got train.clip={t.clip}")
 
     def before_update(self, s) -> None:
         if s.max_grad_norm is not None and self.persists(s.step, factor=self.cfg.factor,
