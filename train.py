@@ -12,6 +12,8 @@ assembles everything from the config.
 """
 from __future__ import annotations
 
+import run.omp_wait  # noqa: F401  (first: how OpenMP threads wait is fixed when torch loads)
+
 import sys
 import time
 from pathlib import Path
