@@ -97,9 +97,11 @@ def train(run: Run, stop: Interrupts) -> None:
     while step < ckpt.last_step:  # last_step < train.steps under checkpoint.stop_after
         if stop.agreed():  # the step boundary: an interrupt saves this state and ends the run here
             saved = ckpt.save_interrupted(step, tokens_seen, guard.healthy())
+            stopped = Interrupted.at(stop, step, saved, run.run_dir)
+            run.events.emit(step, "interrupted", str(stopped), signal=stop.name, checkpoint=saved and saved.name)
             for sink in run.sinks:
                 sink.close()
-            raise Interrupted.at(stop, step, saved, run.run_dir)
+            raise stopped
         step += 1  # NOTE: a while loop, because a guard rollback moves the step back
         s = StepState(step, max_grad_norm=tc.max_grad_norm)
         t0, c0 = time.perf_counter(), cpu_clock()

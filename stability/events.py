@@ -1,7 +1,7 @@
 """events.jsonl: one JSON object per guard action (and per injected fault), the story of an incident.
 
 Kinds written by the guard: trigger, skip, rollback, rollback_failed, anticipatory_on, anticipatory_off,
-recovered; by the fault injector: fault. Every event carries `step` (the optimizer step it belongs to)
+recovered; by the fault injector: fault; by the loop: interrupted (a signal stopped it at a step boundary). Every event carries `step` (the optimizer step it belongs to)
 and `kind`; the rest are the fields docs/design.md §4 lists (trigger metric / value / threshold / cooldown,
 rollback checkpoint and data cursor, policy versions and delay, activation duration, recovered steps,
 expert-load and loss trajectories).

@@ -19,6 +19,7 @@ import pytest
 
 from helpers import HANG_S, ROOT, TINY, env, run_train
 from run.lifecycle import Exit
+from stability.events import read_events
 from stability.record import read_records
 
 # long enough to be caught alive, a checkpoint every 5 steps, a console line every step (the handshake)
@@ -128,6 +129,8 @@ def test_sigint_saves_at_the_step_boundary_and_resume_auto_is_bit_identical(tmp_
     assert step >= 7 and saved.name == f"step_{step:06d}" and (saved / "marker.json").exists()
     assert "Traceback" not in err
     assert [r["step"] for r in read_records(d / "metrics.jsonl")] == list(range(1, step + 1))
+    assert [(e["step"], e["signal"], e["checkpoint"]) for e in read_events(d / "events.jsonl")
+            if e["kind"] == "interrupted"] == [(step, "SIGINT", saved.name)]
     resumed = subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, env=env(), capture_output=True,
                              text=True, timeout=HANG_S)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
