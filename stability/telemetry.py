@@ -87,7 +87,7 @@ class Telemetry:
         for key, mod in self.swiglus:
             mod.record_stats = True
             self._hooks.append(mod.register_forward_hook(self._clamp_hook(key)))
-        for block in m.blocks:  # the attention-logit probe: one sequence per forward (model/layers.py)
+        for block in m.blocks:  # the attention-logit probe: one sequence per forward (model/attention.py)
             block.attn.probe_logits, block.attn.logit_max_H = True, None
         return True
 
