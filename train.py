@@ -31,7 +31,7 @@ from precision import optimizer_step
 from run.build import Run, build_run
 from run.config import normalise, preflight, register
 from run.lifecycle import CannotStart, Exit, Interrupted, Interrupts, RunDir, RunDirBusy, note_new_dirs, say
-from run.schema import ConfigError
+from run.config_errors import ConfigError
 from stability.callbacks import StepState
 from stability.guard import GuardAbort
 from stability.inputs import InputBaseline, input_stats

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from run.schema import check, fail
+from run.config_errors import check, fail
 
 SCORES = ("softmax", "sigmoid")
 

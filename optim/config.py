@@ -11,7 +11,7 @@ from typing import Mapping
 
 from omegaconf import DictConfig, OmegaConf
 
-from run.schema import ConfigError, check, choice, fail, from_mapping
+from run.config_errors import ConfigError, check, choice, fail, from_mapping
 
 KINDS = ("bias", "norm", "embedding", "router", "expert_bias")  # parameter kinds a rule can name
 DEFAULT_GROUP = "default"

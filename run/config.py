@@ -31,7 +31,7 @@ from model.config import ModelConfig, default_model
 from optim.config import CLIP_MODES, OptimConfig, ZScoreConfig
 from parallel.config import ParallelConfig
 from precision.config import PrecisionConfig
-from run.schema import ConfigError, check, choice, fail, from_mapping, known_keys_only, one_line
+from run.config_errors import ConfigError, check, choice, fail, from_mapping, known_keys_only, one_line
 from stability.config import FaultConfig, GuardConfig, LoggingConfig, TelemetryConfig
 
 SCHEMA = "ballast_schema"  # the name conf/config.yaml's defaults list starts with

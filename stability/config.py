@@ -10,7 +10,7 @@ import math
 from dataclasses import asdict, dataclass, field, fields, make_dataclass
 from typing import Any, Optional, get_type_hints
 
-from run.schema import ConfigError, check, choice, from_mapping, unused_keys
+from run.config_errors import ConfigError, check, choice, from_mapping, unused_keys
 from stability.drills import NONE, registry
 from stability.signals import SIGNALS, guard_defaults
 
