@@ -109,7 +109,7 @@ class Telemetry:
         (the grads hold g·coef, already unscaled under FP16). Collective: every rank must call it.
 
         Returns {"layers", "update_ratio_max", "nonfinite": {grads}, "replica"} ({} when this step records
-        no telemetry). The optimizer state's non-finite flag is stability/step_state.py state_nonfinite's,
+        no telemetry). The optimizer state's non-finite flag is stability/resume_fields.py state_nonfinite's,
         every step, from the moments' norms the StepRecord computes anyway.
         """
         if not self.active:

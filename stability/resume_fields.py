@@ -1,5 +1,5 @@
-"""StepRecord fields the doctor needs at resume boundaries, per rank and per step of CPU (record
-version 2; stability/record.py). Each is cheap enough for every step.
+"""The StepRecord fields that show a resume or a rank going wrong: optimizer-state norms, per-rank inputs,
+CPU time (record version 2; stability/record.py). Each is cheap enough for every step.
 
     state = state_summary(optimizer, model)     # ‖m‖, ‖v‖, ‖θ‖ per param group; ‖bias‖ per MoE layer
     ranks = rank_inputs(local_batch, sums, world, rank)   # per-rank sample ids, content hash, local loss
