@@ -24,7 +24,7 @@ def head_logit_max(q_BHTd: Tensor, k_BKTd: Tensor) -> Tensor:
     T, dev = s_BKGTS.shape[-1], s_BKGTS.device
     m_KG = None
     if dev.type == "cpu" and not torch.compiler.is_compiling():
-        # NOTE: a boolean masked_fill costs ~8× an add on a CPU (not vectorised). Adding −0.0 leaves every
+        # NOTE: a boolean masked_fill is not vectorised on a CPU, an add is. Adding −0.0 leaves every
         # value as it is (−0 too) and −inf masks a future score, unless that score is +inf or NaN: then the
         # max is non-finite and the masked_fill below decides, as it always does off the CPU (the check
         # reads a number back: a device sync per layer there). Out of place: under selective activation
