@@ -11,16 +11,18 @@ misbehave"; per layer,
 A ρ_ℓ that keeps rising while the loss looks normal exposes precision, init or data problems earlier
 than waiting for a NaN. Layer names: stability/telemetry_layers.py.
 
-In train.py (every call is a no-op returning {} on a step that telemetry skips; all ranks call them):
+Attached to the step by StepTelemetry (below) at train.py's callback points (every call is a no-op
+returning {} on a step that telemetry skips; all ranks call them):
 
-    telemetry.start(step)                      # before the step's first forward: hooks on
-    sums = forward_backward(...)
-    telemetry.before_update()                  # snapshot θ (one foreach copy into reused buffers)
-    res = optimizer_step(...)                  # unscale → finite check → clip → step or skip
-    tel = telemetry.finish(res.coef)           # before zero_grad: the grads are read here
-    ...                                        # every step: stats = reduce_step_sums(...)
-    flags = {**nonfinite_flags(stats["loss"], stats["logit_max"], norm.item()), **tel.pop("nonfinite", {})}
-    StepRecord(..., **tel, nonfinite=flags, moe=moe_summary(stats["moe_load"]))
+    cb.before_forward(s)      → telemetry.start(step)            # hooks on, before the first forward
+    sums = forward_backward(...); s.stats = reduce_step_sums(...)
+    cb.before_update(s)       → telemetry.before_update()        # snapshot θ (one foreach copy, reused buffers)
+    s.result = optimizer_step(..., veto=veto)                    # unscale → finite check → clip → veto → step
+    cb.after_update(s)        → s.post = telemetry.finish(s.result.coef)   # before zero_grad: grads read here
+    s.moe = moe_summary(s.stats["moe_load"], s.stats["moe_out_sq"])   # every step, telemetry or not
+    rec = step_record(s, ...)   # stability/record.py: layers, replica from s.post; nonfinite = s.flags | s.post's
+
+s.flags are nonfinite_flags(loss, logit_max, ‖g‖), set in the guard's veto before the update.
 """
 from __future__ import annotations
 
