@@ -28,7 +28,7 @@ from optim.schedule import factor_fn  # plain arithmetic: the optim package load
 from stability.events import read_events
 from stability.signals import (BACKWARD, FORWARD, GUARD_FLOOR, INPUT, LAYERS, SIGNALS, SYSTEM,  # noqa: F401
                                ReadContext, Signal)  # (the layer names: re-exported for doctor/)
-from stability.record import (RECORD_VERSION, V2_FIELDS, V3_FIELDS, V4_FIELDS, V4_SUBFIELDS, read_records,
+from stability.record import (RECORD_VERSION, V2_FIELDS, V3_FIELDS, V4_FIELDS, V4_SUBFIELDS,
                               read_records_partial)
 
 WINDOW = 30       # trailing values in a baseline (the guard's detector window)

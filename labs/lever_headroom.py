@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import math
 
-import torch
-
 from data.loader import Loader
 from labs.claims.tiny import build, check_lines, figure, save
 from labs.common import single_thread

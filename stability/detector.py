@@ -33,7 +33,7 @@ import statistics
 from collections import deque
 from dataclasses import dataclass
 
-from stability.config import DIRECTIONS, DetectorConfig  # noqa: F401  (DIRECTIONS: re-exported)
+from stability.config import DetectorConfig
 from stability.signals import family
 
 

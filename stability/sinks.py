@@ -10,7 +10,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from stability.config import WANDB_MODES, LoggingConfig  # noqa: F401  (WANDB_MODES: re-exported)
+from stability.config import LoggingConfig
 from stability.record import StepRecord
 
 

@@ -37,7 +37,7 @@ from model.checkpointing import recomputing
 from parallel.dist import all_reduce_max, all_reduce_sum
 from stability.callbacks import Callback, StepState
 from stability.config import TelemetryConfig
-from stability.telemetry_layers import ParamLayout, layer_order, local, norms, swiglu_layer
+from stability.telemetry_layers import ParamLayout, layer_order, swiglu_layer
 
 
 class Telemetry:

@@ -16,8 +16,6 @@ from __future__ import annotations
 import math
 import statistics
 
-import torch
-
 from data.loader import Loader
 from labs.claims.tiny import BATCH, build, check_lines, figure, make_optimizer, save, train_step
 from labs.common import single_thread
