@@ -98,12 +98,13 @@ def test_fp16_table_states_the_configured_scaler():
 
 def test_fp16_update_order_is_stated_the_same_everywhere():
     """Issue 13 #13: the README said "unscale → global norm → finite check → clip", the precision table
-    "unscale → finite check → clip → step". One order: the table, the README and precision/step.py."""
+    "unscale → finite check → clip → step". One order: the table, docs/reference.md (the README's long form,
+    where the update order is written out) and precision/step.py."""
     import precision.step
 
     root = Path(__file__).resolve().parents[1]
     assert UPDATE_ORDER in build_recipe(precision_config({"name": "fp16"})).table().rows["loss scaling"]
-    assert UPDATE_ORDER in " ".join((root / "README.md").read_text().split())
+    assert UPDATE_ORDER in " ".join((root / "docs" / "reference.md").read_text().split())
     assert UPDATE_ORDER in precision.step.__doc__
 
 
