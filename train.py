@@ -31,13 +31,13 @@ from precision import optimizer_step
 from run.build import Run, build_run
 from run.config import normalise, preflight, register
 from run.lifecycle import CannotStart, Exit, Interrupted, Interrupts, RunDir, RunDirBusy, note_new_dirs, say
-from run.schema import ConfigError
+from run.config_errors import ConfigError
 from stability.callbacks import StepState
 from stability.guard import GuardAbort
 from stability.inputs import InputBaseline, input_stats
 from stability.plots import plot_losses
 from stability.record import config_fingerprint, loss_by_source, read_records, step_record
-from stability.step_state import cpu_clock, rank_inputs, state_nonfinite, state_summary
+from stability.resume_fields import cpu_clock, rank_inputs, state_nonfinite, state_summary
 from stability.telemetry import moe_summary, nonfinite_flags
 
 register()  # the typed schema conf/config.yaml's defaults list starts with (run/config.py)

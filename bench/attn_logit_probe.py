@@ -4,7 +4,7 @@
 
 Interleaved, step by step on the same batches (this machine's speed drifts): a forward + backward of a
 dense model (1) plain, (2) with the telemetry probe on (per head max of QKᵀ/√d of the FIRST sequence of
-each forward, from the q and k the forward computed: model/layers.py), and (3) QK-clip's re-measure
+each forward, from the q and k the forward computed: model/attention.py), and (3) QK-clip's re-measure
 (optim/qk_clip.py: one no-grad trunk forward with the per-head max over the whole batch, chunked) timed
 on its own. Prints the medians and the overheads relative to the plain step.
 """

@@ -28,6 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 WALL_CLOCK = {"time_s", "tokens_per_s", "memory_mb"}
 DURATION = re.compile(r"\d+\.\d+ ?s\b")
+RUN_DIR = re.compile(r"\S*/same-records-[^/\s]+/[^/\s]+-(?:ref|now)")  # each side's own run directory
 COMMON = ["threads=1", "logging.progress=false", "logging.wandb=disabled", "logging.plot=false"]
 
 
@@ -51,9 +52,9 @@ def lines(path: Path) -> list[dict]:
 
 
 def blank(x):
-    """Wall-clock durations inside event text are not part of the computation."""
+    """Wall-clock durations and each side's run directory inside event text are not part of the computation."""
     if isinstance(x, str):
-        return DURATION.sub("<t>", x)
+        return RUN_DIR.sub("<run>", DURATION.sub("<t>", x))
     if isinstance(x, list):
         return [blank(v) for v in x]
     if isinstance(x, dict):

@@ -14,5 +14,5 @@ from checkpoint.publish import check, resolve, step_name
 from checkpoint.saver import Saver
 from checkpoint.state import TrainState, read_blobs, read_tensors
 
-__all__ = ["Checkpointer", "RunComplete", "Saver", "TrainState", "check", "read_blobs", "read_tensors", "resolve", "resume_options",
-           "step_name"]
+__all__ = ["Checkpointer", "FinalCheckpointWithheld", "RunComplete", "Saver", "TrainState", "check", "read_blobs",
+           "read_tensors", "resolve", "resume_options", "step_name"]

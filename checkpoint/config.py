@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from run.schema import check, choice
+from run.config_errors import check, choice
 
 MODES = ("async", "sync")
 

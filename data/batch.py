@@ -9,7 +9,7 @@ import torch
 IGNORE_INDEX = -100
 
 # NOTE: a fixed odd multiplier per position mod a prime below 2^31: the hash stays an exact integer in
-# float64 after stability/step_state.py's all-reduce (every other rank adds 0 to this rank's slot).
+# float64 after stability/resume_fields.py's all-reduce (every other rank adds 0 to this rank's slot).
 HASH_MOD = 2_147_483_629
 
 

@@ -10,7 +10,7 @@ from typing import Mapping
 from data.sources import MAX_TABLE
 from omegaconf import DictConfig, OmegaConf
 
-from run.schema import ConfigError, check, choice, from_mapping, unused_keys
+from run.config_errors import ConfigError, check, choice, from_mapping, unused_keys
 
 KINDS = ("synthetic", "text")
 TOKENIZERS = ("byte", "char", "bpe")

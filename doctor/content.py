@@ -1,7 +1,7 @@
 """Is each rank's batch the content its sample ids name? An exact invariant, from the records alone.
 
 Samples are pure functions of their id (data/loader.py), and every record carries, per rank, the first id,
-the count and a content hash of the tokens that rank trained on (stability/step_state.py rank_inputs,
+the count and a content hash of the tokens that rank trained on (stability/resume_fields.py rank_inputs,
 data/batch.py content_hash). The doctor rebuilds the run's data from config.yaml, hashes the samples the
 ids name, and compares: a rank that trained on other content than its ids — a data path that swaps,
 corrupts or repeats what the loader served — is found at its step, with its rank.

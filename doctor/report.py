@@ -197,7 +197,7 @@ def plot(run: Run, diag: Diagnosis, path: Path) -> None:
         ax.grid(alpha=0.3)
     axes[0].set_title(f"{run.dir.name}: {diag.fault_class}" + (f" (step {diag.step})" if diag.step else ""))
     axes[-1].set_xlabel(f"optimizer step (segment {diag.seg_index} of the execution order)")
-    fig.subplots_adjust(left=0.1, right=0.98, top=0.95, bottom=0.06, hspace=0.08)  # NOTE: tight_layout costs ~1 s
+    fig.subplots_adjust(left=0.1, right=0.98, top=0.95, bottom=0.06, hspace=0.08)  # NOTE: fixed margins: tight_layout measures every text artist
     fig.savefig(path, dpi=100)
     plt.close(fig)
 

@@ -51,7 +51,7 @@ def baselines(y: np.ndarray, window: int = WINDOW, min_history: int = MIN_HISTOR
         b[full] = (np.median(w[:, -third:], axis=1) - np.median(w[:, :third], axis=1)) / (window - third)
     centre = np.arange(window) - (window - 1) / 2
     r = win - b[:, None] * centre[None, :] if DETREND else win
-    # NOTE: np.median on the full windows, nanmedian only on the few padded ones (nanmedian is ~50× slower)
+    # NOTE: np.median on the full windows, nanmedian only on the few padded ones (nanmedian is a Python-level loop, many times slower)
     m, d = np.empty(len(win)), np.empty(len(win))
     if full.any():
         m[full] = np.median(r[full], axis=1)
@@ -155,9 +155,9 @@ def scores(s: Series, guard: GuardTest | None = None, name: str = "") -> Scores 
     floor = spec.rel_floor if spec.log else spec.rel_floor * np.abs(med)
     den = MAD_SIGMA * mad + floor + spec.abs_floor
     z = {}
-    # NOTE: on a log quantity the floor bounds the noise from below, it is not added to it: a ×3.5 jump of
-    # an activation whose RMS moves 6 % a step scored 7.9 with the floor added (0.05 + 0.087) and 12.4 with
-    # the larger of the two; the floor exists for sub-percent MADs, where max() and + agree
+    # NOTE: on a log quantity the floor bounds the noise from below, it is not added to it: added, it
+    # dilutes a real jump of a quantity that is noisy already (its z nearly halves when the floor and the
+    # MAD are alike); the floor exists for sub-percent MADs, where max() and + agree
     zpt = ((y - med) / (np.maximum(MAD_SIGMA * mad, max(floor, spec.point_floor)) + spec.abs_floor) if spec.log
            else (y - med) / den)
     z["point"] = signed(zpt * _sample_size(s, steps[:nf], WINDOW, MIN_HISTORY), spec.point or spec.direction)
@@ -178,9 +178,9 @@ def scores(s: Series, guard: GuardTest | None = None, name: str = "") -> Scores 
         past = np.sign(shift) * (y - before) > np.abs(shift) / 2
     z["change"] = np.where(past, signed(z2, spec.direction), -np.inf)
     # NOTE: a sustained run of K high values counts only where the two-window statistic says a new level
-    # starts (≥ CONFIRM): on clean runs of 200 steps the K-step test alone fired on drifts (update ratio
-    # of the final norm decaying, an activation RMS climbing: sustained z 4.5-4.6, change z there ≤ 3.2),
-    # while every planted shift it finds has change z ≥ 8 at its first step
+    # starts (≥ CONFIRM): alone, the K-step test fires on slow drifts of clean runs (an update ratio
+    # decaying, an activation RMS climbing), which never open a new level, while a planted shift does at
+    # its first step (bench/doctor_calibrate.py reads both)
     z["sustained"] = np.where(z["change"] >= CONFIRM, zsus, -np.inf)
     direction = guard.direction(name) if guard else None  # the families the run's guard watched
     if direction and nf > guard.min_history:  # the guard's own test: never less sensitive than the guard

@@ -28,28 +28,29 @@ from optim.schedule import factor_fn  # plain arithmetic: the optim package load
 from stability.events import read_events
 from stability.signals import (BACKWARD, FORWARD, GUARD_FLOOR, INPUT, LAYERS, SIGNALS, SYSTEM,  # noqa: F401
                                ReadContext, Signal)  # (the layer names: re-exported for doctor/)
-from stability.record import (RECORD_VERSION, V2_FIELDS, V3_FIELDS, V4_FIELDS, V4_SUBFIELDS, read_records,
+from stability.record import (RECORD_VERSION, V2_FIELDS, V3_FIELDS, V4_FIELDS, V4_SUBFIELDS,
                               read_records_partial)
 
 WINDOW = 30       # trailing values in a baseline (the guard's detector window)
 MIN_HISTORY = 10  # no score before this many baseline values
 THRESHOLD = 8.0   # point test: robust z above which one value deviates. The guard fires at 6 with a
                   # floor of 1e-3·|median|; the doctor's floors are as small (FLOOR_LOG), and 8 instead
-                  # of 6 because it reads ~70 quantities: calibrated on clean runs (0 false alarms)
+                  # of 6 because it reads many quantities at once: calibrated on clean runs
+                  # (bench/doctor_calibrate.py)
 SUSTAINED = 3.5   # sustained test: K consecutive values all above this z (chance ~(2e-4)^K per start)
 K = 4             # steps a sustained shift must hold
 CHANGE = 10.0     # two-window test: robust z of (median of the K steps from t − median of the B before t)
-                  # against that statistic's own trailing spread; clean maxima 9.3 (bench/doctor_calibrate.py)
-CHANGE_LAYER = 15.0  # the same for a per-layer quantity: 3-5 per layer and 4-8 layers, each moving with the
-                    # model's own transitions (the default job's induction head: clean maxima 12.0-13.0 at
-                    # steps 122-194 on act_rms and update_ratio of single layers; bench/doctor_calibrate.py)
+                  # against that statistic's own trailing spread; above the clean maxima (bench/doctor_calibrate.py)
+CHANGE_LAYER = 15.0  # the same for a per-layer quantity: several per layer times several layers, each moving
+                    # with the model's own transitions (an induction head forming moves single layers'
+                    # act_rms and update_ratio): above their clean maxima (bench/doctor_calibrate.py)
 B = 8             # steps before t in the two-window test
 CONFIRM = 6.0     # the sustained test needs the two-window statistic at its step to be at least this
 HIST_WARM = 10    # steps after a resume before the input histogram's kl / rare share are read again
 MIX_P = 0.01      # a batch's source mix less probable than this under the declared weights explains its tokens
-FLOOR_LOG = 0.05  # log units: moves under ~5 % never deviate (sub-percent MADs on smooth quantities)
+FLOOR_LOG = 0.05  # log units: a move under e^0.05 − 1 ≈ 5 % never deviates (smooth quantities have sub-percent MADs)
 MAD_SIGMA = 1.4826  # MAD → σ for Gaussian noise
-DETREND = False  # NOTE: measured on clean runs: extrapolating the window's slope over-shoots on curved
+DETREND = False  # NOTE: on clean runs extrapolating the window's slope over-shoots on curved
                  # quantities (ρ, ‖v‖ decaying) and raised the clean maxima; a flat median did better
 
 

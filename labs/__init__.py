@@ -18,6 +18,6 @@ LABS = {
     "zloss": "labs.claims.zloss",
     "clip_always": "labs.claims.clip_always",
     "rho_early": "labs.claims.rho_early",
-    "levers": "labs.levers",
-    "anticipatory": "labs.anticipatory",
+    "levers": "labs.lever_headroom",
+    "anticipatory": "labs.anticipatory_ablation",
 }

@@ -74,7 +74,7 @@ def _replace_method(module_name: str, cls: str, attr: str, make):
 
 
 def _wrong_rope_backward():
-    return _replace("model.layers", "apply_rope", lambda rope: lambda x, cos, sin: rope(_ScaledGrad.apply(x), cos, sin))
+    return _replace("model.rope", "apply_rope", lambda rope: lambda x, cos, sin: rope(_ScaledGrad.apply(x), cos, sin))
 
 
 def _straight_through_clamp():

@@ -24,8 +24,9 @@ import math
 import torch
 from torch import nn
 
-import model.layers as layers
+import model.attention as attention_mod
 import model.loss as loss_mod
+import model.rope as rope_mod
 import model.swiglu as swiglu_mod
 from data import IGNORE_INDEX, PAD_ID, build_data
 from data.loader import eval_batches
@@ -60,9 +61,9 @@ def _leaf(x: torch.Tensor) -> torch.Tensor:
 # ---- components: each returns (objective, {name: float64 leaf}) ---------------------------------
 def attention(T: int):
     cfg = ModelConfig(vocab_size=2, seq_len=T, d_model=32, n_heads=4, n_kv_heads=2)
-    attn = layers.Attention(cfg).to(F64)
+    attn = attention_mod.Attention(cfg).to(F64)
     attn.init_weights(0.3, 0.3)  # NOTE: large enough that the softmax is far from uniform
-    cos, sin = (t.to(F64) for t in layers.rope_tables(T, cfg.head_dim, cfg.rope_theta))
+    cos, sin = (t.to(F64) for t in rope_mod.rope_tables(T, cfg.head_dim, cfg.rope_theta))
     x, w = _leaf(torch.randn(2, T, 32)), torch.randn(2, T, 32, dtype=F64)
     return (lambda: ((attn(x, cos, sin) * w).sum(), None)), {
         "x": x, "qkv.weight": attn.qkv.weight, "proj_out.weight": attn.proj_out.weight}
@@ -70,12 +71,12 @@ def attention(T: int):
 
 def attention_qk_norm(T: int):
     cfg = ModelConfig(vocab_size=2, seq_len=T, d_model=32, n_heads=4, n_kv_heads=2, qk_norm=True)
-    attn = layers.Attention(cfg).to(F64)
+    attn = attention_mod.Attention(cfg).to(F64)
     attn.init_weights(0.3, 0.3)
     with torch.no_grad():  # gains away from 1: a gain missing from the backward would show
         for norm in (attn.q_norm, attn.k_norm):
             norm.weight.add_(0.3 * torch.randn(cfg.head_dim, dtype=F64))
-    cos, sin = (t.to(F64) for t in layers.rope_tables(T, cfg.head_dim, cfg.rope_theta))
+    cos, sin = (t.to(F64) for t in rope_mod.rope_tables(T, cfg.head_dim, cfg.rope_theta))
     x, w = _leaf(torch.randn(2, T, 32)), torch.randn(2, T, 32, dtype=F64)
     return (lambda: ((attn(x, cos, sin) * w).sum(), None)), {
         "x": x, "qkv.weight": attn.qkv.weight, "q_norm.weight": attn.q_norm.weight,
@@ -83,9 +84,9 @@ def attention_qk_norm(T: int):
 
 
 def rope(T: int):
-    cos, sin = (t.to(F64) for t in layers.rope_tables(T, 8, 10000.0))
+    cos, sin = (t.to(F64) for t in rope_mod.rope_tables(T, 8, 10000.0))
     x, w = _leaf(torch.randn(2, T, 4, 8)), torch.randn(2, T, 4, 8, dtype=F64)
-    return (lambda: ((layers.apply_rope(x, cos, sin) * w).sum(), None)), {"x": x}
+    return (lambda: ((rope_mod.apply_rope(x, cos, sin) * w).sum(), None)), {"x": x}
 
 
 def rmsnorm(T: int):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from run.schema import check, fail
+from run.config_errors import check, fail
 
 SCORES = ("softmax", "sigmoid")
 
@@ -69,7 +69,7 @@ class ModelConfig:
     tie_embeddings: bool = True
     init_std: float = 0.02
     swiglu_clamp: float | None = None   # L; None = off
-    qk_norm: bool = False           # RMSNorm on each q and k head before RoPE (model/layers.py)
+    qk_norm: bool = False           # RMSNorm on each q and k head before RoPE (model/attention.py)
     moe: MoEConfig | None = None
 
     def for_data(self, dataset) -> "ModelConfig":

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor
 
-from model.layers import apply_rope
+from model.rope import apply_rope
 from model.moe import MoE
 
 

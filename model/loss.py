@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from model.layers import at_least_fp32
+from model.rope import at_least_fp32
 
 IGNORE_INDEX = -100
 

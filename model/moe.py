@@ -12,7 +12,7 @@ from torch import Tensor, nn
 
 from model.config import MoEConfig
 from model.grouped_gemm import grouped_mm
-from model.layers import at_least_fp32
+from model.rope import at_least_fp32
 from model.swiglu import SwiGLU, swiglu, swiglu_counted
 
 
@@ -243,7 +243,7 @@ class MoE(nn.Module):
     def _out_sq(self, out_MD: Tensor, ids_M: Tensor, valid_M: Tensor | None) -> Tensor:
         """(E,) Σ over valid rows of each expert of ‖row‖²/D: read from the expert output already computed
         (whichever path produced it, after any forward hook on self.experts), one norm per row."""
-        acc = torch.promote_types(out_MD.dtype, torch.float32)  # at least FP32; a float64 model (gradcheck) keeps it
+        acc = at_least_fp32(out_MD.dtype)
         ms_M = torch.linalg.vector_norm(out_MD.detach(), dim=-1, dtype=acc).square() / out_MD.shape[-1]
         if valid_M is not None:
             # NOTE: where, not multiply-by-mask: a padding row's inf must not reach a valid expert's sum as NaN

@@ -40,8 +40,8 @@ def swiglu_counted(gate: Tensor, up: Tensor, limit: float | None) -> tuple[Tenso
 
     NOTE: on a CPU the sufficient test of clamp_hits reads the clamp's OUTPUTS right after they are written
     (max(min(gate, L)) < L and max|clamp(up)| < L: nothing was clamped), while they are still in
-    cache, where it reads the projection's output from memory: 1.7 ms of a quickstart telemetry step
-    (bench/telemetry_overhead.py). A max that reaches L (a hit, or an element exactly at L) or a NaN
+    cache, where it reads the projection's output from memory (bench/telemetry_overhead.py measures
+    the difference). A max that reaches L (a hit, or an element exactly at L) or a NaN
     leaves the answer to the exact count.
     """
     # NOTE: a replaced swiglu (a lab's planted bug, labs/breaks.py) is honoured: computed through it
@@ -66,9 +66,9 @@ def clamp_hits(gate: Tensor, up: Tensor, limit: float | None) -> Tensor:
     if limit is None:
         return torch.zeros((), dtype=torch.int64, device=gate.device)
     # NOTE: on a CPU, first the common case of a healthy run: nothing beyond the clamp. Three reductions
-    # (no tensor written) and the answer 0 cost 0.21 ms where the count costs 0.58 (quickstart MLP, one
-    # thread). Not on an accelerator (the comparison reads a number back: a device sync per MLP), nor
-    # under torch.compile (a graph break).
+    # write no tensor, so answering 0 is cheaper than counting (bench/telemetry_overhead.py). Not on an
+    # accelerator (the comparison reads a number back: a device sync per MLP), nor under torch.compile
+    # (a graph break).
     if gate.numel() == 0:
         return torch.zeros((), dtype=torch.int64, device=gate.device)
     if gate.device.type == "cpu" and not torch.compiler.is_compiling() and _within(gate, up, limit):

@@ -9,7 +9,8 @@ from torch import Tensor, nn
 
 from model import checkpointing
 from model.config import ModelConfig
-from model.layers import Attention, rope_tables
+from model.attention import Attention
+from model.rope import rope_tables
 from model.loss import IGNORE_INDEX, ModelOutput, token_losses
 from model.moe import MoE, MoEOutput
 from model.swiglu import SwiGLU

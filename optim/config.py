@@ -11,7 +11,7 @@ from typing import Mapping
 
 from omegaconf import DictConfig, OmegaConf
 
-from run.schema import ConfigError, check, choice, fail, from_mapping
+from run.config_errors import ConfigError, check, choice, fail, from_mapping
 
 KINDS = ("bias", "norm", "embedding", "router", "expert_bias")  # parameter kinds a rule can name
 DEFAULT_GROUP = "default"
@@ -103,8 +103,8 @@ class MuonConfig:
     nesterov: bool = True      # U = G + mu*M (false: U = M)
     ns_steps: int = 5          # Newton-Schulz quintic iterations
     rms_scale: float = 0.2     # update = rms_scale * sqrt(max(m, n)) * NS5(U): RMS ~ rms_scale, like AdamW's
-    # NS5's matmuls in float32, or bfloat16 as Jordan's reference runs them (4x faster on a CPU with AMX
-    # or AVX512-BF16; the orthogonal factor only needs its singular values near 1, not float32 digits)
+    # NS5's matmuls in float32, or bfloat16 as Jordan's reference runs them (faster on a CPU with AMX or
+    # AVX512-BF16; the orthogonal factor only needs its singular values near 1, not float32 digits)
     ns_dtype: str = "float32"   # float32 | bfloat16
     adamw: list[str] = field(default_factory=list)  # fnmatch patterns of extra parameters left to AdamW
 

@@ -21,7 +21,7 @@ from fnmatch import fnmatchcase
 
 import torch.nn as nn
 
-from optim.config import DEFAULT_GROUP, KINDS, OptimConfig  # noqa: F401  (KINDS: re-exported)
+from optim.config import DEFAULT_GROUP, OptimConfig
 
 
 def _module_kinds(module: nn.Module, module_name: str, param_name: str) -> set[str]:

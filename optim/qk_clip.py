@@ -28,7 +28,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from model.layers import head_logit_max
+from model.attention import head_logit_max
 from optim.config import QKClipConfig
 from parallel.dist import all_reduce_max
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 
-from optim.config import SCHEDULES, ScheduleConfig  # noqa: F401  (SCHEDULES: re-exported)
+from optim.config import ScheduleConfig
 
 def _phases(cfg: Mapping | ScheduleConfig, total_steps: int) -> tuple[str, int, int, int, float]:
     """(name, W, s₀, D, r) of a schedule over total_steps; the schema checks it (optim/config.py)."""

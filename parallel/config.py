@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from run.schema import choice
+from run.config_errors import choice
 
 MODES = ("auto", "none", "ddp", "fsdp")
 DTYPE_NAMES = ("float32", "bfloat16", "float16")

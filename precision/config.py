@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 from optim.config import LossScaleConfig
-from run.schema import check, choice, unused_keys
+from run.config_errors import check, choice, unused_keys
 
 RECIPES = ("fp32", "bf16", "fp16", "fp8_block", "fp8_tensor", "te_fp8")
 SCALINGS = ("block", "tensor")

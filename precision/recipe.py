@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from model.moe import GroupedExperts, MoE
-from model.layers import Attention
+from model.attention import Attention
 from optim.config import LossScaleConfig
 from optim.scaler import DynamicLossScaler
 from precision.table import ModuleDecision, PrecisionTable

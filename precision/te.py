@@ -18,7 +18,6 @@ import contextlib
 import torch
 from torch import nn
 
-from precision.config import TE_FORMATS as FORMATS, TE_RECIPES  # noqa: F401  (re-exported)
 from precision.recipe import SHORT, Recipe, dtype_from_cfg, mixed_precision_policy, module_roles, swap_module
 from precision.table import ModuleDecision
 

@@ -31,7 +31,7 @@ from model.config import ModelConfig, default_model
 from optim.config import CLIP_MODES, OptimConfig, ZScoreConfig
 from parallel.config import ParallelConfig
 from precision.config import PrecisionConfig
-from run.schema import ConfigError, check, choice, fail, from_mapping, known_keys_only, one_line
+from run.config_errors import ConfigError, check, choice, fail, from_mapping, known_keys_only, one_line
 from stability.config import FaultConfig, GuardConfig, LoggingConfig, TelemetryConfig
 
 SCHEMA = "ballast_schema"  # the name conf/config.yaml's defaults list starts with
@@ -48,7 +48,7 @@ class TrainConfig:
     eval_every: int = 100
     eval_samples: int = 512
     eval_batch_size: int = 64
-    compile: bool = False        # torch.compile the model: ~25 s cold start, faster steps (MoE: one graph, grouped GEMM)
+    compile: bool = False        # torch.compile the model: a cold start, then faster steps (MoE: one graph, grouped GEMM)
     activation_checkpointing: str = "none"  # none | full | selective: recompute block activations in the backward
     clip: str = "fixed"          # fixed (max_grad_norm) | zscore (adaptive, optim/zclip.py)
     zscore: ZScoreConfig = field(default_factory=ZScoreConfig)  # train.clip=zscore only

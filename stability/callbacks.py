@@ -62,7 +62,7 @@ class StepState:
     # --- post-update and record: train.py after the scheduler step (time_s.route: anticipatory routing,
     # booked at on_batch; events: any writer, one-line notes) ---
     moe: dict = field(default_factory=dict)       # expert-load summary per MoE layer
-    opt_state: dict = field(default_factory=dict)  # optimizer-state and MoE-bias norms (stability/step_state.py)
+    opt_state: dict = field(default_factory=dict)  # optimizer-state and MoE-bias norms (stability/resume_fields.py)
     eval: dict | None = None
     events: list[str] = field(default_factory=list)  # one-line notes of this step (StepRecord.events)
     time_s: dict[str, float] = field(default_factory=dict)

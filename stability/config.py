@@ -10,7 +10,7 @@ import math
 from dataclasses import asdict, dataclass, field, fields, make_dataclass
 from typing import Any, Optional, get_type_hints
 
-from run.schema import ConfigError, check, choice, from_mapping, unused_keys
+from run.config_errors import ConfigError, check, choice, from_mapping, unused_keys
 from stability.drills import NONE, registry
 from stability.signals import SIGNALS, guard_defaults
 
@@ -65,8 +65,8 @@ class DetectorConfig:
     warmup: int = 50       # no z-score before this step: early training is a transient, not a baseline
     # NOTE: the spread assumed at least for a log metric, in log units: a scale-free quantity (grad norm,
     # update ratio) jitters step to step however steady its history looks, and a MAD measured on a calm
-    # stretch says otherwise; at 0.2 and threshold 6 a move smaller than ×e^1.2 ≈ ×3.3 never fires. The
-    # drills measured ×2.3-×2.5 grad-norm blips with z ≈ 8 on plateaus before their injection.
+    # stretch says otherwise; at 0.2 and threshold 6 a move smaller than ×e^1.2 ≈ ×3.3 never fires, so a
+    # natural blip of two or three times on a calm plateau is not a spike (bench/drills_quiet.py).
     log_floor: float = 0.2
 
     def __post_init__(self) -> None:

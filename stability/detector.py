@@ -14,9 +14,9 @@ the unit (a median near 1 has log 0, so no floor at all), and a calm stretch the
 
   - a value that is a mean over n tokens (a per-source loss: `counts`) has noise ∝ 1/√n, and the MAD
     measured the noise at the history's typical n̄ (the median count): its z is scaled by √(n / n̄) when
-    n < n̄ (never up: documents, not only tokens, vary). A
-    source with 8 of a batch's 128 tokens (median 60) moved its loss ×1.9 on clean runs of the drill
-    model, z 6.5–16 unscaled: the noise of 8 tokens, not a spike (z 2.4–5.9 scaled);
+    n < n̄ (never up: documents, not only tokens, vary). A source
+    with a few tokens in a batch moves its loss by a large factor on clean runs: the noise of a few tokens,
+    not a spike, which the scaling keeps under the threshold;
   - no z-score until `min_history` values were accepted (a detector with 3 points cries wolf), nor
     before step `warmup`: the first steps of training are a transient (loss, grad norm and ρ fall by
     an order of magnitude), not a baseline; their values still fill the history;
@@ -33,7 +33,7 @@ import statistics
 from collections import deque
 from dataclasses import dataclass
 
-from stability.config import DIRECTIONS, DetectorConfig  # noqa: F401  (DIRECTIONS: re-exported)
+from stability.config import DetectorConfig
 from stability.signals import family
 
 

@@ -26,7 +26,7 @@ class EventLog:
         if self.path is not None:
             if self.f is None:
                 self.f = open(self.path, "a", buffering=1)  # line-buffered: a crash loses one line at most
-            self.f.write(json.dumps(row, default=_plain, allow_nan=True) + "\n")
+            self.f.write(json.dumps(row, default=_json_default, allow_nan=True) + "\n")
         self.pending.append(f"{kind}: {summary}")
 
     def pop(self) -> list[str]:
@@ -38,7 +38,7 @@ class EventLog:
             self.f.close()
 
 
-def _plain(x):
+def _json_default(x):  # a tensor or array as its values, anything else as its str
     if hasattr(x, "tolist"):
         return x.tolist()
     return str(x)

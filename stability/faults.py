@@ -50,9 +50,6 @@ class FaultInjector:
             self.drill = registry()[self.kind](fc.drill_config(), self.s, ctx)
             self.drill.check()
 
-    def describe(self) -> str:
-        return "fault: none" if self.kind == NONE else "fault: " + ", ".join(f"{k}={v}" for k, v in self.cfg.items())
-
     def at(self, point: str, s: StepState) -> None:
         """Run the drill's hook for `point` of the step (only where the drill declares it)."""
         self.step = s.step

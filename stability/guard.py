@@ -42,7 +42,7 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
-from stability.config import ACTIONS, GuardConfig  # noqa: F401  (ACTIONS: re-exported)
+from stability.config import GuardConfig
 from stability.detector import SpikeDetector, Trigger
 from stability.signals import guard_values
 

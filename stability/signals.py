@@ -335,8 +335,8 @@ declare("lr", BACKWARD, _lr_schedule, cls="optim.lr_switch", direction="both", e
 # and backs off; the guard ignores it too): not an anomaly, and no gradient to score
 declare("nonfinite.grads", BACKWARD, flag("grads", _not_overflow), cls="numerics.nonfinite", exact=0.0,
         recover=False, phase="before", fix="a non-finite gradient")
-# NOTE: one layer's gradient RMS is heavy-tailed on a clean run (attention layers of the default job burst for
-# one step with the loss and the global norm within their noise): it says where, and counts only at a step
+# NOTE: one layer's gradient RMS is heavy-tailed on a clean run (an attention layer can burst for one step
+# with the loss and the global norm within their noise): it says where, and counts only at a step
 # where the run's gradient norm deviates too
 declare("grad_rms", BACKWARD, per_layer("grad_rms", _not_overflow), cls="optim.gradient_spike", direction="both",
         log=True, point="up", needs="grad_norm", per_layer=True, fix="the named layer's gradient burst")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from stability.config import WANDB_MODES, LoggingConfig  # noqa: F401  (WANDB_MODES: re-exported)
+from stability.config import LoggingConfig
 from stability.record import StepRecord
 
 
@@ -68,7 +68,7 @@ class WandbSink:
     """wandb on rank 0 only, offline by default, written under the run directory."""
 
     def __init__(self, mode: str, project: str, run_dir: Path, name: str, config: dict):
-        import wandb  # imported lazily: ~1 s, and never needed when disabled
+        import wandb  # imported lazily: a heavy import, never needed when disabled
 
         self.run = wandb.init(project=project, name=name, dir=str(run_dir), mode=mode, config=config)
 

@@ -11,16 +11,18 @@ misbehave"; per layer,
 A ρ_ℓ that keeps rising while the loss looks normal exposes precision, init or data problems earlier
 than waiting for a NaN. Layer names: stability/telemetry_layers.py.
 
-In train.py (every call is a no-op returning {} on a step that telemetry skips; all ranks call them):
+Attached to the step by StepTelemetry (below) at train.py's callback points (every call is a no-op
+returning {} on a step that telemetry skips; all ranks call them):
 
-    telemetry.start(step)                      # before the step's first forward: hooks on
-    sums = forward_backward(...)
-    telemetry.before_update()                  # snapshot θ (one foreach copy into reused buffers)
-    res = optimizer_step(...)                  # unscale → finite check → clip → step or skip
-    tel = telemetry.finish(res.coef)           # before zero_grad: the grads are read here
-    ...                                        # every step: stats = reduce_step_sums(...)
-    flags = {**nonfinite_flags(stats["loss"], stats["logit_max"], norm.item()), **tel.pop("nonfinite", {})}
-    StepRecord(..., **tel, nonfinite=flags, moe=moe_summary(stats["moe_load"]))
+    cb.before_forward(s)      → telemetry.start(step)            # hooks on, before the first forward
+    sums = forward_backward(...); s.stats = reduce_step_sums(...)
+    cb.before_update(s)       → telemetry.before_update()        # snapshot θ (one foreach copy, reused buffers)
+    s.result = optimizer_step(..., veto=veto)                    # unscale → finite check → clip → veto → step
+    cb.after_update(s)        → s.post = telemetry.finish(s.result.coef)   # before zero_grad: grads read here
+    s.moe = moe_summary(s.stats["moe_load"], s.stats["moe_out_sq"])   # every step, telemetry or not
+    rec = step_record(s, ...)   # stability/record.py: layers, replica from s.post; nonfinite = s.flags | s.post's
+
+s.flags are nonfinite_flags(loss, logit_max, ‖g‖), set in the guard's veto before the update.
 """
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ from model.checkpointing import recomputing
 from parallel.dist import all_reduce_max, all_reduce_sum
 from stability.callbacks import Callback, StepState
 from stability.config import TelemetryConfig
-from stability.telemetry_layers import ParamLayout, layer_order, local, norms, swiglu_layer
+from stability.telemetry_layers import ParamLayout, layer_order, swiglu_layer
 
 
 class Telemetry:
@@ -87,7 +89,7 @@ class Telemetry:
         for key, mod in self.swiglus:
             mod.record_stats = True
             self._hooks.append(mod.register_forward_hook(self._clamp_hook(key)))
-        for block in m.blocks:  # the attention-logit probe: one sequence per forward (model/layers.py)
+        for block in m.blocks:  # the attention-logit probe: one sequence per forward (model/attention.py)
             block.attn.probe_logits, block.attn.logit_max_H = True, None
         return True
 
@@ -109,7 +111,7 @@ class Telemetry:
         (the grads hold g·coef, already unscaled under FP16). Collective: every rank must call it.
 
         Returns {"layers", "update_ratio_max", "nonfinite": {grads}, "replica"} ({} when this step records
-        no telemetry). The optimizer state's non-finite flag is stability/step_state.py state_nonfinite's,
+        no telemetry). The optimizer state's non-finite flag is stability/resume_fields.py state_nonfinite's,
         every step, from the moments' norms the StepRecord computes anyway.
         """
         if not self.active:

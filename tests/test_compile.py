@@ -9,7 +9,7 @@ import torch
 from model import IGNORE_INDEX, ModelConfig, Transformer
 
 
-# NOTE: inductor's cold compile costs ~50 s on a 2-core CPU (C++ codegen of every fused kernel), so the
+# NOTE: inductor's cold compile is slow on a CPU (C++ codegen of every fused kernel), so the
 # default suite traces through aot_eager (dynamo, AOT autograd, decompositions: the graph the kernels are
 # generated from) and the full inductor run is marked slow.
 @pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])

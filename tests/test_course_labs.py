@@ -61,7 +61,7 @@ def test_gradients_headline_is_held_out_and_vanishes_without_the_mask_bug(monkey
 
 @pytest.mark.slow
 def test_anticipatory_lab_compares_on_and_off_and_fails_without_the_mechanism(tmp_path):
-    from labs import anticipatory
+    from labs import anticipatory_ablation as anticipatory
 
     r = anticipatory.run(7, quick=True)
     assert r["ok"], r["table"]

@@ -234,7 +234,7 @@ def test_rank_content_moves_rank_1_content_not_its_ids(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     recs, events = read_records(tmp_path / "run" / "metrics.jsonl"), read_events(tmp_path / "run" / "events.jsonl")
     the_fault_fired_once_at_s(events, "rank_content")
-    from stability.step_state import rank_inputs  # the record's own content hash
+    from stability.resume_fields import rank_inputs  # the record's own content hash
 
     ds = build_data(OmegaConf.to_container(OmegaConf.load(tmp_path / "run" / "config.yaml").data))
     none = SimpleNamespace(tokens_by_source=torch.ones(1), loss_sum=torch.zeros(()))

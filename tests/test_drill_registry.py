@@ -10,7 +10,7 @@ import pytest
 from hydra import initialize_config_dir
 
 from run.config import compose_check
-from run.schema import ConfigError
+from run.config_errors import ConfigError
 from stability.config import FaultConfig
 from stability.drills import LIFETIMES, NONE, POINTS, registry
 from stability.drills.base import Drill

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-import model.layers
+import model.attention
+import model.rope
 import model.swiglu
 from labs import LABS
 from labs import run as labs_run
@@ -51,10 +52,11 @@ def test_help_lists_the_knobs(capsys):
 
 
 def test_a_break_is_planted_for_the_run_only():
-    rope, swiglu = model.layers.apply_rope, model.swiglu.swiglu
+    rope, swiglu = model.rope.apply_rope, model.swiglu.swiglu
     with planted(["wrong_rope_backward", "straight_through_clamp"]):
-        assert model.layers.apply_rope is not rope and model.swiglu.swiglu is not swiglu
-    assert model.layers.apply_rope is rope and model.swiglu.swiglu is swiglu
+        assert model.rope.apply_rope is not rope and model.swiglu.swiglu is not swiglu
+        assert model.attention.apply_rope is model.rope.apply_rope  # every holder of the name is replaced
+    assert model.rope.apply_rope is rope and model.attention.apply_rope is rope and model.swiglu.swiglu is swiglu
     with pytest.raises(ValueError, match="break=nope"):
         with planted(["nope"]):
             pass

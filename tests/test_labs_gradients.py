@@ -7,14 +7,15 @@ import json
 import pytest
 import torch
 
-import model.layers
+import model.attention
+import model.rope
 import model.swiglu
 from labs import gradients as G
 from labs import run as labs_run
 from labs.breaks import _ScaledGrad, _StraightThroughClamp  # the same wrong backwards `--set break=` plants
 from labs.gradcheck import fd_check
 
-REAL_ROPE, REAL_SWIGLU = model.layers.apply_rope, model.swiglu.swiglu
+REAL_ROPE, REAL_SWIGLU = model.rope.apply_rope, model.swiglu.swiglu
 
 
 def _straight_through_swiglu(gate, up, limit):
@@ -48,7 +49,9 @@ def test_quick_lab_passes_every_component_and_shows_the_mask_bug(tmp_path, capsy
 
 
 def test_a_wrong_rope_backward_fails_exactly_the_components_that_use_rope(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(model.layers, "apply_rope", lambda x, cos, sin: REAL_ROPE(_ScaledGrad.apply(x), cos, sin))
+    wrong = lambda x, cos, sin: REAL_ROPE(_ScaledGrad.apply(x), cos, sin)  # noqa: E731
+    for holder in (model.rope, model.attention):  # the definition and the attention that imports it
+        monkeypatch.setattr(holder, "apply_rope", wrong)
     code, res = _lab(tmp_path)
     assert code == 1 and not res["ok"]
     assert "EXPECTED EFFECT ABSENT" in capsys.readouterr().out

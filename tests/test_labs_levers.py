@@ -1,4 +1,4 @@
-"""The levers lab (labs/levers.py): with its seed (quick) a lever moves the largest stable LR and the
+"""The levers lab (labs/lever_headroom.py): with its seed (quick) a lever moves the largest stable LR and the
 logit levers bound the attention logit; with the levers switched off the effect is reported absent.
 Slow: ~30 s of CPU per quick sweep (more on a loaded machine)."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from labs import LABS, levers
+from labs import LABS, lever_headroom as levers
 from labs import run as labs_run
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
@@ -18,7 +18,7 @@ def test_quick_lab_passes_with_its_seed(tmp_path, capsys):
     out = capsys.readouterr().out
     assert code == 0 and "expected effect present" in out, out[-3000:]
     r = json.loads((tmp_path / "result.json").read_text())
-    assert LABS["levers"] == "labs.levers" and r["ok"] and all(r["checks"].values())
+    assert LABS["levers"] == "labs.lever_headroom" and r["ok"] and all(r["checks"].values())
     base = r["sweeps"]["baseline"]["largest_stable_lr"]
     assert r["moved"] and all(lr > (base or 0) for lr in r["moved"].values())
     assert set(r["sweeps"]) == set(levers.LEVERS)

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 LEVERS = ["optim=muon", "train.clip=zscore", "train.zscore.warmup=2", "optim.qk_clip.tau=0.045"]
 
 
-@pytest.mark.slow  # ~12 s a process start each; the messages themselves are unit-tested
+@pytest.mark.slow  # a process start each; the messages themselves are unit-tested
 @pytest.mark.parametrize("override, key", [
     ("optim.qk_clip.tau=0", "optim.qk_clip.tau=0"),
     ("optim.qk_clip.tau=-3", "optim.qk_clip.tau=-3"),

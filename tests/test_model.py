@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from torch.func import functional_call
 
 from model import IGNORE_INDEX, ModelConfig, MoEConfig, SwiGLU, Transformer, token_losses
-from model.layers import Attention, apply_rope, rope_tables
+from model.attention import Attention
+from model.rope import apply_rope, rope_tables
 from model.swiglu import swiglu
 
 

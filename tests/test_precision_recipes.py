@@ -98,7 +98,8 @@ def test_fp16_table_states_the_configured_scaler():
 
 def test_fp16_update_order_is_stated_the_same_everywhere():
     """Issue 13 #13: the README said "unscale → global norm → finite check → clip", the precision table
-    "unscale → finite check → clip → step". One order: the table, the long-form docs and precision/step.py."""
+    "unscale → finite check → clip → step". One order: the table, docs/reference.md (the README's long form,
+    where the update order is written out) and precision/step.py."""
     import precision.step
 
     root = Path(__file__).resolve().parents[1]

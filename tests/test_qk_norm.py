@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from model import ModelConfig, Transformer
-from model.layers import Attention, head_logit_max, rope_tables
+from model.attention import Attention, head_logit_max
+from model.rope import rope_tables
 from optim.groups import param_kinds
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -36,7 +36,7 @@ MODEL = {"d_model": 16, "n_layers": 2, "n_heads": 2,
 
 
 def old_hash(tokens: torch.Tensor) -> int:
-    """stability/step_state.py rank_inputs' hash as it was written there (record versions 2 and 3)."""
+    """stability/resume_fields.py rank_inputs' hash as it was written there (record versions 2 and 3)."""
     tok = tokens.cpu().long().flatten()
     w = torch.arange(1, tok.numel() + 1, dtype=torch.int64) * 2 + 1
     return int(((tok + 1) * w % 2_147_483_629).sum() % 2_147_483_629)
@@ -131,7 +131,7 @@ def test_eval_floor_by_source_is_the_eval_batches_floor():
 
 def test_weight_norms_per_group_equal_fp64_norms_of_the_parameters():
     from optim import build_optimizer
-    from stability.step_state import state_summary
+    from stability.resume_fields import state_summary
 
     ds, model = tiny()
     opt, _ = build_optimizer(model, {"name": "adamw", "lr": 1e-2, "weight_decay": 0.1, "groups": [

@@ -22,7 +22,7 @@ from parallel.config import ParallelConfig
 from parallel import Dist, wrap_model
 from precision import optimizer_step
 from stability.record import floor_by_source
-from stability.step_state import state_summary
+from stability.resume_fields import state_summary
 from stability.config import TelemetryConfig
 from stability.telemetry import Telemetry, first_nonfinite, moe_summary, nonfinite_flags
 from helpers import in_group, model_config, spawn
@@ -259,8 +259,8 @@ def test_nan_activation_marks_its_layer_and_every_later_one():
 
 
 def test_nonfinite_optimizer_state_is_flagged():
-    """From the moments' norms the StepRecord takes every step (stability/step_state.py): no second pass."""
-    from stability.step_state import state_nonfinite, state_summary
+    """From the moments' norms the StepRecord takes every step (stability/resume_fields.py): no second pass."""
+    from stability.resume_fields import state_nonfinite, state_summary
     ds, model = build()
     opt, _ = build_optimizer(model, {"lr": 1e-2})
     loader, tel = Loader(ds, BATCH), Telemetry(model, TelemetryConfig(every=1))
@@ -279,7 +279,7 @@ def test_nonfinite_optimizer_state_is_flagged():
 
 def test_nonfinite_muon_momentum_is_flagged():
     """State beside Adam's moments (Muon's momentum buffer) is checked on its own."""
-    from stability.step_state import state_nonfinite, state_summary
+    from stability.resume_fields import state_nonfinite, state_summary
     ds, model = build()
     opt, _ = build_optimizer(model, {"name": "muon", "lr": 1e-2})
     loader, tel = Loader(ds, BATCH), Telemetry(model, TelemetryConfig(every=1))
@@ -430,9 +430,9 @@ def test_ddp_and_fsdp_match_one_process_and_replica_spread_catches_a_lost_reduct
 
 
 def test_state_summary_equals_fp64_norms_of_the_moments_and_weights():
-    """stability/step_state.py takes FP32 fused norms (cheap enough for every step); the doctor compares
+    """stability/resume_fields.py takes FP32 fused norms (cheap enough for every step); the doctor compares
     them across a resume, so they must equal the exact FP64 norms to FP32 precision, per group."""
-    from stability.step_state import state_summary
+    from stability.resume_fields import state_summary
 
     torch.manual_seed(0)
     model = Transformer(model_config({**MODEL, "vocab_size": 8, "seq_len": 16}))

@@ -92,7 +92,7 @@ def test_text_file_trains(tmp_path):
     r = run_train(tmp_path / "run", "+experiment=shakespeare_char", f"data.path={text}", "train.steps=4",
                   "train.eval_every=2", "train.eval_samples=24", "train.eval_batch_size=12", "optim.schedule.warmup_steps=2",
                   "logging.wandb=disabled", "logging.progress=false", "threads=1",
-                  "train.compile=false")  # a ~50 s cold compile; test_compile.py checks the compiled model
+                  "train.compile=false")  # no cold compile; test_compile.py checks the compiled model
     assert r.returncode == 0, r.stderr[-3000:]
     recs = read_records(tmp_path / "run" / "metrics.jsonl")
     assert len(recs) == 4 and recs[-1]["eval"]["floor"] is None

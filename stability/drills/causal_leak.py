@@ -18,7 +18,7 @@ class CausalLeak(Drill):
 
     def _leak(self) -> None:
         for block in self.ctx.model.blocks:
-            block.attn.causal = False  # model/layers.py Attention: full attention instead of causal
+            block.attn.causal = False  # model/attention.py Attention: full attention instead of causal
 
     def load_state_dict(self, sd: dict) -> None:
         super().load_state_dict(sd)

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from data import IGNORE_INDEX
-from run.schema import check
+from run.config_errors import check
 from stability.drills._batch import BatchDrill
 
 

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as tdist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from run.schema import check
+from run.config_errors import check
 from stability.drills.base import ONE_SHOT, Drill
 
 

@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass
 
 from data import DataConfig, build_data
-from run.schema import check, fail
+from run.config_errors import check, fail
 from stability.drills.base import PERSISTENT, Drill
 
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from model.moe import MoEOutput
-from run.schema import check, choice
+from run.config_errors import check, choice
 from stability.drills.base import ONE_SHOT, Drill
 
 NAN_VALUES = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}

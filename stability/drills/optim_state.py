@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from run.schema import check, choice
+from run.config_errors import check, choice
 from stability.drills.base import ONE_SHOT, Drill
 
 

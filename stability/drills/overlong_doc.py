@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from run.schema import check
+from run.config_errors import check
 from stability.drills._batch import BatchDrill
 
 

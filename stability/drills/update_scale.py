@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from run.schema import check
+from run.config_errors import check
 from stability.drills.base import PERSISTENT, Drill
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from run.schema import check
+from run.config_errors import check
 from stability.drills.base import PERSISTENT, Drill
 
 

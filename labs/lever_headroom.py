@@ -11,7 +11,7 @@ Each lever is then switched on alone and the LR swept upward through the same gr
     baseline      AdamW, fixed global-norm clip at 1.0
     z-loss        + z·mean(logsumexp²), z = 1e-3                               (PaLM; model/loss.py)
     SwiGLU clamp  silu(min(g, L))·clamp(u, ±L), L = 10                          (model/swiglu.py)
-    QK-norm       RMSNorm on each q and k head before RoPE                      (model/layers.py)
+    QK-norm       RMSNorm on each q and k head before RoPE                      (model/attention.py)
     QK-clip       per head, scale W_q (W_k) so the max logit stays ≤ τ = 20     (optim/qk_clip.py)
     Muon+QK-clip  Muon on the hidden matrices, AdamW on the rest, and QK-clip   (optim/muon.py)
     z-score clip  adaptive clip at μ + 2.5σ of the grad norm's EMA              (optim/zclip.py)
@@ -21,14 +21,12 @@ below halfway between its first loss and the exact floor; an (lever, LR) point d
 seeds did (3 seeds, 1 with --quick). A lever's largest stable LR is the largest
 grid LR below its first divergent one. Per run the lab also reports the spike detector's triggers
 (stability/detector.py on loss and log grad norm, the guard's defaults), the final loss against the
-exact floor, and the largest pre-softmax attention logit seen (the telemetry probe, model/layers.py).
+exact floor, and the largest pre-softmax attention logit seen (the telemetry probe, model/attention.py).
 The effect: at least one lever's largest stable LR is above the baseline's.
 """
 from __future__ import annotations
 
 import math
-
-import torch
 
 from data.loader import Loader
 from labs.claims.tiny import build, check_lines, figure, save

@@ -1,4 +1,6 @@
-"""The schema's toolkit: build a config dataclass from a mapping, and one-line config errors.
+"""Config checks and their errors: the one-line `group.key=value: rule` ConfigError, the `check`/`choice`/
+`fail` helpers the schemas call, building a config dataclass from a mapping, and turning OmegaConf's and
+Hydra's own errors into that one line.
 
 Every config group is a dataclass next to its component (model/config.py, optim/config.py, ...);
 run/config.py composes them into the root registered with Hydra's ConfigStore. OmegaConf checks keys

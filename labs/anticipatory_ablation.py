@@ -21,13 +21,14 @@ difference in units of the spread between the two arms' incident-free steps.
 """
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from stability.events import read_events as read_jsonl  # one JSONL reader: [] where no file was written
 
 TITLE = "anticipatory: rollback with anticipatory routing on vs off on a spike-prone MoE run"
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,10 +48,6 @@ def train(run_dir: Path, seed: int, steps: int, enabled: bool, delay: int) -> No
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if r.returncode != 0:
         raise RuntimeError(f"anticipatory: train.py failed ({r.returncode}): {r.stderr.strip().splitlines()[-1:]}")
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
 
 
 def measure(run_dir: Path) -> dict:

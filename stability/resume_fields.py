@@ -1,5 +1,5 @@
-"""StepRecord fields the doctor needs at resume boundaries, per rank and per step of CPU (record
-version 2; stability/record.py). Each is cheap enough for every step.
+"""The StepRecord fields that show a resume or a rank going wrong: optimizer-state norms, per-rank inputs,
+CPU time (record version 2; stability/record.py). Each is cheap enough for every step.
 
     state = state_summary(optimizer, model)     # ‖m‖, ‖v‖, ‖θ‖ per param group; ‖bias‖ per MoE layer
     ranks = rank_inputs(local_batch, sums, world, rank)   # per-rank sample ids, content hash, local loss
@@ -34,9 +34,9 @@ def state_summary(optimizer: torch.optim.Optimizer, model) -> dict[str, float]:
             ts = [t for t in ts if t.numel()]
             keys.append(f"{short}/{name}")
             # NOTE: one fused FP32 norm per tensor (FP64 again only where it came out non-finite: a finite
-            # 1e30 overflows FP32's square), squared and summed in FP64: 2.1 % of a quickstart step with an
-            # FP64 copy of every moment, 0.5 % now (threads=1, load 11); every step, because the doctor's
-            # trailing baseline for a resume's first step needs the steps before it. It reads them on a log
+            # 1e30 overflows FP32's square), squared and summed in FP64: no FP64 copy of every moment, so
+            # cheap enough for every step, and every step it must be: the doctor's trailing baseline for a
+            # resume's first step needs the steps before it. It reads them on a log
             # scale with a 15 % floor (doctor/timeline.py FLOOR_STATE): FP32's ~1e-7 is nothing. A finite
             # norm proves every element finite: state_nonfinite() reads the flag from these same norms.
             sq.append(_sq_norm(ts))

@@ -1,0 +1,128 @@
+"""docs/hacking.md's recipes, each performed on a temporary module or copy: a model option, a fault drill, a
+lab and a config option, each found (or refused) by the code and the test that guards it. (The signal
+recipe's test is tests/test_doctor_judge.py::test_a_new_signal_is_one_declaration.)"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_a_new_model_option_fails_the_export_test_until_options_declares_it(monkeypatch):
+    """Recipe 1: a ModelConfig field without an export decision fails the exporter's enumeration test."""
+    import test_export_hf as t
+    from checkpoint.export_hf import OPTIONS, TRAINING, Option
+    from model.config import ModelConfig
+
+    Student = dataclasses.make_dataclass("ModelConfig", [("student_gate", bool, dataclasses.field(default=False))],
+                                         bases=(ModelConfig,))
+    monkeypatch.setattr(t, "ModelConfig", Student)
+    with pytest.raises(AssertionError):
+        t.test_every_model_option_has_an_export_decision()
+    monkeypatch.setitem(OPTIONS, "student_gate", Option(TRAINING, probe=True))
+    t.test_every_model_option_has_an_export_decision()
+
+
+DRILL = '''
+from dataclasses import dataclass
+from stability.drills.base import TRANSIENT, Drill
+
+
+@dataclass
+class Config:
+    pass
+
+
+class StudentNoop(Drill):
+    kind = "student_noop"
+    expects = "optim.lr_switch"
+    lifetime = TRANSIENT
+    points = ("before_update",)
+    Config = Config
+
+    def before_update(self, s) -> None:
+        if s.step == self.s:
+            self.fired = True
+'''
+
+
+def test_a_drill_module_dropped_into_the_package_is_in_the_registry(tmp_path, monkeypatch):
+    """Recipe 3: one module in stability/drills/ (here a temporary folder on the package's path)."""
+    import stability.drills as drills
+    from stability.drills.base import REGISTRY
+
+    (tmp_path / "student_noop.py").write_text(DRILL)
+    try:
+        with monkeypatch.context() as m:
+            m.setattr(drills, "__path__", [*drills.__path__, str(tmp_path)])
+            reg = drills.registry()
+        assert reg["student_noop"].__module__ == "stability.drills.student_noop"
+        assert reg["student_noop"].expects == "optim.lr_switch"
+    finally:
+        REGISTRY.pop("student_noop", None)
+        sys.modules.pop("stability.drills.student_noop", None)
+    assert "student_noop" not in drills.registry()
+
+
+LAB = '''
+TITLE = "student: a claim, its check, and the table that shows it"
+
+
+def run(seed: int, quick: bool = False, factor: float = 2.0) -> dict:
+    ok = factor * 2 == 2 * factor
+    return {"ok": ok, "checks": {"multiplication commutes": ok}, "table": f"factor {factor}: ok={ok}"}
+
+
+def plot(result: dict, path) -> None:
+    path.write_bytes(b"")  # a real lab saves a PNG here
+'''
+
+
+def test_a_lab_registered_in_labs_is_listed_and_runs(tmp_path, monkeypatch, capsys):
+    """Recipe 4: a module with TITLE, run() and plot(), one line in labs/__init__.py LABS."""
+    from labs import LABS
+    from labs import run as labs_run
+
+    (tmp_path / "student_lab.py").write_text(LAB)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(LABS, "student", "student_lab")
+    try:
+        assert labs_run.main(["--list"]) == 0
+        out = capsys.readouterr().out
+        assert "student         student: a claim" in out and "knobs: factor=2.0" in out
+        assert labs_run.main(["--experiment", "student", "--set", "factor=3", "--out", str(tmp_path / "o")]) == 0
+        assert "factor 3.0: ok=True" in capsys.readouterr().out
+        assert (tmp_path / "o" / "result.json").exists()
+    finally:
+        sys.modules.pop("student_lab", None)
+
+
+def test_a_new_config_option_composes_and_sets_only_what_it_changes(tmp_path):
+    """Recipe 5: a file conf/<group>/<option>.yaml (here in a copy of conf/) selected by group=option."""
+    from hydra import initialize_config_dir
+
+    from run.config import compose_check
+
+    conf = tmp_path / "conf"
+    shutil.copytree(ROOT / "conf", conf)
+    (conf / "guard" / "student.yaml").write_text(
+        "# guard=student: a rollback guard that waits longer before it scores\n"
+        "defaults:\n  - rollback\n  - _self_\ndetector:\n  warmup: 80\n")
+    with initialize_config_dir(config_dir=str(conf), version_base=None):
+        base, cfg = compose_check(["guard=rollback"]), compose_check(["guard=student"])
+    assert cfg.guard.detector.warmup == 80 and cfg.guard.action == base.guard.action
+    assert dataclasses.replace(cfg.guard, detector=base.guard.detector) == base.guard
+
+
+def test_the_recipes_are_in_hacking_md():
+    text = (ROOT / "docs" / "hacking.md").read_text(encoding="utf-8")
+    for name in ("a model option", "a signal", "a fault drill", "a lab", "a config option"):
+        assert f"## Add {name}" in text, name
+    assert "docs/hacking.md" in (ROOT / "README.md").read_text(encoding="utf-8")
+    assert importlib.util.find_spec("test_doctor_judge") is not None  # the signal recipe's test
