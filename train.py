@@ -12,7 +12,7 @@ assembles everything from the config.
 """
 from __future__ import annotations
 
-import run.omp_wait  # noqa: F401  (first: how OpenMP threads wait is fixed when torch loads)
+from run import omp_wait  # noqa: F401  (first: how OpenMP threads wait is fixed when torch loads)
 
 import sys
 import time

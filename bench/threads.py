@@ -67,7 +67,8 @@ def main(argv=None) -> int:
                 got: dict[str, list] = {v: [] for v in VARIANTS}
                 for rep in range(a.repeats):
                     for name, (env_extra, over) in VARIANTS.items():
-                        got[name].append(one(env_extra, over, a.steps, Path(tmp) / f"l{load}-{rep}-{len(rows)}-{hash(name)}"))
+                        out = Path(tmp) / f"load{load}-run{rep}-{list(VARIANTS).index(name)}"
+                        got[name].append(one(env_extra, over, a.steps, out))
                         print(f"load {load} | {name}: {got[name][-1][0]:.0f} ms a step", flush=True)
             finally:
                 for p in spinners:
@@ -78,9 +79,10 @@ def main(argv=None) -> int:
     head = (f"{datetime.date.today()}, commit {commit}, {platform.processor() or platform.machine()}, "
             f"{os.cpu_count()} CPUs; the default job, {a.steps} steps a run, median step time of steps 4..{a.steps}, "
             f"{a.repeats} runs a variant, alternating")
-    lines = [f"# Threads on a shared machine (`python -m bench.threads`)", "", head, "",
+    lines = ["# Threads on a shared machine (`python -m bench.threads`)", "", head, "",
              "| busy processes | variant | median step (ms), each run | loss at the last step |", "|---|---|---|---|"]
-    lines += [f"| {load} | {name} | {' / '.join(f'{t:.0f}' for t in ts)} | {loss:.6f} |" for load, name, ts, loss in rows]
+    lines += [f"| {load} | {name} | {' / '.join(f'{t:.0f}' for t in ts)} | {loss:.6f} |"
+              for load, name, ts, loss in rows]
     text = "\n".join(lines) + "\n"
     print(text)
     if a.out:

@@ -127,7 +127,8 @@ def commands(run: Run, diag: Diagnosis, fix: dict | None, ckpt) -> dict:
         replaced = {"hydra.run.dir", *(o.split("=", 1)[0].lstrip("+") for o in over)}
         keep = [a for a in argv if a.split("=", 1)[0].lstrip("+") not in replaced
                 and not a.split("=", 1)[0].lstrip("+").startswith("resume")]
-        regression = " ".join([launch, "train.py", *keep, f"hydra.run.dir={d}-fix", *over]) + f"\npython -m doctor {d}-fix"
+        regression = (" ".join([launch, "train.py", *keep, f"hydra.run.dir={d}-fix", *over])
+                      + f"\npython -m doctor {d}-fix")
     return {"replay": f"python -m doctor.replay {d} --step {diag.step}" if replayable else None,
             "replay_fp64": f"python -m doctor.replay {d} --step {diag.step} --dtype float64" if replayable else None,
             "regression": regression}

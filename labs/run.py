@@ -9,7 +9,7 @@ line, `--set high_lr=0.003`; `--set break=KEY[,KEY]` plants a named bug (labs/br
 """
 from __future__ import annotations
 
-import run.omp_wait  # noqa: F401  (first: how OpenMP threads wait is fixed when torch loads)
+from run import omp_wait  # noqa: F401  (first: how OpenMP threads wait is fixed when torch loads)
 
 import argparse
 import contextlib

@@ -178,7 +178,8 @@ def normalise(argv: list[str]) -> list[str]:
 def preflight(argv: list[str], config_dir: str) -> Path | None:
     """Compose and validate the command line before @hydra.main runs: a bad key or value, or a run
     directory that cannot be made, stops the run in one line (train.py prints it, exit 2) before anything
-    is written. Returns the run directory Hydra will make (None when skipped). Skipped when an argument is a flag (--cfg, -m/--multirun, --help, --info, -c, ...): those
+    is written. Returns the run directory Hydra will make (None when skipped). Skipped when an argument
+    is a flag (--cfg, -m/--multirun, --help, --info, -c, ...): those
     are Hydra's own business."""
     if any(a.startswith("-") for a in argv):
         return None

@@ -80,9 +80,8 @@ class RunDir:
             remove_if_empty(self.dir, self.new)
             raise CannotStart(f"cannot start: {line}")
         if self.previous and self.dist.is_main:
-            p = self.previous
-            print(f"run dir {self.dir}: the lock of pid {p.get('pid')} on {p.get('host')} (launch {p.get('launch')}, "
-                  f"since {p.get('started')}) was released when it exited; taking it over", flush=True)
+            print(f"run dir {self.dir}: the lock of {_holder(self.previous)} was released when it exited; "
+                  f"taking it over", flush=True)
         return self
 
     def _acquire(self) -> None:
@@ -96,9 +95,8 @@ class RunDir:
                 os.close(fd)
                 if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
                     raise
-                raise RunDirBusy(f"{self.dir} is in use by pid {holder.get('pid')} on {holder.get('host')} "
-                                 f"(launch {holder.get('launch')}, since {holder.get('started')}); wait for it "
-                                 f"to end, or pick another hydra.run.dir") from None
+                raise RunDirBusy(f"{self.dir} is in use by {_holder(holder)}; wait for it to end, or pick another "
+                                 f"hydra.run.dir") from None
             # NOTE: the holder unlinks the file as it releases it; a lock won on that unlinked inode is no lock
             try:
                 same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
@@ -121,7 +119,7 @@ class RunDir:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if self.fd is not None:
-            os.unlink(self.path)  # before the release: the next owner creates its own (see _acquire)
+            self.path.unlink(missing_ok=True)  # before the release: the next owner creates its own (_acquire)
             os.close(self.fd)
             self.fd = None
         if not self.running:  # the start failed (or found the run complete): leave what was there, only that
@@ -155,6 +153,11 @@ def remove_if_empty(path: Path, top: Path | None) -> None:
             return
         if p == stop:
             return
+
+
+def _holder(h: dict) -> str:
+    launch = f"launch {h['launch']}, " if h.get("launch") else ""
+    return f"pid {h.get('pid')} on {h.get('host')} ({launch}since {h.get('started')})"
 
 
 def _read(fd: int) -> dict:
