@@ -273,12 +273,14 @@ def _byte_of(symbol: str) -> int:
 
 def export(model, tokenizer, out_dir: Path) -> list[str]:
     """Write the checkpoint; returns the files written. Raises ValueError for a model transformers cannot
-    express (refuse_reason), before anything is written."""
-    from safetensors.torch import save_file
-
+    express (refuse_reason), before anything is written, and before the `[hf]` extra is needed."""
     reason = refuse_reason(model)
     if reason:
         raise ValueError(f"cannot export to transformers: {reason}")
+    try:
+        from safetensors.torch import save_file
+    except ImportError:
+        raise ValueError("needs safetensors: pip install -e '.[hf]'") from None
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     config = hf_config(model)
@@ -301,11 +303,6 @@ def main(argv=None) -> int:
     p.add_argument("out_dir")
     p.add_argument("--checkpoint", default=None, help="a checkpoint directory (default: the run's latest)")
     args = p.parse_args(argv)
-    try:
-        import safetensors  # noqa: F401
-    except ImportError:
-        print("export_hf: needs safetensors: pip install -e '.[hf]'", file=sys.stderr)
-        return 2
     try:
         from checkpoint.load import load_model
 
