@@ -29,7 +29,8 @@ from optim.accumulate import count_valid_tokens, forward_backward, reduce_step_s
 from parallel import Dist, all_reduce_sum, destroy, init_distributed, release
 from precision import optimizer_step
 from run.build import Run, build_run
-from run.config import normalise, preflight, register
+from run.argv import normalise
+from run.config import preflight, register
 from run.lifecycle import CannotStart, Exit, Interrupted, Interrupts, RunDir, RunDirBusy, note_new_dirs, say
 from run.config_errors import ConfigError
 from stability.callbacks import StepState

@@ -26,6 +26,7 @@ from doctor import report as doctor_report
 from doctor.fixes import fix_for
 from doctor.rules import Diagnosis, diagnose
 from doctor.timeline import Run
+from run.argv import without
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -124,9 +125,7 @@ def commands(run: Run, diag: Diagnosis, fix: dict | None, ckpt) -> dict:
     regression = None
     if fix and argv is not None:
         over = [fix["override"]] if fix.get("override") else []
-        replaced = {"hydra.run.dir", *(o.split("=", 1)[0].lstrip("+") for o in over)}
-        keep = [a for a in argv if a.split("=", 1)[0].lstrip("+") not in replaced
-                and not a.split("=", 1)[0].lstrip("+").startswith("resume")]
+        keep = without(argv, ("hydra.run.dir", "resume", *(o.split("=", 1)[0].lstrip("+") for o in over)))
         regression = (" ".join([launch, "train.py", *keep, f"hydra.run.dir={d}-fix", *over])
                       + f"\npython -m doctor {d}-fix")
     return {"replay": f"python -m doctor.replay {d} --step {diag.step}" if replayable else None,

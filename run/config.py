@@ -31,6 +31,7 @@ from model.config import ModelConfig, default_model
 from optim.config import CLIP_MODES, OptimConfig, ZScoreConfig
 from parallel.config import ParallelConfig
 from precision.config import PrecisionConfig
+from run.argv import normalise
 from run.config_errors import ConfigError, check, choice, fail, from_mapping, known_keys_only, one_line
 from stability.config import FaultConfig, GuardConfig, LoggingConfig, TelemetryConfig
 
@@ -167,12 +168,6 @@ def _compose(overrides: list[str], config_dir: str | None, config_name: str = "c
     except (HydraException, OmegaConfBaseException) as e:
         raise ConfigError(one_line(e)) from None
     return validate(cfg), run_dir
-
-
-def normalise(argv: list[str]) -> list[str]:
-    """`resume=X` is shorthand for `resume.path=X`: rewritten at the door, so the declared-change keys
-    (`resume=latest resume.allow_data_change=true`) compose beside it in either order."""
-    return [f"resume.path={a.split('=', 1)[1]}" if a.startswith("resume=") else a for a in argv]
 
 
 def preflight(argv: list[str], config_dir: str) -> Path | None:

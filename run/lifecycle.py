@@ -22,6 +22,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 from enum import IntEnum
 from pathlib import Path
 
@@ -29,6 +30,7 @@ import torch
 
 from checkpoint.publish import step_name
 from parallel.dist import Dist, all_gather_object, all_reduce_max, broadcast_object
+from run.argv import without
 
 LOCK_NAME = "run.lock"
 
@@ -219,7 +221,6 @@ class Interrupts:
 
 
 def _main_thread() -> bool:
-    import threading
     return threading.current_thread() is threading.main_thread()
 
 
@@ -231,8 +232,7 @@ def _say(dist: Dist, line: str) -> None:
 def resume_command(run_dir: Path, argv: list[str]) -> str:
     """The command that continues this run where it stopped: the same overrides, its directory pinned (a
     relaunch under torchrun gets a new launch id, hence a new default directory), resume=auto."""
-    keep = [a for a in argv if not a.split("=", 1)[0].lstrip("+") in ("resume", "hydra.run.dir")
-            and not a.startswith(("resume.", "+resume."))]
+    keep = without(argv, ("resume", "hydra.run.dir"))
     launcher = "torchrun <the same options> train.py" if os.environ.get("TORCHELASTIC_RUN_ID") else "python train.py"
     return " ".join([launcher, *keep, f"hydra.run.dir={run_dir}", "resume=auto"])
 
