@@ -136,13 +136,18 @@ class Telemetry:
         # ONE all-reduce for every layer's numbers: sharded param sums, activations, clamp counts.
         L, A = len(lay.keys), len(act_keys)
         packed = all_reduce_sum(torch.cat([sharded_3L.flatten(), act_sq_A, act_n_A, clamp_C2.flatten()]))
+        coef_t = torch.as_tensor(coef, dtype=torch.float64, device=dev).reshape(1)  # FP32 → FP64: exact
+        logits = [b.attn.logit_max_H for b in self.model.blocks]
+        maxed, replicated = self._collective_max(grad_sq_P, coef_t, logits)
         # one host sync for all of it
-        flat = torch.cat([(packed[:3 * L].view(3, L) + replicated_3L).flatten(), packed[3 * L:]]).tolist()
+        n_max = maxed.numel()
+        flat = torch.cat([(packed[:3 * L].view(3, L) + replicated_3L).flatten(), packed[3 * L:], maxed,
+                          coef_t]).tolist()
+        flat, maxed, coef = flat[:-1 - n_max], flat[-1 - n_max:-1], flat[-1]
         sums = [flat[:L], flat[L:2 * L], flat[2 * L:3 * L]]  # grad², Δθ², θ² per layer
         act_sq_r, act_n_r = flat[3 * L:3 * L + A], flat[3 * L + A:3 * L + 2 * A]
         clamp_r = flat[3 * L + 2 * A:]
         clamp_r = list(zip(clamp_r[0::2], clamp_r[1::2]))  # (hits, total) per SwiGLU layer
-        coef = float(coef)
 
         layers: dict[str, dict[str, float]] = {k: {} for k in self.order}
         for k, sq, n in zip(act_keys, act_sq_r, act_n_r):
@@ -158,8 +163,10 @@ class Telemetry:
         # NOTE: a NaN ratio must surface, and Python's max() drops or keeps NaN depending on order.
         ratio_max = math.nan if any(math.isnan(r) for r in ratios) else max(ratios)
         grads_bad = not all(math.isfinite(s) for s in sums[0])
-        attn_logits = [b.attn.logit_max_H for b in self.model.blocks]
-        replica, logit_L = self._collective_max(grad_sq_P, coef, attn_logits)
+        n_logit = len(self.model.blocks)
+        logit_L = [None if v == -math.inf else v for v in maxed[:n_logit]]
+        out = maxed[n_logit:]
+        replica = {"param_sum_spread": out[0] + out[1], "grad_norm_spread": out[2] + out[3]} if replicated else {}
         for i, v in enumerate(logit_L):
             if v is not None:  # NOTE: the probe's max over the first sequence of each micro-batch, all ranks
                 layers[f"block{i}.attn"]["attn_logit_max"] = v
@@ -199,15 +206,14 @@ class Telemetry:
             block.attn.probe_logits = False
         self.active = False
 
-    def _collective_max(self, grad_sq_P: Tensor, coef: float,
-                        attn_logits: list[Tensor | None]) -> tuple[dict, list[float | None]]:
-        """One MAX all-reduce: each layer's largest probed attention logit (attn_logit_max; None where no
-        forward was probed), and under DDP the spread (max − min over ranks, as max(x) + max(−x)) of a
-        float64 parameter checksum Σθ and of the local pre-clip grad norm. Both are exactly 0 on healthy
-        DDP: every rank holds the same bits."""
+    def _collective_max(self, grad_sq_P: Tensor, coef_1: Tensor,
+                        attn_logits: list[Tensor | None]) -> tuple[Tensor, bool]:
+        """One MAX all-reduce, still on the device: each layer's largest probed attention logit (attn_logit_max;
+        -inf where no forward was probed), and under DDP (the bool) the spread (max − min over ranks, as
+        max(x) + max(−x)) of a float64 parameter checksum Σθ and of the local pre-clip grad norm. Both are
+        exactly 0 on healthy DDP: every rank holds the same bits."""
         dev = self.layout.device
-        n_logit = len(attn_logits)
-        vals = [torch.tensor(-math.inf, dtype=torch.float64, device=dev) if m is None
+        vals = [torch.full((), -math.inf, dtype=torch.float64, device=dev) if m is None
                 else m.max().to(dev, torch.float64) for m in attn_logits]
         world = tdist.get_world_size() if tdist.is_initialized() else 1
         # NOTE: under FSDP each rank holds a different shard, so a spread means nothing there.
@@ -215,13 +221,10 @@ class Telemetry:
         if replicated:
             params = self.layout.local_params()
             psum = torch.stack([p.sum(dtype=torch.float64) for p in params]).sum()
-            gnorm = grad_sq_P.sum().sqrt() / coef
+            gnorm = grad_sq_P.sum().sqrt() / coef_1[0]
             vals += [psum, -psum, gnorm, -gnorm]
-        out = all_reduce_max(torch.stack(vals)).tolist() if vals else []
-        logit_L = [None if v == -math.inf else v for v in out[:n_logit]]
-        out = out[n_logit:]
-        replica = {"param_sum_spread": out[0] + out[1], "grad_norm_spread": out[2] + out[3]} if replicated else {}
-        return replica, logit_L
+        maxed = all_reduce_max(torch.stack(vals)) if vals else torch.zeros(0, dtype=torch.float64, device=dev)
+        return maxed, replicated
 
 
 class StepTelemetry(Callback):
