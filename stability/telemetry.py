@@ -15,11 +15,11 @@ Attached to the step by StepTelemetry (below) at train.py's callback points (eve
 returning {} on a step that telemetry skips; all ranks call them):
 
     cb.before_forward(s)      → telemetry.start(step)            # hooks on, before the first forward
-    sums = forward_backward(...); s.stats = reduce_step_sums(...)
+    sums = forward_backward(...); reduced = reduce_sums(sums)       # (read with the step's numbers)
     cb.before_update(s)       → telemetry.before_update()        # snapshot θ (one foreach copy, reused buffers)
     s.result = optimizer_step(..., veto=veto)                    # unscale → finite check → clip → veto → step
     cb.after_update(s)        → s.post = telemetry.finish(s.result.coef)   # before zero_grad: grads read here
-    s.moe = moe_summary(s.stats["moe_load"], s.stats["moe_out_sq"])   # every step, telemetry or not
+    s.moe = moe_summary(s.stats["moe_load"], s.stats["moe_out_sq"])   # every step, telemetry or not, on the host
     rec = step_record(s, ...)   # stability/record.py: layers, replica from s.post; nonfinite = s.flags | s.post's
 
 s.flags are nonfinite_flags(loss, logit_max, ‖g‖), set in the guard's veto before the update.
@@ -263,28 +263,39 @@ def _mlp_out(out):
     return out if isinstance(out, Tensor) else out.y  # an MoE returns MoEOutput
 
 
-def moe_summary(loads: dict[int, Tensor], out_sq: dict[int, list[float]] | None = None) -> dict[str, dict]:
+def moe_summary(loads: dict[int, Tensor | list[float]],
+                out_sq: dict[int, Tensor | list[float]] | None = None) -> dict[str, dict]:
     """{layer: {"load": tokens per expert, "max_violation": max_e load_e/mean(load) − 1, "dead": #zero,
     "out_rms": per expert the RMS of its output before the gate (None for an expert with no token)}} from
-    the global (all-reduced) assignment counts and output squares; cheap enough for every step.
+    the global (all-reduced) assignment counts and output squares, as (E,) tensors or the host's lists of
+    them (train.py: plain Python then, nothing read); cheap enough for every step.
 
     out_rms tells an expert that still receives tokens but outputs nothing (a zeroed or collapsed expert:
     load unchanged, out_rms → 0) from one that receives none (dead)."""
     out = {}
     for layer in sorted(loads):
-        load_E = torch.as_tensor(loads[layer]).detach().to("cpu", torch.float64)
-        if load_E.ndim != 1 or not load_E.numel():
-            raise ValueError(f"moe_summary: layer {layer} load has shape {tuple(load_E.shape)}, expected (E,)")
-        mean = load_E.mean().item()
+        load_E = _floats(loads[layer], layer)
+        # NOTE: the loads are counts (integers below 2^53): their float64 sum is exact in any order, so this
+        # mean is torch's to the bit
+        mean = sum(load_E) / len(load_E)
         # NOTE: no assignment at all has no balance to violate: 0, and every expert counts as dead.
-        violation = load_E.max().item() / mean - 1.0 if mean > 0 else 0.0
-        out[str(layer)] = {"load": [round(v) for v in load_E.tolist()], "max_violation": violation,
-                           "dead": int((load_E == 0).sum())}
+        violation = max(load_E) / mean - 1.0 if mean > 0 else 0.0
+        out[str(layer)] = {"load": [round(v) for v in load_E], "max_violation": violation,
+                           "dead": sum(v == 0 for v in load_E)}
         if out_sq and layer in out_sq:
-            sq_E = torch.as_tensor(out_sq[layer]).detach().to("cpu", torch.float64).tolist()
-            out[str(layer)]["out_rms"] = [math.sqrt(sq / n) if n > 0 else None
-                                          for sq, n in zip(sq_E, load_E.tolist())]
+            sq_E = _floats(out_sq[layer], layer)
+            out[str(layer)]["out_rms"] = [math.sqrt(sq / n) if n > 0 else None for sq, n in zip(sq_E, load_E)]
     return out
+
+
+def _floats(x: Tensor | list[float], layer) -> list[float]:
+    if torch.is_tensor(x):
+        if x.ndim != 1 or not x.numel():
+            raise ValueError(f"moe_summary: layer {layer} load has shape {tuple(x.shape)}, expected (E,)")
+        return x.detach().to("cpu", torch.float64).tolist()
+    if not x or not all(isinstance(v, (int, float)) for v in x):
+        raise ValueError(f"moe_summary: layer {layer} load is {x!r}, expected (E,) numbers")
+    return [float(v) for v in x]
 
 
 def nonfinite_flags(loss: float, logit_max: float, grad_norm: float) -> dict[str, bool]:
