@@ -78,9 +78,15 @@ def skips_on_device(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]
 
     torch's fused Adam / AdamW can: with `found_inf` = 1 the kernel leaves parameters and moments alone and
     the step counts are put back (the contract GradScaler relies on). NOTE: only once every parameter has
-    its state: a first step creates the moments even when found_inf skips it, which no skip did before.
+    its state (a first step creates the moments even when found_inf skips it, which no skip did before),
+    and only with no hook on optimizer.step(): it would see a step that a skip never makes (e.g. a hook
+    that keeps the moments "the update wrote").
     """
-    return (isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
+    from torch.optim import optimizer as torch_optimizer
+
+    hooked = (optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks
+              or torch_optimizer._global_optimizer_pre_hooks or torch_optimizer._global_optimizer_post_hooks)
+    return (isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) and not hooked
             and all(g.get("fused") for g in optimizer.param_groups)
             and all(p in optimizer.state for p in params if p.grad is not None))
 

@@ -202,3 +202,7 @@ def test_fused_adamw_skips_on_the_device_leaving_its_state_as_a_skip_does():
             assert torch.equal(a, b)
             sa, sb = host[1].state.get(a, {}), dev[1].state.get(b, {})
             assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+    hook = dev[1].register_step_post_hook(lambda *_: None)  # it would see a step that a skip never makes
+    assert not skips_on_device(dev[1], dev[0])
+    hook.remove()
+    assert skips_on_device(dev[1], dev[0])
