@@ -15,14 +15,15 @@ Attached to the step by StepTelemetry (below) at train.py's callback points (eve
 returning {} on a step that telemetry skips; all ranks call them):
 
     cb.before_forward(s)      → telemetry.start(step)            # hooks on, before the first forward
-    sums = forward_backward(...); reduced = reduce_sums(sums)       # (read with the step's numbers)
+    sums = forward_backward(...); reduced = reduce_sums(sums)    # on the device, read with the step's numbers
     cb.before_update(s)       → telemetry.before_update()        # snapshot θ (one foreach copy, reused buffers)
-    s.result = optimizer_step(..., veto=veto)                    # unscale → finite check → clip → veto → step
+    s.result = apply_update(...)                                 # unscale → finite check → clip → [veto] → step
     cb.after_update(s)        → s.post = telemetry.finish(s.result.coef)   # before zero_grad: grads read here
     s.moe = moe_summary(s.stats["moe_load"], s.stats["moe_out_sq"])   # every step, telemetry or not, on the host
     rec = step_record(s, ...)   # stability/record.py: layers, replica from s.post; nonfinite = s.flags | s.post's
 
-s.flags are nonfinite_flags(loss, logit_max, ‖g‖), set in the guard's veto before the update.
+s.flags are nonfinite_flags(loss, logit_max, ‖g‖), set where the guard judges the step (stability/step_numbers.py).
+telemetry.finish reads its own numbers in one transfer of its own (on its steps only).
 """
 from __future__ import annotations
 
