@@ -139,6 +139,18 @@ def per_step(book: list[dict]) -> dict[int, int]:
     return {e["step"]: len(e["sites"]) for e in book if e["step"] > 0}
 
 
+def kind(entry: dict) -> str:
+    """Which kind of step an entry is, told by what it read: the first, a telemetry step, an evaluation, plain."""
+    funcs = {s.rsplit(" ", 2)[1] for s in entry["sites"]}
+    if entry["step"] == 1:
+        return "step 1"
+    return "telemetry" if "finish" in funcs else "evaluation" if "evaluate" in funcs else "plain"
+
+
+def span(xs: list[int]) -> str:
+    return "—" if not xs else str(xs[0]) if min(xs) == max(xs) else f"{min(xs)}–{max(xs)}"
+
+
 def main(argv=None) -> int:
     if argv is None and sys.argv[1:2] in (["--child"], ["--child-sync-debug"]):
         child(sys.argv[2], sys.argv[3:], sync_debug=sys.argv[1] == "--child-sync-debug")
@@ -147,27 +159,38 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=12, help="steps a run (checkpoint.stop_after)")
     ap.add_argument("--only", nargs="*", help="configurations to run (default: all)")
     ap.add_argument("--sites", action="store_true", help="print each step's call sites")
-    ap.add_argument("--out", type=Path, help="also write the table as markdown here")
+    ap.add_argument("--out", type=Path, help="also write the tables as markdown here")
     a = ap.parse_args(argv)
-    rows = []
+    kinds = ("step 1", "plain", "telemetry", "evaluation")
+    rows, default_sites = [], {}
     for name in a.only or CONFIGS:
         overrides, nproc = CONFIGS[name]
         book = measure(overrides, nproc, a.steps)
-        counts = per_step(book)
         if a.sites:
             for e in book:
                 print(f"{name} step {e['step']}: {len(e['sites'])}")
-                for s, n in collections.Counter(e["sites"]).items():
-                    print(f"    {n} × {s}")
-        rows.append((name, nproc, counts))
-        print(f"{name}: " + " ".join(f"{s}:{n}" for s, n in counts.items()), flush=True)
+                for site, n in collections.Counter(e["sites"]).items():
+                    print(f"    {n} × {site}")
+        steps = [e for e in book if e["step"] > 0]
+        rows.append((name, nproc, {k: [len(e["sites"]) for e in steps if kind(e) == k] for k in kinds}))
+        if name == "default":
+            for e in steps:
+                default_sites.setdefault(kind(e), e["sites"])
+        print(f"{name}: " + " ".join(f"{s}:{n}" for s, n in per_step(book).items()), flush=True)
     commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip()
     head = (f"{datetime.date.today()}, commit {commit}, {platform.machine()}, torch CPU; each configuration "
-            f"is the default job with one change, {a.steps} steps (checkpoint.stop_after), rank 0's count")
+            f"is the default job with one change, {a.steps} steps (checkpoint.stop_after: the last one evaluates), "
+            f"rank 0's count of the calls a GPU would wait at")
     lines = ["# Device-to-host reads per step (`python -m bench.host_syncs`)", "", head, "",
-             "| configuration | processes | reads at step 1, 2, …, last |", "|---|---|---|"]
-    lines += [f"| {name} | {nproc} | {', '.join(str(n) for n in counts.values())} |" for name, nproc, counts in rows]
+             "| configuration | processes | " + " | ".join(kinds) + " |", "|---|---|" + "---|" * len(kinds)]
+    lines += [f"| {name} | {nproc} | " + " | ".join(span(got[k]) for k in kinds) + " |" for name, nproc, got in rows]
+    if default_sites:
+        lines += ["", "The default job's reads by call site:", "", "| call site | " + " | ".join(kinds) + " |",
+                  "|---|" + "---|" * len(kinds)]
+        where = sorted({s for sites in default_sites.values() for s in sites})
+        lines += [f"| `{s}` | " + " | ".join(str(default_sites.get(k, []).count(s) or "") for k in kinds) + " |"
+                  for s in where]
     text = "\n".join(lines) + "\n"
     print(text)
     if a.out:
