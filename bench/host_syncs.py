@@ -144,7 +144,9 @@ def kind(entry: dict) -> str:
     funcs = {s.rsplit(" ", 2)[1] for s in entry["sites"]}
     if entry["step"] == 1:
         return "step 1"
-    return "telemetry" if "finish" in funcs else "evaluation" if "evaluate" in funcs else "plain"
+    both = ("finish" in funcs, "evaluate" in funcs)
+    return {(True, True): "telemetry + evaluation", (True, False): "telemetry", (False, True): "evaluation"}.get(
+        both, "plain")
 
 
 def span(xs: list[int]) -> str:
@@ -161,7 +163,7 @@ def main(argv=None) -> int:
     ap.add_argument("--sites", action="store_true", help="print each step's call sites")
     ap.add_argument("--out", type=Path, help="also write the tables as markdown here")
     a = ap.parse_args(argv)
-    kinds = ("step 1", "plain", "telemetry", "evaluation")
+    kinds = ("step 1", "plain", "telemetry", "evaluation", "telemetry + evaluation")
     rows, default_sites = [], {}
     for name in a.only or CONFIGS:
         overrides, nproc = CONFIGS[name]
