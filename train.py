@@ -125,7 +125,7 @@ def train(run: Run, stop: Interrupts) -> None:
         cb.before_forward(s)
         sums = forward_backward(run.wrapped, micro, n_valid, tc.z_loss, run.dist.world, len(names), routes=s.routes,
                                 autocast=run.recipe.autocast, loss_scale=run.scaler.scale if run.scaler else None)
-        reduced = reduce_sums(sums)  # the global loss (by source) and MoE sums: the guard judges them before the update
+        reduced = reduce_sums(sums)  # the global loss (by source) and MoE sums, all-reduced, still on the device
         host.put(**reduced.tensors(), **rank_tensors(micro, sums, run.dist.world, run.dist.rank, dev))
         t2 = time.perf_counter()
 

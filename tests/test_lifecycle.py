@@ -154,7 +154,10 @@ for case in json.loads(sys.argv[1]):
                 os.write(w, f"{name}>{stop.name}>{stop.agreed()} ".encode())
         os._exit(0)
     os.close(w)
-    seen = os.read(r, 4096).decode().split()
+    seen = b""
+    while chunk := os.read(r, 4096):  # NOTE: to EOF (the child's exit): one read may return the first write only
+        seen += chunk
+    seen = seen.decode().split()
     print(json.dumps([case, os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), seen]), flush=True)
 """
 CASES = {  # signals sent: (exit status, what the loop sees after each)
