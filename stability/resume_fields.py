@@ -2,7 +2,7 @@
 CPU time (record version 2; stability/record.py). Each is cheap enough for every step.
 
     state = state_summary(optimizer, model)     # ‖m‖, ‖v‖, ‖θ‖ per param group; ‖bias‖ per MoE layer
-    ranks = rank_inputs(micro_batches, sums, world, rank, device)  # per-rank sample ids, content hash, local loss
+    ranks = rank_inputs(local_batch, sums, world, rank, device)   # per-rank sample ids, content hash, local loss
     resume = resume_marker(events_now)          # stability/record.py: {"from": checkpoint, "step": s} on a resume's first step
     cpu = cpu_clock()                           # process CPU seconds (all threads)
 
@@ -135,17 +135,19 @@ def _world_and_sharding(model) -> tuple[int, bool]:
     return world, sharded
 
 
-def rank_inputs(micro_batches, sums, world: int, rank: int, device) -> dict[str, list]:
+def rank_inputs(local_batch, sums, world: int, rank: int, device) -> dict[str, list]:
     """Per rank: first sample id, sample count, a content hash of its tokens, its local loss per valid
-    token. One SUM all-reduce of a (4, world) table in which each rank fills its own column."""
+    token. One SUM all-reduce of a (4, world) table in which each rank fills its own column. `local_batch`:
+    this rank's Batch, or its micro-batches in order."""
     host = HostScalars()
-    host.put(**rank_tensors(micro_batches, sums, world, rank, device))
+    host.put(**rank_tensors(local_batch, sums, world, rank, device))
     host.read()
     return rank_values(host)
 
 
-def rank_tensors(micro_batches, sums, world: int, rank: int, device) -> dict[str, torch.Tensor]:
+def rank_tensors(local_batch, sums, world: int, rank: int, device) -> dict[str, torch.Tensor]:
     """rank_inputs' table on the device, nothing read: {"ranks_4W": (4, world) float64}."""
+    micro_batches = [local_batch] if hasattr(local_batch, "sample_ids") else list(local_batch)
     ids = torch.cat([mb.sample_ids for mb in micro_batches])
     h = content_hash_t(torch.cat([mb.tokens for mb in micro_batches]))  # this rank's batch, row-major
     n_valid = sums.tokens_by_source.sum().double()
