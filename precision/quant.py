@@ -50,16 +50,26 @@ class QTensor(NamedTuple):
         return QTensor(self.data.t(), scale, self.kind, self.tile)
 
 
+# NOTE: the sign of a NaN is not fixed by IEEE 754, and E4M3 keeps it (0x7F or 0xFF). Inductor's CPU max and
+# min (at::vec::maximum/minimum: amax, clamp) return any NaN as the all-ones pattern, sign bit set, where
+# eager's return a NaN they were given. So under torch.compile (precision/quant_fused.py) cast_e4m3 and
+# _scale put eager's NaN back, and a poisoned group gets the same E4M3 code compiled as eager.
 def cast_e4m3(x_scaled: torch.Tensor) -> torch.Tensor:
     """Clamp, then cast. WARN: without the clamp a value past 448 becomes NaN on CUDA (E4M3fn has
     no inf); rounding x/s can overshoot 448 by half an ulp even when s comes from the amax."""
-    return x_scaled.clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+    clamped = x_scaled.clamp(-E4M3_MAX, E4M3_MAX)
+    if torch.compiler.is_compiling():  # the NaN the division made, as eager's clamp keeps it
+        clamped = torch.where(x_scaled.isnan(), x_scaled, clamped)
+    return clamped.to(E4M3)
 
 
 def _scale(amax: torch.Tensor, qmax: float | torch.Tensor) -> torch.Tensor:
     # NOTE: NaN/inf amax passes through (clamp keeps NaN, inf/448 = inf): a non-finite input must
     # reach the output as non-finite, where the step's finite check sees it, not be quietly zeroed.
-    return amax.float().clamp(min=AMAX_FLOOR) / qmax
+    scale = amax.float().clamp(min=AMAX_FLOOR) / qmax
+    if torch.compiler.is_compiling():  # a positive NaN, as eager's amax of |x| gives
+        scale = torch.where(scale.isnan(), torch.nan, scale)
+    return scale
 
 
 def _pad_to(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
