@@ -125,6 +125,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(a.threads)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     rounds = 3 if a.quick else a.rounds
+    load0 = os.getloadavg()[0] if hasattr(os, "getloadavg") else None  # the machine may be shared
     rows = []
     for row in QUICKSTART + ([] if a.quick else M125):
         rows.append(bench_row(row, device, rounds, sync))
@@ -134,7 +135,7 @@ def main(argv=None) -> int:
 
     from precision.quant_fused import fused_status
 
-    load = " (load average {:.1f} {:.1f} {:.1f})".format(*os.getloadavg()) if hasattr(os, "getloadavg") else ""
+    load = f" (1-min load average {load0:.1f} at the start, {os.getloadavg()[0]:.1f} at the end)" if load0 else ""
     head = (f"{datetime.date.today()}, commit {commit()}, torch {torch.__version__}; {machine(device)}{load}; "
             f"device {device}, {a.threads} thread{'s' * (a.threads != 1)}; median of {rounds} alternating rounds, "
             f"each the mean of a ~20 ms stretch of calls; Inductor cache "
