@@ -94,6 +94,19 @@ def test_inf_and_nan_come_out_as_eager_has_them(kind, transposed):
     assert eager.scale.isnan().any() and (eager.scale == float("inf")).any() == (kind != "tensor")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_gives_the_eager_bits_on_cuda(dtype):
+    """Triton's side (written without a GPU): every operand layout, the edge cases, inf and NaN; bf16 is what
+    an FP8 recipe with autocast_dtype=bfloat16 hands the quantiser."""
+    for what, kind, transposed in OPERANDS:
+        x = edge_cases(seed=len(what)).to("cuda", dtype)
+        x[3, 7], x[150, 140] = float("nan"), float("inf")
+        x = x.t().contiguous().t() if transposed else x
+        assert_same_bits(quantize_fused(x, kind), quantize(x, kind))
+    assert all(v.startswith("compiled") for k, v in fused_status().items() if k.endswith("cuda")), fused_status()
+
+
 def test_odd_shapes_reuse_the_compiled_graphs():
     """Sizes are symbols: after one shape of a class (float32, x or x^T, past one tile, not a multiple of
     it), every other shape of it runs the same graph."""
