@@ -55,7 +55,7 @@ def quantize_fused(x: torch.Tensor, kind: str, tile: int = TILE) -> QTensor:
     if torch.compiler.is_compiling():  # inside a compiled model: its graph compiles these ops with the rest
         return _eager(x, kind, tile)
     key = (kind, tile, x.device.type)
-    fn = _STATE.get(key) or _STATE.setdefault(key, _compile(kind, tile))
+    fn = _STATE[key] if key in _STATE else _compile(key)
     if isinstance(fn, str):
         return _eager(x, kind, tile)
     # NOTE: detached, x is a plain tensor that is no view and needs no grad, whatever it was: a Parameter
@@ -95,15 +95,18 @@ def fused_status() -> dict[str, str]:
             for k, v in sorted(_STATE.items())}
 
 
-def _compile(kind: str, tile: int) -> Callable | str:
+def _compile(key: Key) -> Callable | str:
+    """The compiled function of key, lazily compiled at its first call; or why there is none."""
     if not torch._dynamo.is_dynamo_supported():
-        return "torch.compile is not supported here (torch._dynamo.is_dynamo_supported() is false)"
+        return _go_eager(key, "torch.compile is not supported here (torch._dynamo.is_dynamo_supported() is false)")
+    kind, tile, _ = key
     group = GROUPINGS[kind]
 
     def fused(x: torch.Tensor, qmax: torch.Tensor):
         return group(x, tile, qmax)
 
-    return torch.compile(fused, fullgraph=True, options=_OPTIONS, **_COMPILE_KW)
+    _STATE[key] = torch.compile(fused, fullgraph=True, options=_OPTIONS, **_COMPILE_KW)
+    return _STATE[key]
 
 
 def _compile_errors() -> tuple[type[BaseException], ...]:
@@ -117,11 +120,12 @@ def _eager(x: torch.Tensor, kind: str, tile: int) -> QTensor:
     return QTensor(*GROUPINGS[kind](x, tile), kind, tile)
 
 
-def _go_eager(key: Key, why: str) -> None:
+def _go_eager(key: Key, why: str) -> str:
     """The one place the fused quantiser gives up: that key runs eagerly from here on, said once."""
     _STATE[key] = why
     warnings.warn(f"precision.fused_quant: the compiled {key[0]} quantiser (tile {key[1]}, {key[2]}) runs eagerly "
                   f"from here on: {why}", RuntimeWarning, stacklevel=3)
+    return why
 
 
 def _qmax(device: torch.device) -> torch.Tensor:

@@ -150,7 +150,7 @@ def test_a_failed_compile_says_so_once_and_runs_eager(fresh_state, monkeypatch):
     def broken(x, qmax):
         raise torch._dynamo.exc.TorchDynamoException("InvalidCxxCompiler: No working C++ compiler found")
 
-    monkeypatch.setattr(qf, "_compile", lambda kind, tile: broken)
+    monkeypatch.setattr(qf, "_compile", lambda key: qf._STATE.setdefault(key, broken))
     x = torch.randn(R, C)
     with pytest.warns(RuntimeWarning, match=r"compiled tile quantiser .* eagerly .* InvalidCxxCompiler") as w:
         first = quantize_fused(x, "tile")
@@ -160,12 +160,21 @@ def test_a_failed_compile_says_so_once_and_runs_eager(fresh_state, monkeypatch):
     assert fused_status()["tile/128/cpu"].startswith("eager: torch.compile failed (TorchDynamoException")
 
 
+def test_no_dynamo_here_says_so_once_and_runs_eager(fresh_state, monkeypatch):
+    monkeypatch.setattr(torch._dynamo, "is_dynamo_supported", lambda: False)
+    x = torch.randn(R, C)
+    with pytest.warns(RuntimeWarning, match=r"is_dynamo_supported\(\) is false") as w:
+        assert_same_bits(quantize_fused(x, "tensor"), quantize(x, "tensor"))
+        assert_same_bits(quantize_fused(x, "tensor"), quantize(x, "tensor"))
+    assert len(w) == 1
+
+
 def test_a_compiled_result_that_differs_from_eager_is_refused(fresh_state, monkeypatch):
     def off_by_one_ulp(x, qmax):
         data, scale = qf.GROUPINGS["block"](x, 128, qmax)
         return data, torch.nextafter(scale, torch.full_like(scale, math.inf))
 
-    monkeypatch.setattr(qf, "_compile", lambda kind, tile: off_by_one_ulp)
+    monkeypatch.setattr(qf, "_compile", lambda key: qf._STATE.setdefault(key, off_by_one_ulp))
     x = torch.randn(R, C)
     with pytest.warns(RuntimeWarning, match=r"on shape \(200, 300\) differs from precision/quant.py's"):
         assert_same_bits(quantize_fused(x, "block"), quantize(x, "block"))
