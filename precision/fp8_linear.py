@@ -36,22 +36,22 @@ class _Fp8Matmul(torch.autograd.Function):
         act, wk = _kinds(scaling)
         ctx.save_for_backward(x_MK, w_NK)
         ctx.scaling, ctx.fused = scaling, fused
-        quantize = _quantizer(fused)
-        return gemm_nt(quantize(x_MK, act), quantize(w_NK, wk))
+        quant = _quantizer(fused)
+        return gemm_nt(quant(x_MK, act), quant(w_NK, wk))
 
     @staticmethod
     def backward(ctx, dy_MN: Tensor):
         x_MK, w_NK = ctx.saved_tensors
         act, wk = _kinds(ctx.scaling)
-        quantize = _quantizer(ctx.fused)
+        quant = _quantizer(ctx.fused)
         dy_MN = dy_MN.float()
         dx = dw = None
         if ctx.needs_input_grad[0]:
             # NOTE: quantise(W)^T == quantise(W^T) exactly for blocks (a symmetric group): no re-tiling.
-            dx = gemm_nt(quantize(dy_MN, act), quantize(w_NK, wk).t()).to(x_MK.dtype)
+            dx = gemm_nt(quant(dy_MN, act), quant(w_NK, wk).t()).to(x_MK.dtype)
         if ctx.needs_input_grad[1]:
             # Re-tiled: dW contracts over the tokens, so dy and x are grouped along the tokens.
-            dw = gemm_nt(quantize(dy_MN.t(), act), quantize(x_MK.t(), act)).to(w_NK.dtype)
+            dw = gemm_nt(quant(dy_MN.t(), act), quant(x_MK.t(), act)).to(w_NK.dtype)
         return dx, dw, None, None
 
 
