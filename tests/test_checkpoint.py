@@ -260,6 +260,11 @@ def test_resume_checks_name_the_difference():
     assert len(notes) == 1 and "train.steps=20" in notes[0]
     # micro-batching, logging, checkpoint cadence may change freely
     assert check_config(cfg, {**cfg, "train": {**cfg["train"], "micro_batches": 4}}, [], "x") == []
+    # a key newer than the checkpoint's code: its default is what that code ran; another value is a change
+    newer = {**cfg, "model": {**cfg["model"], "new_knob": None}}
+    assert check_config(cfg, newer, [], "x", defaults={"model": {"new_knob": None}}) == []
+    with pytest.raises(ValueError, match=r"model\.new_knob=2 but checkpoint x has model\.new_knob=<absent>"):
+        check_config(cfg, {**cfg, "model": {**cfg["model"], "new_knob": 2}}, [], "x", defaults={"model": {"new_knob": None}})
 
     shapes = {k: tuple(v.shape) for k, v in st.model.state_dict().items()}
     check_model(shapes, st.model.state_dict(), "x")
