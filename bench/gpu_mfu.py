@@ -44,20 +44,21 @@ def flops_per_token(model, seq_len: int) -> float:
 def run(arm: str, args, model_cfg: dict, data_cfg: dict, device) -> dict:
     import torch
 
-    from data import build_data
+    from data import DataConfig, build_data
     from data.loader import Loader
     from model import ModelConfig, Transformer
     from optim import build_optimizer
     from optim.accumulate import count_valid_tokens, forward_backward
+    from optim.config import OptimConfig
     from precision import build_recipe, optimizer_step
     from precision.config import PrecisionConfig
 
-    ds = build_data(data_cfg)
+    ds = build_data(DataConfig.from_dict(data_cfg))
     torch.manual_seed(0)
     model = Transformer(ModelConfig(**model_cfg).for_data(ds)).to(device)
     recipe = build_recipe(PrecisionConfig(name="bf16"), device)
     fwd = torch.compile(model) if arm == "compiled" else model
-    opt, _ = build_optimizer(model, OPTIM)
+    opt, _ = build_optimizer(model, OptimConfig.from_dict(OPTIM))
     loader = Loader(ds, args.batch_size)
     cuda = device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)

@@ -51,25 +51,26 @@ TINY_MODEL = {"d_model": 128, "n_layers": 2, "n_heads": 2, "mlp_hidden": 256, "t
 def run(label: str, precision: dict, steps: int, batch_size: int, seed: int, dry_run: bool = False) -> dict:
     import torch
 
-    from data import build_data
+    from data import DataConfig, build_data
     from data.loader import Loader, eval_batches
     from model import ModelConfig, Transformer
     from optim import build_optimizer, build_scheduler
     from optim.accumulate import count_valid_tokens, forward_backward
+    from optim.config import OptimConfig
     from precision import build_recipe, optimizer_step
     from precision.config import PrecisionConfig
     from precision.fp8_gemm import fast_path_status
 
     dev = torch.device("cpu" if dry_run else "cuda")
     sync = (lambda: None) if dry_run else torch.cuda.synchronize
-    ds = build_data({**DATA, "seq_len": 128, "min_doc_len": 16} if dry_run else DATA)
+    ds = build_data(DataConfig.from_dict({**DATA, "seq_len": 128, "min_doc_len": 16} if dry_run else DATA))
     torch.manual_seed(seed)
     model = Transformer(ModelConfig(**(TINY_MODEL if dry_run else MODEL)).for_data(ds)).to(dev)
     recipe = build_recipe(PrecisionConfig(**precision), dev)
     recipe.convert(model)
-    opt, _ = build_optimizer(model, OPTIM)
-    sched = build_scheduler(opt, {**OPTIM["schedule"], "warmup_steps": min(steps, OPTIM["schedule"]["warmup_steps"])},
-                            steps)
+    optim = OptimConfig.from_dict(OPTIM)
+    opt, _ = build_optimizer(model, optim)
+    sched = build_scheduler(opt, optim.schedule, steps)  # a warmup longer than the run is clamped to it (fit)
     scaler = recipe.make_scaler()
     loader = Loader(ds, batch_size)
     losses, times = [], []

@@ -67,12 +67,13 @@ def copy_floor(run_dir: Path) -> tuple[float, float]:
 
     from data import build_data
     from data.loader import eval_batches
+    from run.config import Config
 
-    cfg = json.loads((run_dir / "config.json").read_text())
-    ds = build_data(cfg["data"])
+    cfg = Config.from_dict(json.loads((run_dir / "config.json").read_text()))
+    ds = build_data(cfg.data)
     names = ds.source_names
     f_S, n_S = torch.zeros(len(names), dtype=torch.float64), torch.zeros(len(names), dtype=torch.float64)
-    for b in eval_batches(ds, cfg["train"]["eval_samples"], cfg["train"]["eval_batch_size"]):
+    for b in eval_batches(ds, cfg.train.eval_samples, cfg.train.eval_batch_size):
         valid = b.labels != -100
         f_S.index_add_(0, b.sources, (b.floor.double() * valid).sum(1))
         n_S.index_add_(0, b.sources, valid.sum(1).double())

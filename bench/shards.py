@@ -49,11 +49,11 @@ def rss_mb() -> tuple[float, float]:
 
 def measure(cfg: dict, batches: int) -> dict:
     """In a fresh process: open the (already built) cache, read batches, report RSS and throughput."""
-    from data import Loader, build_data
+    from data import DataConfig, Loader, build_data
 
     base = rss_mb()
     t0 = time.perf_counter()
-    ds = build_data(cfg)
+    ds = build_data(DataConfig.from_dict(cfg))
     t_open = time.perf_counter() - t0
     opened = rss_mb()
     loader = Loader(ds, 64)
@@ -92,8 +92,8 @@ def main(argv=None) -> int:
             import os
             env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_CACHE": str(work / "hf")}
             t0 = time.perf_counter()
-            build = subprocess.run([sys.executable, "-c", "import json,sys; from data import build_data; "
-                                    f"build_data(json.loads(sys.argv[1]))", json.dumps(cfg)],
+            build = subprocess.run([sys.executable, "-c", "import json,sys; from data import DataConfig, build_data; "
+                                    "build_data(DataConfig.from_dict(json.loads(sys.argv[1])))", json.dumps(cfg)],
                                    cwd=ROOT, env=env, capture_output=True, text=True)
             tok_s = time.perf_counter() - t0
             if build.returncode:

@@ -89,9 +89,10 @@ def nanogpt_on_our_protocol(root: Path, ckpt: Path, run_dir: Path) -> tuple[floa
     from bench import nanogpt
     from data import build_data
     from data.loader import eval_batches
+    from run.config import Config
 
-    cfg = OmegaConf.load(run_dir / "config.yaml")
-    ds = build_data(OmegaConf.to_container(cfg.data, resolve=True))
+    cfg = Config.from_dict(OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml"), resolve=True))
+    ds = build_data(cfg.data)
     batches = eval_batches(ds, cfg.train.eval_samples, cfg.train.eval_batch_size)
     model, it = nanogpt.load_checkpoint(root, ckpt)
     return nanogpt.eval_loss(model, batches), it
