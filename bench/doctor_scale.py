@@ -59,7 +59,9 @@ def synthesise(d: Path, n: int, fault_at: int) -> None:
                    "fingerprint": {"model": "0a1b2c3d", "optim": "4e5f6a7b", "precision": "8c9d0e1f", "seed": "2a3b4c5d",
                                    "train": "6e7f8a9b", "data": "0c1d2e3f4a5b"}, "version": 3}
             f.write(json.dumps(rec) + "\n")
-    (d / "config.yaml").write_text("optim: {lr: 0.001, schedule: {name: constant}}\ntrain: {steps: %d}\n" % n)
+    # NOTE: no warmup, as the records' constant lr says: the doctor checks the lr against the schedule
+    (d / "config.yaml").write_text("optim: {lr: 0.001, schedule: {name: constant, warmup_steps: 0}}\n"
+                                   "train: {steps: %d}\n" % n)
 
 
 def one(n: int) -> None:

@@ -48,11 +48,13 @@ def machine() -> str:
 
 
 def commit() -> str:
-    """HEAD's short hash, and whether tracked files differ from it (then the figures are not HEAD's)."""
+    """HEAD's short hash, and whether tracked files differ from it (then the figures are not HEAD's); the
+    results already written (docs/results/) are outputs, not the code that measured."""
     def git(*a: str) -> subprocess.CompletedProcess:
         return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True)
     head = git("rev-parse", "--short=12", "HEAD").stdout.strip() or "unknown"
-    return head + (" with uncommitted changes" if git("diff", "--quiet", "HEAD").returncode else "")
+    dirty = git("diff", "--quiet", "HEAD", "--", ".", ":(exclude)docs/results").returncode
+    return head + (" with uncommitted changes" if dirty else "")
 
 
 def header_fields(text: str) -> dict[str, str]:
