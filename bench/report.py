@@ -48,12 +48,12 @@ def machine() -> str:
 
 
 def commit() -> str:
-    """HEAD's short hash, and whether tracked files differ from it (then the figures are not HEAD's); the
-    results already written (docs/results/) are outputs, not the code that measured."""
+    """HEAD's short hash, and whether the code differs from it (then the figures are not HEAD's): the docs
+    (the results already written among them) and the tests are not what a bench script runs."""
     def git(*a: str) -> subprocess.CompletedProcess:
         return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True)
     head = git("rev-parse", "--short=12", "HEAD").stdout.strip() or "unknown"
-    dirty = git("diff", "--quiet", "HEAD", "--", ".", ":(exclude)docs/results").returncode
+    dirty = git("diff", "--quiet", "HEAD", "--", ".", ":(exclude)docs", ":(exclude)tests", ":(exclude)*.md").returncode
     return head + (" with uncommitted changes" if dirty else "")
 
 
