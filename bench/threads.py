@@ -67,9 +67,9 @@ def main(argv=None) -> int:
             spinners = busy(load)
             try:
                 got: dict[str, list] = {v: [] for v in VARIANTS}
-                for rep in range(a.repeats):
+                for r in range(a.repeats):
                     for name, (env_extra, over) in VARIANTS.items():
-                        out = Path(tmp) / f"load{load}-run{rep}-{list(VARIANTS).index(name)}"
+                        out = Path(tmp) / f"load{load}-run{r}-{list(VARIANTS).index(name)}"
                         got[name].append(one(env_extra, over, a.steps, out))
                         print(f"load {load} | {name}: {got[name][-1][0]:.0f} ms a step", flush=True)
             finally:
