@@ -7,7 +7,7 @@
 #   4. the fused FP8 quantiser vs the eager one (issue 28): ms a call, bits equal, cold compile (bench/quant_fused.py)
 #   5. the `-m gpu` tests
 #
-#   bash bench/gpu_all.sh              # on the GPU machine; results and a log under $OUT (else bench/out)
+#   bash bench/gpu_all.sh              # on the GPU machine; results (gpu_*.md, as docs/results/ keeps them) and a log under $OUT (else bench/out)
 #   bash bench/gpu_all.sh --dry-run    # on a CPU: every python piece on a tiny problem (checks the code runs)
 #
 # Without CUDA (and without --dry-run) it prints one line and exits 2. Exit status: 0 when every part ran,
@@ -57,24 +57,24 @@ EOF
 uptime | tee -a "$LOG"
 
 if [[ $DRY == 1 ]]; then
-  part mfu 300 "$PY" -m bench.gpu_mfu --dry-run --out "$RES/gpu_mfu.json"
-  part precision 300 "$PY" -m bench.gpu_precision --dry-run --out "$RES/gpu_precision.json"
-  part moe 300 "$PY" -m bench.moe_speed --device cpu --d 64 --batch 2 --seq 32 --steps 2 --threads 1 --no-compile
+  part mfu 300 "$PY" -m bench.gpu_mfu --dry-run --json "$RES/gpu_mfu.json" --out "$RES/gpu_mfu.md"
+  part precision 300 "$PY" -m bench.gpu_precision --dry-run --json "$RES/gpu_precision.json" --out "$RES/gpu_precision.md"
+  part moe 300 "$PY" -m bench.moe_speed --device cpu --d 64 --batch 2 --seq 32 --steps 2 --threads 1 --no-compile --out "$RES/gpu_moe.md"
   part quant_fused 300 "$PY" -m bench.quant_fused --device cpu --quick --out "$RES/quant_fused.md"
   part gpu_tests 300 "$PY" -m pytest -q -m gpu tests/test_precision_recipes.py tests/test_precision_quant.py
 else
   # caps sum to 560 s: the 10 minutes, with the start-up and the device line
-  # NOTE: batch 64 x 1024: measured on an H200 (torch 2.11, compiled) 39.6 % MFU at 32, 41.7 % at 64,
-  # 41.1 % at 96: at 32 the optimizer and clip are a few % of a 71 ms step
-  part mfu 150 "$PY" -m bench.gpu_mfu --steps 20 --batch-size 64 --out "$RES/gpu_mfu.json"
-  part precision 180 "$PY" -m bench.gpu_precision --steps 300 --batch-size 16 --out "$RES/gpu_precision.json"
-  part moe 60 "$PY" -m bench.moe_speed --device cuda --d 1024 --batch 16 --seq 1024 --steps 20 --no-compile
+  # NOTE: batch 64 x 1024, not 32: at 32 the optimizer and clip (per step, not per token) are a few % of
+  # a step that MFU counts as idle; past 64 the figure no longer moves
+  part mfu 150 "$PY" -m bench.gpu_mfu --steps 20 --batch-size 64 --json "$RES/gpu_mfu.json" --out "$RES/gpu_mfu.md"
+  part precision 180 "$PY" -m bench.gpu_precision --steps 300 --batch-size 16 --json "$RES/gpu_precision.json" --out "$RES/gpu_precision.md"
+  part moe 60 "$PY" -m bench.moe_speed --device cuda --d 1024 --batch 16 --seq 1024 --steps 20 --no-compile --out "$RES/gpu_moe.md"
   # NOTE: ten rows, each a Triton compile where its kind, layout or size class is new (cold cache)
   part quant_fused 90 "$PY" -m bench.quant_fused --device cuda --out "$RES/quant_fused.md"
   part gpu_tests 80 "$PY" -m pytest -q -m gpu tests/
 fi
 
-echo "=== gpu_all: $((SECONDS - T_START)) s in all; results in $RES (gpu_mfu.json, gpu_precision.json, quant_fused.md, gpu_all.log)" | tee -a "$LOG"
+echo "=== gpu_all: $((SECONDS - T_START)) s in all; results in $RES (gpu_*.md: docs/results/ material; gpu_*.json, gpu_all.log)" | tee -a "$LOG"
 if ((${#FAILED[@]})); then
   echo "=== gpu_all: FAILED: ${FAILED[*]}" | tee -a "$LOG"
   exit 1

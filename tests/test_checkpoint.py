@@ -16,11 +16,13 @@ from checkpoint.checkpointer import supersede_records
 from checkpoint.config import CheckpointConfig, ResumeConfig
 from checkpoint.resume import check_config, check_data, check_model
 from data import build_data
+from data.config import DataConfig
 from data.loader import Loader
 from helpers import HANG_S, model_config
 from model import Transformer
 from optim import build_optimizer, build_scheduler, clip_grad_norm
 from optim.accumulate import count_valid_tokens, forward_backward, reduce_step_sums
+from optim.config import OptimConfig
 from optim.scaler import DynamicLossScaler
 from parallel import Dist
 
@@ -42,10 +44,11 @@ pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 def make_state(seed=0, data=DATA, model=MODEL, steps=10) -> TrainState:
     torch.manual_seed(seed)
-    ds = build_data(data)
+    ds = build_data(DataConfig.from_dict(data))
     m = Transformer(model_config({**model, "vocab_size": ds.vocab_size, "seq_len": ds.seq_len}))
-    opt, _ = build_optimizer(m, OPTIM)
-    sched = build_scheduler(opt, OPTIM["schedule"], steps)
+    opt_cfg = OptimConfig.from_dict(OPTIM)
+    opt, _ = build_optimizer(m, opt_cfg)
+    sched = build_scheduler(opt, opt_cfg.schedule, steps)
     config = {"seed": seed, "model": model, "optim": OPTIM, "data": data,
               "train": {"steps": steps, "batch_size": 4, "micro_batches": 2, "z_loss": 1e-4, "max_grad_norm": 1.0},
               "checkpoint": {"every": 0, "dir": None, "mode": "sync", "keep_last": 2, "keep_every": None,
