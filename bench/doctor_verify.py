@@ -4,16 +4,14 @@ and a blind incident of `labs.incident` (a fault planted and scrubbed from the r
     python -m bench.doctor_verify [--seed 12] [--out docs/results/doctor_verify.md]
 
 Trains the default job (`python train.py`) and the blind incident, verifies each and prints (and with --out
-writes) the verify lines, the replayed steps and the seconds each run took, under a header naming the
-machine, the date and the commit. The records themselves are bit-reproducible; the seconds are this machine's.
+writes, bench/report.py) the verify lines, the replayed steps and the seconds each run took, under a header
+naming the machine, the date and the commit. The records themselves are bit-reproducible; the seconds are this machine's.
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -21,6 +19,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from bench.report import Report  # noqa: E402
 QUIET = ["logging.progress=false", "logging.wandb=disabled", "logging.plot=false"]
 
 
@@ -39,22 +39,12 @@ def verify(run_dir: Path) -> tuple[list[str], dict, float]:
     return lines, json.loads((run_dir / "report.json").read_text())["verified"], time.perf_counter() - t0
 
 
-def cpu() -> str:
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor() or platform.machine()
-    name = next((x.split(":", 1)[1].strip() for x in info.splitlines() if x.startswith("model name")), "?")
-    flags = next((x for x in info.splitlines() if x.startswith("flags")), "")
-    return f"{name} ({'AVX-512' if 'avx512f' in flags else 'AVX2' if 'avx2' in flags else 'no AVX2'})"
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.doctor_verify", description=__doc__.split("\n\n")[0])
     ap.add_argument("--seed", type=int, default=12, help="the blind incident's seed (labs.incident new --seed)")
     ap.add_argument("--out", type=Path, help="also write the result as markdown here")
     a = ap.parse_args(argv)
-    sections = []
+    rep = Report("The doctor's proof on the default job", "python -m bench.doctor_verify", argv)
     with tempfile.TemporaryDirectory() as tmp:
         clean, blind = Path(tmp) / "quickstart", Path(tmp) / f"incident-{a.seed}"
         sh("train.py", f"hydra.run.dir={clean}", *QUIET)
@@ -65,19 +55,12 @@ def main(argv=None) -> int:
             lines, v, secs = verify(d)
             runs = v.get("runs", [])
             each = ", ".join(f"{r['name']} {r['seconds']:.0f} s" for r in runs)
-            cost = f"{v.get('replayed_steps', 0)} replayed steps in {len(runs)} train.py runs ({each}); {secs:.0f} s in all"
-            print(f"{title}\n" + "\n".join(lines) + f"\n{cost}\n", flush=True)
-            sections += [f"## {title}", "", "```", f"$ {cmd}", *lines, "```", "", f"Cost: {cost}.", ""]
-    commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip()
-    head = (f"{datetime.date.today()}, commit {commit}, {cpu()}, {os.cpu_count()} CPUs, load average "
-            f"{os.getloadavg()[0]:.1f} at the end; `python -m bench.doctor_verify --seed {a.seed}`")
-    text = "\n".join(["# The doctor's proof on the default job (`python -m bench.doctor_verify`)", "", head, "",
-                      *sections])
-    if a.out:
-        a.out.write_text(text)
+            rep.add(f"## {title}", "")
+            rep.block("\n".join([f"$ {cmd}", *lines]))
+            rep.add(f"Cost: {v.get('replayed_steps', 0)} replayed steps in {len(runs)} train.py runs ({each}); "
+                    f"{secs:.0f} s in all.", "")
+    rep.write(a.out)
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())
