@@ -25,6 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 H200_BF16_DENSE_TFLOPS = 989.0  # NVIDIA H200 SXM datasheet, bf16 tensor core, dense (no sparsity)
+MFU_GOAL = 0.40  # issue 16: a ~125M dense model's BF16 step at >= 40 % of peak
+# NOTE: the model, data and optimizer here are also train.py's in bench/gpu_train.py (it compares the two)
 MODEL = {"d_model": 768, "n_layers": 18, "n_heads": 12, "mlp_hidden": 2048, "tie_embeddings": True}
 DATA = {"kind": "synthetic", "seq_len": 1024, "min_doc_len": 64, "seed": 1234,
         "sources": [{"name": "markov", "kind": "markov", "weight": 0.5, "alphabet": 64, "order": 2, "support": 4,
@@ -33,6 +35,7 @@ DATA = {"kind": "synthetic", "seq_len": 1024, "min_doc_len": 64, "seed": 1234,
 OPTIM = {"lr": 6.0e-4, "betas": [0.9, 0.95], "eps": 1.0e-8, "weight_decay": 0.1,
          "groups": [{"name": "no_decay", "kinds": ["bias", "norm", "embedding", "router"], "weight_decay": 0.0}]}
 TINY_MODEL = {"d_model": 64, "n_layers": 2, "n_heads": 2, "mlp_hidden": 128, "tie_embeddings": True}
+TINY_DATA = {**DATA, "seq_len": 64, "min_doc_len": 8}
 
 
 def flops_per_token(model, seq_len: int) -> float:
@@ -100,7 +103,7 @@ def main() -> None:
     import torch
 
     if args.dry_run:
-        device, model_cfg, data_cfg = torch.device("cpu"), TINY_MODEL, {**DATA, "seq_len": 64, "min_doc_len": 8}
+        device, model_cfg, data_cfg = torch.device("cpu"), TINY_MODEL, TINY_DATA
         args.steps, args.warmup, args.batch_size, args.arms = 2, 1, 2, ["eager"]
     elif not torch.cuda.is_available():
         sys.exit("bench.gpu_mfu: needs a CUDA GPU; none found (--dry-run runs a tiny model on the CPU)")
@@ -117,7 +120,8 @@ def main() -> None:
               f"{r['step_ms']:8.1f} ms/step  {r['tokens_per_s']:>10.0f} tok/s  {r['tflops']:7.1f} TFLOPS  "
               f"MFU {100 * r['mfu']:5.1f} %  (warm-up {r['warmup_s']:.0f} s, loss {r['last_loss']:.3f})", flush=True)
     best = max(results, key=lambda r: r["mfu"])
-    print(f"MFU {100 * best['mfu']:.1f} % ({best['arm']}); target >= 40 %: {'met' if best['mfu'] >= 0.40 else 'NOT met'}"
+    print(f"MFU {100 * best['mfu']:.1f} % ({best['arm']}); target >= {100 * MFU_GOAL:.0f} %: "
+          f"{'met' if best['mfu'] >= MFU_GOAL else 'NOT met'}"
           + (" (dry run: meaningless)" if args.dry_run else ""))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=1) + "\n")
