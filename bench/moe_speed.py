@@ -2,6 +2,7 @@
 
     python -m bench.moe_speed [--steps 30] [--d 256] [--experts 8] [--top-k 2] [--threads 2]
     python -m bench.moe_speed --device cuda --d 1024 --batch 16 --seq 1024   # GPU: bf16 autocast
+    python -m bench.moe_speed --json bench/out/gpu_moe.json                  # also the figures as JSON
 
 Models (4 layers, every layer after the first MoE): experts of width H, top-k routing plus a shared
 expert, so a token runs (k + 1) SwiGLU MLPs of width H; the dense twin's MLP has width (k + 1)·H, the same
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import statistics
 import sys
 import time
@@ -54,6 +56,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--json", type=Path, help="also write the figures here (bench/gpu_table.py reads them)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     dev = torch.device(args.device)
@@ -94,6 +97,13 @@ def main(argv=None) -> int:
     for name, ts in times.items():
         med = statistics.median(ts)
         print(f"{name:>14}: {med * 1e3:8.1f} ms/step  ({med / dense:.2f}× dense)")
+    if args.json:
+        arms_ms = {name: 1e3 * statistics.median(ts) for name, ts in times.items()}
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        settings = {k: v for k, v in vars(args).items() if k != "json"}
+        args.json.write_text(json.dumps({**settings, "dense_params": n, "ms": arms_ms,
+                                         "vs_dense": {k: v / arms_ms["dense"] for k, v in arms_ms.items()}},
+                                        indent=1) + "\n")
     return 0
 
 

@@ -3,6 +3,7 @@
     python -m bench.quant_fused                                  # CUDA if there is one, else the CPU
     python -m bench.quant_fused --threads 1 --out docs/results/quant_fused.md
     python -m bench.quant_fused --quick                          # the quickstart's shapes, 3 rounds
+    python -m bench.quant_fused --json bench/out/quant_fused.json  # also the rows as JSON
 
 The operands the FP8 Linear quantises at the shapes of the quickstart model (d_model 128, SwiGLU 352, a
 micro-batch of 8×128 tokens) and of a ~125M one (d_model 768, MLP 3072, 4×1024 tokens): activations and
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import platform
 import statistics
@@ -113,6 +115,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="the quickstart's shapes only, 3 rounds")
     ap.add_argument("--warm-cache", action="store_true", help="keep Inductor's on-disk cache (default: a fresh one)")
     ap.add_argument("--out", type=Path, help="also write the table as markdown here")
+    ap.add_argument("--json", type=Path, help="also write the rows as JSON here (bench/gpu_table.py reads them)")
     a = ap.parse_args(argv)
     cache = None if a.warm_cache else tempfile.TemporaryDirectory(prefix="quant_fused_inductor_")
     if cache:
@@ -151,6 +154,8 @@ def main(argv=None) -> int:
     print(text)
     if a.out:
         a.out.write_text(text)
+    if a.json:
+        a.json.write_text(json.dumps({"device": device, "rounds": rounds, "rows": rows}, indent=1) + "\n")
     if cache:
         cache.cleanup()
     return 0 if all(x["equal"] for x in rows) else 1
