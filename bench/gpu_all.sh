@@ -10,7 +10,9 @@
 #   5. the fused FP8 quantiser vs the eager one (issue 28): ms a call, bits equal, cold compile (bench/quant_fused.py)
 #   6. the `-m gpu` tests
 #
-#   bash bench/gpu_all.sh              # on the GPU machine; results, a log and gpu_table.md under $OUT (else bench/out)
+#   bash bench/gpu_all.sh              # on the GPU machine; under $OUT (else bench/out): each part's table (*.md, under
+#                                      # bench/report.py's header, as docs/results/ keeps them), its figures (*.json),
+#                                      # a log, and gpu_table.md
 #   bash bench/gpu_all.sh --dry-run    # on a CPU: every python piece on a tiny problem (checks the code runs)
 #
 # Without CUDA (and without --dry-run) it prints one line and exits 2. Exit status: 0 when every part ran,
@@ -56,13 +58,13 @@ part() {  # part NAME CAP_SECONDS CMD...: runs CMD under a time cap, its output 
 uptime | tee -a "$LOG"
 
 if [[ $DRY == 1 ]]; then
-  part mfu 300 "$PY" -m bench.gpu_mfu --dry-run --out "$RES/gpu_mfu.json"
-  part train 300 "$PY" -m bench.gpu_train --dry-run --json "$RES/gpu_train.json"
-  part precision 300 "$PY" -m bench.gpu_precision --dry-run --out "$RES/gpu_precision.json"
+  part mfu 300 "$PY" -m bench.gpu_mfu --dry-run --json "$RES/gpu_mfu.json" --out "$RES/gpu_mfu.md"
+  part train 300 "$PY" -m bench.gpu_train --dry-run --json "$RES/gpu_train.json" --out "$RES/gpu_train.md"
+  part precision 300 "$PY" -m bench.gpu_precision --dry-run --json "$RES/gpu_precision.json" --out "$RES/gpu_precision.md"
   part moe 300 "$PY" -m bench.moe_speed --device cpu --d 64 --batch 2 --seq 32 --steps 2 --threads 1 --no-compile \
-    --json "$RES/gpu_moe.json"
-  part quant_fused 300 "$PY" -m bench.quant_fused --device cpu --quick --out "$RES/quant_fused.md" \
-    --json "$RES/quant_fused.json"
+    --json "$RES/gpu_moe.json" --out "$RES/gpu_moe.md"
+  part quant_fused 300 "$PY" -m bench.quant_fused --device cpu --quick --json "$RES/quant_fused.json" \
+    --out "$RES/quant_fused.md"
   part gpu_tests 300 "$PY" -m pytest -q -m gpu tests/test_precision_recipes.py tests/test_precision_quant.py
 else
   # The caps (the table's included) sum to 440 s: the 8 minutes less the CUDA check and the device line
@@ -74,20 +76,22 @@ else
   # - train gets the most: two cold compiles (a telemetry step's hooks make a second graph) before its steps.
   # NOTE: batch 64 x 1024, not 32: at 32 the optimizer and clip (per step, not per token) are a few % of
   # a step that MFU counts as idle; past 64 the figure no longer moves
-  part mfu 75 "$PY" -m bench.gpu_mfu --arms compiled --steps 20 --batch-size 64 --out "$RES/gpu_mfu.json"
+  part mfu 75 "$PY" -m bench.gpu_mfu --arms compiled --steps 20 --batch-size 64 --json "$RES/gpu_mfu.json" \
+    --out "$RES/gpu_mfu.md"
   # 50 warm-up steps (the compile, the telemetry graph, the detector's warm-up), 40 timed, 10 counted syncs
-  part train 130 "$PY" -m bench.gpu_train --batch-size 64 --json "$RES/gpu_train.json"
-  part precision 95 "$PY" -m bench.gpu_precision --steps 300 --batch-size 16 --out "$RES/gpu_precision.json"
+  part train 130 "$PY" -m bench.gpu_train --batch-size 64 --json "$RES/gpu_train.json" --out "$RES/gpu_train.md"
+  part precision 95 "$PY" -m bench.gpu_precision --steps 300 --batch-size 16 --json "$RES/gpu_precision.json" \
+    --out "$RES/gpu_precision.md"
   part moe 30 "$PY" -m bench.moe_speed --device cuda --d 1024 --batch 16 --seq 1024 --steps 20 --no-compile \
-    --json "$RES/gpu_moe.json"
+    --json "$RES/gpu_moe.json" --out "$RES/gpu_moe.md"
   # NOTE: ten rows, each a Triton compile where its kind, layout or size class is new (cold cache)
-  part quant_fused 50 "$PY" -m bench.quant_fused --device cuda --rounds 5 --out "$RES/quant_fused.md" \
-    --json "$RES/quant_fused.json"
+  part quant_fused 50 "$PY" -m bench.quant_fused --device cuda --rounds 5 --json "$RES/quant_fused.json" \
+    --out "$RES/quant_fused.md"
   part gpu_tests 45 "$PY" -m pytest -q -m gpu tests/
 fi
-part table 15 "$PY" -m bench.gpu_table "$RES" $([[ $DRY == 1 ]] && echo --dry-run)
+part table 15 "$PY" -m bench.gpu_table "$RES" --out "$RES/gpu_table.md" $([[ $DRY == 1 ]] && echo --dry-run)
 
-echo "=== gpu_all: $((SECONDS - T_START)) s in all (caps $CAPS s); results in $RES (gpu_table.md; gpu_*.json, quant_fused.*, gpu_all.log)" | tee -a "$LOG"
+echo "=== gpu_all: $((SECONDS - T_START)) s in all (caps $CAPS s); results in $RES (gpu_table.md; each part's *.md and *.json, gpu_all.log)" | tee -a "$LOG"
 if ((${#FAILED[@]})); then
   echo "=== gpu_all: FAILED: ${FAILED[*]}" | tee -a "$LOG"
   exit 1

@@ -1,19 +1,18 @@
 """One markdown table of every GPU check (part, figure, goal, met?) from the JSON that bench/gpu_all.sh's parts wrote.
 
-    python -m bench.gpu_table bench/out          # reads DIR/gpu_*.json, quant_fused.json, gpu_parts.tsv
-    python -m bench.gpu_table --versions         # the one-line device and versions header, alone
+    python -m bench.gpu_table bench/out --out bench/out/gpu_table.md  # reads DIR/gpu_*.json, quant_fused.json, ...
+    python -m bench.gpu_table --versions                              # the device and versions line, alone
 
 Reads what each part left in DIR (a missing file is a row that says so): gpu_mfu.json (bench.gpu_mfu, the
 bare step), gpu_train.json (bench.gpu_train, train.py itself), gpu_precision.json (bench.gpu_precision),
 gpu_moe.json (bench.moe_speed --json), quant_fused.json (bench.quant_fused --json) and gpu_parts.tsv (each
 part's exit status, seconds and cap, from gpu_all.sh). The goals are read from the scripts that declare them.
-Prints the table under a header naming the device, torch, CUDA and Transformer Engine versions, the date and
-the commit, and writes it to DIR/gpu_table.md (the README's GPU paragraph is that file).
+Prints the table under the device, torch, CUDA and Transformer Engine versions; --out writes it (markdown)
+under bench/report.py's header (machine, date, commit, load average, command), as docs/results/ keeps it.
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import statistics
 import sys
@@ -24,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 from bench.gpu_mfu import MFU_GOAL  # noqa: E402
 from bench.gpu_precision import LOSS_GAP_GOAL, SPEEDUP_GOAL  # noqa: E402
 from bench.gpu_train import SYNC_GOAL, VS_BARE_GOAL  # noqa: E402
-from bench.quant_fused import commit  # noqa: E402
+from bench.report import Report  # noqa: E402
 
 
 def versions() -> str:
@@ -146,20 +145,22 @@ def parts_run(d: Path) -> dict[str, tuple[int, int, int]]:
     return {name: (int(rc), int(s), int(cap)) for name, rc, s, cap in (x.split("\t") for x in lines if x)}
 
 
-def table(d: Path, dry: bool) -> str:
-    head = [f"# GPU checks (`bash bench/gpu_all.sh{' --dry-run' if dry else ''}`)", "",
-            f"{versions()} | {datetime.date.today()} | commit {commit()}", ""]
+def table(d: Path, dry: bool, argv=None) -> Report:
+    rep = Report(f"GPU checks (`bash bench/gpu_all.sh{' --dry-run' if dry else ''}`)", "python -m bench.gpu_table",
+                 argv)
+    rep.add(versions(), "")
     if dry:
-        head += ["Dry run on a CPU: every piece ran on a tiny problem; the figures check the code path and mean "
-                 "nothing.", ""]
-    lines = ["| part | figure | goal | met? |", "|---|---|---|---|"]
-    lines += [f"| {' | '.join(r)} |" for r in rows(d)]
+        rep.add("Dry run on a CPU: every piece ran on a tiny problem; the figures check the code path and mean "
+                "nothing.", "")
+    rep.columns("part", "figure", "goal", "met?")
+    for r in rows(d):
+        rep.row(*r)
     parts = parts_run(d)
     if parts:
-        lines += ["", "Parts (exit status, seconds / cap): " + ", ".join(
+        rep.add("", "Parts (exit status, seconds / cap): " + ", ".join(
             f"{n} {rc} ({s} / {cap} s)" for n, (rc, s, cap) in parts.items())
-            + f"; {sum(s for _, s, _ in parts.values())} s in all."]
-    return "\n".join(head + lines) + "\n"
+            + f"; {sum(s for _, s, _ in parts.values())} s in all.")
+    return rep
 
 
 def main(argv=None) -> int:
@@ -167,16 +168,14 @@ def main(argv=None) -> int:
     p.add_argument("dir", type=Path, nargs="?", default=ROOT / "bench" / "out", help="where the parts wrote")
     p.add_argument("--versions", action="store_true", help="print the device and versions line only")
     p.add_argument("--dry-run", action="store_true", help="the parts ran tiny on a CPU: the header says so")
+    p.add_argument("--out", help="also write the table (markdown) to this file (gpu_all.sh: DIR/gpu_table.md)")
     a = p.parse_args(argv)
     if a.versions:
         print(versions())
         return 0
     if not a.dir.is_dir():
         sys.exit(f"bench.gpu_table: {a.dir} is not a directory")
-    text = table(a.dir, a.dry_run)
-    print(text, end="")
-    (a.dir / "gpu_table.md").write_text(text)
-    print(f"wrote {a.dir / 'gpu_table.md'}")
+    table(a.dir, a.dry_run, argv).write(a.out)
     return 0
 
 

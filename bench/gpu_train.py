@@ -1,6 +1,7 @@
 """train.py's own BF16 throughput, MFU and host syncs per step on one GPU, beside the bare step of bench/gpu_mfu.py.
 
     python -m bench.gpu_train --json bench/out/gpu_train.json     # on the GPU: bench.gpu_mfu's ~125M model, compiled
+    python -m bench.gpu_train --out bench/out/gpu_train.md        # also the table (markdown, bench/report.py's header)
     python -m bench.gpu_train --dry-run --json /tmp/gpu_train.json  # its tiny model on the CPU, eager: the code path
 
 train.py runs as a user starts it, in a child process, on the model, data, optimizer and BF16 recipe that
@@ -40,6 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench.gpu_mfu import (DATA, H200_BF16_DENSE_TFLOPS, MFU_GOAL, MODEL, OPTIM, TINY_DATA,  # noqa: E402
                            TINY_MODEL, flops_per_token)
+from bench.report import Report  # noqa: E402
 
 VS_BARE_GOAL = 0.95  # issue 28: train.py within 5 % of the bare step's tokens/s
 SYNC_GOAL = 1        # issue 28 part 1: one host transfer a step at the default settings
@@ -230,6 +232,7 @@ def main() -> None:
     p.add_argument("--peak-tflops", type=float, default=H200_BF16_DENSE_TFLOPS)
     p.add_argument("--dry-run", action="store_true", help="tiny model, eager, a few steps on the CPU: the code path")
     p.add_argument("--json", type=Path, default=ROOT / "bench" / "out" / "gpu_train.json")
+    p.add_argument("--out", help="also write the table (markdown) to this file")
     p.add_argument("overrides", nargs="*", help="more Hydra overrides for train.py (after the bench's own)")
     args = p.parse_args()
     every = TelemetryConfig().every
@@ -245,20 +248,23 @@ def main() -> None:
         model, data, device = MODEL, DATA, "cuda"
     if args.steps <= 0 or args.steps % every:
         sys.exit(f"bench.gpu_train: --steps={args.steps} must be a positive multiple of telemetry.every={every}")
+    rep = Report("train.py's own throughput, MFU and host syncs on one GPU", "python -m bench.gpu_train")
     r = measure(args, model, data, device, every)
-    s = r["syncs"]
-    print(f"train.py {r['matmul_params'] / 1e6:.1f}M matmul params, batch {r['batch']}×{r['seq_len']}, "
-          f"{'compiled' if r['compile'] else 'eager'}, guard={r['defaults']['guard']}, telemetry every {every}, "
-          f"checkpointing {r['defaults']['checkpoint']}: {r['loop_tokens_per_s']:.0f} tok/s (loop), MFU {100 * r['loop_mfu']:.1f} % "
-          f"(StepRecord time_s: {r['tokens_per_s']:.0f} tok/s, {100 * r['mfu']:.1f} %); host syncs a step "
-          f"{s['plain_step']} ({s['telemetry_step']} on a telemetry step) [{s['method']}]"
-          + (" (dry run: meaningless)" if args.dry_run else ""))
-    print(f"target MFU >= {100 * MFU_GOAL:.0f} %: {'met' if r['loop_mfu'] >= MFU_GOAL else 'NOT met'}; within "
-          f"{100 * (1 - VS_BARE_GOAL):.0f} % of the bare step and {SYNC_GOAL} sync a step: bench/gpu_table.py")
+    s, d = r["syncs"], r["defaults"]
+    rep.add(f"train.py, {r['matmul_params'] / 1e6:.1f}M matmul params, batch {r['batch']}×{r['seq_len']}, "
+            f"{'compiled' if r['compile'] else 'eager'}, guard={d['guard']}, telemetry every {every}, checkpointing "
+            f"{d['checkpoint']}; {r['steps']['timed']} timed steps after {r['steps']['warmup']} warm-up steps"
+            + (" (dry run: meaningless)." if args.dry_run else "."), "")
+    rep.table(["tokens/s as", "tokens/s", "MFU"],
+              [("the loop runs (wall time between step starts)", f"{r['loop_tokens_per_s']:.0f}",
+                f"{100 * r['loop_mfu']:.1f} %"),
+               ("the StepRecord has it (time_s.total)", f"{r['tokens_per_s']:.0f}", f"{100 * r['mfu']:.1f} %")])
+    rep.add(f"- host syncs a step: {s['plain_step']} ({s['telemetry_step']} on a telemetry step) [{s['method']}]",
+            f"- target MFU >= {100 * MFU_GOAL:.0f} %: {'met' if r['loop_mfu'] >= MFU_GOAL else 'NOT met'}; within "
+            f"{100 * (1 - VS_BARE_GOAL):.0f} % of the bare step and {SYNC_GOAL} sync a step: bench/gpu_table.py")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(r, indent=1) + "\n")
-    print(f"wrote {args.json}")
-
+    rep.write(args.out)
 
 if __name__ == "__main__":
     main()

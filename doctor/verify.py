@@ -28,15 +28,18 @@ import json
 import math
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from checkpoint.resume import MUST_MATCH, _under
 from doctor.rules import Diagnosis, diagnose
-from doctor.timeline import Run, timeline
+from doctor.timeline import Run
+from doctor.replay import trajectory
+from doctor.verify_records import (VerifyError, first_record, gap_by_source, noise_by_source, record_diff, value_in,
+                                   without_inputs)
 from run.argv import without
 from stability.record import read_records
 from stability.signals import family
@@ -56,12 +59,6 @@ GOES, STAYS = 0.25, 0.5  # the deviation's remaining share: at most GOES support
 RUN_CONTROL = ("hydra.run.dir", "resume", "checkpoint.every", "checkpoint.stop_after", "checkpoint.keep_last",
                "logging.progress", "logging.wandb", "logging.plot", "intervene")
 QUIET = ["logging.progress=false", "logging.wandb=disabled", "logging.plot=false"]
-NOT_COMPARED = {"time_s", "tokens_per_s", "memory_mb", "events", "ckpt_id", "resume", "eval"}  # wall clock, run control
-# (eval: the rebuild stops earlier, and a run evaluates at its last step)
-
-
-class VerifyError(ValueError):
-    """One line: why the diagnosis cannot be verified."""
 
 
 @dataclass
@@ -121,9 +118,10 @@ class Verifier:
         cps = self.rebuild(run, S)
         attribution = self.attribute(run, target, cps)
         if not attribution["reproduced"]:  # nothing in the rerun to change: its cause was outside the records
-            why = "the incident does not reproduce from the state and the batch: a replay that changes one thing has no deviation to remove"
-            cfs, fix = [], {"ran": False, "why": "no rerun contains its cause: guard against it online (guard.action=skip "
-                                                 "or rollback)", "counterfactuals": why}
+            why = ("the incident does not reproduce from the state and the batch: a replay that changes one thing "
+                   "has no deviation to remove")
+            cfs, fix = [], {"ran": False, "why": "no rerun contains its cause: guard against it online "
+                                                 "(guard.action=skip or rollback)", "counterfactuals": why}
         else:
             cfs = [self.counterfactual(run, target, kind, cps)
                    for kind in COUNTERFACTUALS.get(target.fault_class, DEFAULT_CF)]
@@ -143,7 +141,7 @@ class Verifier:
         self.argv, self.env = list(env["argv"]), env
         world = int(env.get("world") or 1)
         self.launcher = [sys.executable] if world <= 1 else ["torchrun", "--standalone", f"--nproc_per_node={world}"]
-        self.path = path_to(run.records, target.step)
+        self.path = trajectory(run.records, target.step)  # the records that led to the incident
         self.config = run.config
 
     def rebuild(self, run: Run, S: int) -> dict[int, Path]:
@@ -299,8 +297,7 @@ class Verifier:
         if end <= S:
             return {"ran": False, "fix": fx, "why": f"--budget={self.budget} leaves no step past {S} for the fix"}
         keys = [o.split("=", 1)[0].lstrip("+") for o in over]
-        defining = [k for k in keys if k.split(".")[0] in ("model", "optim", "precision", "seed")
-                    or k in ("train.max_grad_norm", "train.z_loss")]
+        defining = [k for k in keys if _under(k, MUST_MATCH)]  # a resume must be told of these
         allow = [f"resume.allow_config_change=[{','.join(defining)}]"] if defining else []
         seed = [r for t, r in sorted(self.path.items()) if t <= start]
         out = self.launch("fix", [f"resume.path={cps[start].resolve()}", f"checkpoint.stop_after={end}",
@@ -360,69 +357,3 @@ def moments_step(target: Diagnosis) -> int:
     optimizer state it recorded after that update, else the step before (its update used them)."""
     q = target.anomaly.quantity
     return target.step if q.startswith("state.") else target.step - 1
-
-
-# ---- reading records ---------------------------------------------------------------------------------------
-def path_to(records: list[dict], step: int) -> dict[int, dict]:
-    """step -> record on the path that first reached `step` (doctor/replay.py trajectory)."""
-    from doctor.replay import trajectory
-    return trajectory(records, step)
-
-
-def first_record(run_dir: Path, step: int) -> dict:
-    for r in read_records(run_dir / "metrics.jsonl"):
-        if r["step"] == step:
-            return r
-    raise VerifyError(f"{run_dir}: no record of step {step}")
-
-
-def value_in(path: dict[int, dict], rec: dict, at: int, quantity: str, config: dict) -> float | None:
-    """The quantity's value in `rec`, read as the doctor reads it, with the run's records before `at` as context."""
-    # NOTE: a replayed record is its run's first after a resume; read as the run's own next step (a restart
-    # would mark the input histogram cold and hide the input statistics)
-    recs = [r for t, r in sorted(path.items()) if t < at] + [{**rec, "resume": None, "events": []}]
-    s = timeline(recs[-3:], config).get(quantity)
-    return s.values.get(at) if s else None
-
-
-def record_diff(a: dict, b: dict, only: tuple[str, ...] | None = None) -> str | None:
-    """The first field where two StepRecords differ (floats bit for bit), or None."""
-    keys = only or sorted((set(a) | set(b)) - NOT_COMPARED)
-    for k in keys:
-        x, y = a.get(k), b.get(k)
-        if json.dumps(x, sort_keys=True, allow_nan=True) != json.dumps(y, sort_keys=True, allow_nan=True):
-            return f"{k}: {str(x)[:60]} vs {str(y)[:60]}"
-    return None
-
-
-def without_inputs(rec: dict, keys: tuple[str, ...]) -> dict:
-    return {**rec, "inputs": {k: v for k, v in (rec.get("inputs") or {}).items() if k not in keys}} if keys else rec
-
-
-def gap_by_source(records: list[dict], lo: int, end: int) -> dict[str, tuple[float, int]]:
-    """(mean, n) of loss − exact floor per source over steps lo..end, each step's first record (the batch's
-    own floor, record v4): the damage a fault left, or a fix did."""
-    rows: dict[str, list[float]] = {}
-    seen = set()
-    for r in records:
-        t = r["step"]
-        if lo <= t <= end and t not in seen and r.get("floor_by_source"):
-            seen.add(t)
-            for s, v in (r.get("loss_by_source") or {}).items():
-                f = r["floor_by_source"].get(s)
-                if f is not None and math.isfinite(v):
-                    rows.setdefault(s, []).append(v - f)
-    return {s: (statistics.fmean(v), len(v)) for s, v in rows.items() if v}
-
-
-def noise_by_source(path: dict[int, dict], S: int, window: int) -> dict[str, float]:
-    """The per-step spread of the floor gap in the window before the incident, from step-to-step
-    differences (/√2), so the slow fall of a learning run does not count as noise."""
-    out = {}
-    recs = [path[t] for t in sorted(path) if S - window <= t < S and path[t].get("floor_by_source")]
-    for s in (recs[-1].get("loss_by_source") or {}) if recs else ():
-        g = [r["loss_by_source"][s] - r["floor_by_source"][s] for r in recs if s in r.get("loss_by_source", {})
-             and s in r["floor_by_source"]]
-        d = [b - a for a, b in zip(g, g[1:])]
-        out[s] = statistics.pstdev(d) / math.sqrt(2) if len(d) > 1 else 0.0
-    return out

@@ -98,3 +98,22 @@ def test_the_budget_caps_the_replayed_steps(drill_runs, tmp_path):
     r = doctor(run_dir, "--verify", "--budget", "20")
     assert r.returncode == 2 and f"--budget=20: rebuilding steps 1..{S - 1} alone needs {S - 1} steps" in r.stdout
     assert doctor(run_dir, "--verify", "--budget", "0").returncode == 2
+
+
+@pytest.mark.slow
+def test_a_natural_incident_is_not_fixed(tmp_path):
+    """The default run, stopped after its induction head formed: its incident (the README's natural spike on an
+    AVX2 machine) is re-executed and tested, and verify says the run recovers without intervention."""
+    from helpers import run_train
+    run_dir = tmp_path / "quickstart"
+    r = run_train(run_dir, "checkpoint.stop_after=120", "logging.progress=false", "logging.wandb=disabled",
+                  "logging.plot=false")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert doctor(run_dir, "--verify").returncode == 0
+    v = json.loads((run_dir / "report.json").read_text())["verified"]
+    if v["status"] == "nothing to verify":  # another machine's floating-point path: no incident to judge
+        assert json.loads((run_dir / "report.json").read_text())["incidents"] == []
+        return
+    assert v["judgement"] == "natural" and v["attribution"]["bit_identical"]
+    assert not v["fix"]["ran"] and "recovers without intervention" in v["fix"]["why"]
+    assert [c["hypothesis"] for c in v["counterfactuals"]] == ["batch", "state"]

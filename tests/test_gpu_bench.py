@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 from bench import gpu_mfu, gpu_table
+from bench.report import HEADER, header_fields
 from tests.helpers import HANG_S, ROOT, env
 
 
@@ -13,7 +14,7 @@ def test_gpu_train_dry_run_measures_train_py_and_the_table_reads_it(tmp_path, mo
     out = tmp_path / "gpu_train.json"
     # NOTE: wandb and the plot off: they cost seconds at the start and the end of the run, none inside a step
     r = subprocess.run([sys.executable, "-m", "bench.gpu_train", "--dry-run", "--json", str(out),
-                        "logging.wandb=disabled", "logging.plot=false"],
+                        "--out", str(tmp_path / "gpu_train.md"), "logging.wandb=disabled", "logging.plot=false"],
                        cwd=ROOT, env=env(), capture_output=True, text=True, timeout=HANG_S)
     assert r.returncode == 0, r.stderr[-3000:]
     t = json.loads(out.read_text())
@@ -26,12 +27,14 @@ def test_gpu_train_dry_run_measures_train_py_and_the_table_reads_it(tmp_path, mo
     s = t["syncs"]
     assert s["method"].startswith("CPU") and len(s["per_step"]) == every
     assert s["telemetry_step"] > s["plain_step"] > 0  # a telemetry step reads its per-layer numbers too
+    md = (tmp_path / "gpu_train.md").read_text()  # --out: the markdown under bench/report.py's header
+    assert set(header_fields(md)) == set(HEADER) and "| the loop runs" in md
 
-    monkeypatch.setattr(sys, "argv", ["gpu_mfu", "--dry-run", "--out", str(tmp_path / "gpu_mfu.json")])
+    monkeypatch.setattr(sys, "argv", ["gpu_mfu", "--dry-run", "--json", str(tmp_path / "gpu_mfu.json")])
     gpu_mfu.main()
-    assert gpu_table.main([str(tmp_path), "--dry-run"]) == 0
+    assert gpu_table.main([str(tmp_path), "--dry-run", "--out", str(tmp_path / "gpu_table.md")]) == 0
     text = (tmp_path / "gpu_table.md").read_text()
-    assert "Dry run on a CPU" in text and "commit " in text
+    assert "Dry run on a CPU" in text and set(header_fields(text)) == set(HEADER)
     rows = {line.split(" | ")[0].lstrip("| "): line for line in text.splitlines() if line.startswith("| ")}
     train = next(v for k, v in rows.items() if k.startswith("train.py"))
     assert "× the bare eager step" in train
