@@ -27,6 +27,8 @@ sys.path.insert(0, str(ROOT))
 from bench.report import Report  # noqa: E402
 
 H200_BF16_DENSE_TFLOPS = 989.0  # NVIDIA H200 SXM datasheet, bf16 tensor core, dense (no sparsity)
+MFU_GOAL = 0.40  # issue 16: a ~125M dense model's BF16 step at >= 40 % of peak
+# NOTE: the model, data and optimizer here are also train.py's in bench/gpu_train.py (it compares the two)
 MODEL = {"d_model": 768, "n_layers": 18, "n_heads": 12, "mlp_hidden": 2048, "tie_embeddings": True}
 DATA = {"kind": "synthetic", "seq_len": 1024, "min_doc_len": 64, "seed": 1234,
         "sources": [{"name": "markov", "kind": "markov", "weight": 0.5, "alphabet": 64, "order": 2, "support": 4,
@@ -35,6 +37,7 @@ DATA = {"kind": "synthetic", "seq_len": 1024, "min_doc_len": 64, "seed": 1234,
 OPTIM = {"lr": 6.0e-4, "betas": [0.9, 0.95], "eps": 1.0e-8, "weight_decay": 0.1,
          "groups": [{"name": "no_decay", "kinds": ["bias", "norm", "embedding", "router"], "weight_decay": 0.0}]}
 TINY_MODEL = {"d_model": 64, "n_layers": 2, "n_heads": 2, "mlp_hidden": 128, "tie_embeddings": True}
+TINY_DATA = {**DATA, "seq_len": 64, "min_doc_len": 8}
 
 
 def flops_per_token(model, seq_len: int) -> float:
@@ -105,7 +108,7 @@ def main() -> None:
 
     rep = Report("BF16 training throughput and MFU on one GPU", "python -m bench.gpu_mfu")
     if args.dry_run:
-        device, model_cfg, data_cfg = torch.device("cpu"), TINY_MODEL, {**DATA, "seq_len": 64, "min_doc_len": 8}
+        device, model_cfg, data_cfg = torch.device("cpu"), TINY_MODEL, TINY_DATA
         args.steps, args.warmup, args.batch_size, args.arms = 2, 1, 2, ["eager"]
     elif not torch.cuda.is_available():
         sys.exit("bench.gpu_mfu: needs a CUDA GPU; none found (--dry-run runs a tiny model on the CPU)")
@@ -122,8 +125,8 @@ def main() -> None:
                 f"{r['tokens_per_s']:.0f}", f"{r['tflops']:.1f}", f"{100 * r['mfu']:.1f} %", f"{r['warmup_s']:.0f}",
                 f"{r['last_loss']:.3f}")
     best = max(results, key=lambda r: r["mfu"])
-    rep.add("", f"MFU {100 * best['mfu']:.1f} % ({best['arm']}); target >= 40 %: "
-            f"{'met' if best['mfu'] >= 0.40 else 'NOT met'}" + (" (dry run: meaningless)" if args.dry_run else ""))
+    rep.add("", f"MFU {100 * best['mfu']:.1f} % ({best['arm']}); target >= {100 * MFU_GOAL:.0f} %: "
+            f"{'met' if best['mfu'] >= MFU_GOAL else 'NOT met'}" + (" (dry run: meaningless)" if args.dry_run else ""))
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(results, indent=1) + "\n")
     rep.write(args.out)

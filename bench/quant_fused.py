@@ -3,6 +3,7 @@
     python -m bench.quant_fused                                  # CUDA if there is one, else the CPU
     python -m bench.quant_fused --threads 1 --out docs/results/quant_fused.md
     python -m bench.quant_fused --quick                          # the quickstart's shapes, 3 rounds
+    python -m bench.quant_fused --json bench/out/quant_fused.json  # also the rows as JSON
 
 The operands the FP8 Linear quantises at the shapes of the quickstart model (d_model 128, SwiGLU 352, a
 micro-batch of 8×128 tokens) and of a ~125M one (d_model 768, MLP 3072, 4×1024 tokens): activations and
@@ -17,11 +18,9 @@ calls are the cold compile a fresh machine pays. Exit status 1 when a row's bits
 from __future__ import annotations
 
 import argparse
-import datetime
+import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,6 +28,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from bench.report import Report  # noqa: E402
 
 # (model, operand, kind, rows, cols, transposed): transposed rows are (rows, cols) views of a cols×rows tensor
 QUICKSTART = [("quickstart", "forward x", "tile", 1024, 128, False),
@@ -41,30 +41,6 @@ M125 = [("~125M", "forward x", "tile", 4096, 768, False),
         ("~125M", "forward W (MLP up)", "block", 3072, 768, False),
         ("~125M", "forward W (MLP down)", "block", 768, 3072, False),
         ("~125M", "per-tensor x", "tensor", 4096, 768, False)]
-SIMD = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
-
-
-def machine(device: str) -> str:
-    """The CPU's model name and SIMD flags (/proc/cpuinfo), and the GPU where one is used."""
-    try:
-        info = dict(line.split(":", 1) for line in Path("/proc/cpuinfo").read_text().splitlines() if ":" in line)
-    except OSError:
-        info = {}
-    info = {k.strip(): v.strip() for k, v in info.items()}  # the last CPU's lines: every CPU alike here
-    name = info.get("model name") or platform.processor() or platform.machine()
-    flags = [f for f in SIMD if f in info.get("flags", "").split()]
-    out = f"{name} ({' '.join(flags) or 'no SIMD flags read'}), {os.cpu_count()} CPUs"
-    if device == "cuda":
-        import torch
-        out += f"; GPU {torch.cuda.get_device_name()}"
-    return out
-
-
-def commit() -> str:
-    head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
-                           text=True)
-    return head.stdout.strip() + (" with uncommitted changes" if dirty.stdout.strip() else "")
 
 
 def per_call(fn, x, calls: int, sync) -> float:
@@ -113,6 +89,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="the quickstart's shapes only, 3 rounds")
     ap.add_argument("--warm-cache", action="store_true", help="keep Inductor's on-disk cache (default: a fresh one)")
     ap.add_argument("--out", type=Path, help="also write the table as markdown here")
+    ap.add_argument("--json", type=Path, help="also write the rows as JSON here (bench/gpu_table.py reads them)")
     a = ap.parse_args(argv)
     cache = None if a.warm_cache else tempfile.TemporaryDirectory(prefix="quant_fused_inductor_")
     if cache:
@@ -125,7 +102,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(a.threads)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     rounds = 3 if a.quick else a.rounds
-    load0 = os.getloadavg()[0] if hasattr(os, "getloadavg") else None  # the machine may be shared
+    rep = Report("The fused FP8 quantiser", "python -m bench.quant_fused", argv)  # the load average from here
     rows = []
     for row in QUICKSTART + ([] if a.quick else M125):
         rows.append(bench_row(row, device, rounds, sync))
@@ -135,22 +112,18 @@ def main(argv=None) -> int:
 
     from precision.quant_fused import fused_status
 
-    load = f" (1-min load average {load0:.1f} at the start, {os.getloadavg()[0]:.1f} at the end)" if load0 else ""
-    head = (f"{datetime.date.today()}, commit {commit()}, torch {torch.__version__}; {machine(device)}{load}; "
-            f"device {device}, {a.threads} thread{'s' * (a.threads != 1)}; median of {rounds} alternating rounds, "
+    rep.add(f"Device {device}, {a.threads} thread{'s' * (a.threads != 1)}; median of {rounds} alternating rounds, "
             f"each the mean of a ~20 ms stretch of calls; Inductor cache "
-            f"{'as found' if a.warm_cache else 'empty at the start'}")
-    lines = ["# The fused FP8 quantiser (`python -m bench.quant_fused`)", "", head, "",
-             "| model | operand | kind | shape | eager (ms) | fused (ms) | eager / fused | bits equal "
-             "| first fused call (s) |", "|---|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {x['model']} | {x['operand']} | {x['kind']} | {x['shape']} | {x['eager']:.3f} | {x['fused']:.3f} | "
-              f"{x['eager'] / x['fused']:.2f} | {'yes' if x['equal'] else 'NO'} | {x['first']:.2f} |" for x in rows]
-    lines += ["", "How each compiled function ran (`precision.quant_fused.fused_status`):", ""]
-    lines += [f"- {k}: {v}" for k, v in fused_status().items()]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if a.out:
-        a.out.write_text(text)
+            f"{'as found' if a.warm_cache else 'empty at the start'}.", "")
+    rep.table(["model", "operand", "kind", "shape", "eager (ms)", "fused (ms)", "eager / fused", "bits equal",
+               "first fused call (s)"],
+              [(x["model"], x["operand"], x["kind"], x["shape"], f"{x['eager']:.3f}", f"{x['fused']:.3f}",
+                f"{x['eager'] / x['fused']:.2f}", "yes" if x["equal"] else "NO", f"{x['first']:.2f}") for x in rows])
+    rep.add("How each compiled function ran (`precision.quant_fused.fused_status`):", "",
+            *(f"- {k}: {v}" for k, v in fused_status().items()))
+    rep.write(a.out)
+    if a.json:
+        a.json.write_text(json.dumps({"device": device, "rounds": rounds, "rows": rows}, indent=1) + "\n")
     if cache:
         cache.cleanup()
     return 0 if all(x["equal"] for x in rows) else 1
