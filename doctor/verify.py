@@ -281,8 +281,6 @@ class Verifier:
         S = target.step
         fx = fix_for(target, run, checkpoint_before(run, S))
         over = (fx.get("override") or "").split()
-        if any(o.startswith("resume.") for o in over):  # a restart from a checkpoint: not a change to verify
-            over = []
         if not over:
             return {"ran": False, "fix": fx, "why": "the fix is not a config change (" + fx["change"] + ")"}
         window = int((((self.config.get("guard") or {}).get("detector") or {}).get("window")) or 30)
