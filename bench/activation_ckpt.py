@@ -2,6 +2,7 @@
 
     python -m bench.activation_ckpt                                   # d 256, 8 layers, B 8, T 512 (CPU-sized)
     python -m bench.activation_ckpt --d-model 1024 --n-layers 16 --batch 8 --seq-len 2048 --device cuda
+    python -m bench.activation_ckpt --out docs/results/activation_ckpt.md
 
 Each mode runs in a fresh process: a dense model, --steps forward+backward steps on random tokens (plus one
 warm-up). Peak memory: growth over the memory held before the warm-up step, of CUDA max_memory_allocated,
@@ -23,6 +24,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from bench.report import Report  # noqa: E402
 
 
 def rss_mb() -> float:
@@ -107,10 +109,12 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--device", default="cpu")
     p.add_argument("--mode", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--out", help="also write the table (markdown) to this file")
     args = p.parse_args(argv)
     if args.mode:
         print(json.dumps(one(args)))
         return 0
+    rep = Report("Activation checkpointing: memory and step time", "python -m bench.activation_ckpt", argv)
     base = [f"--d-model={args.d_model}", f"--n-layers={args.n_layers}", f"--batch={args.batch}",
             f"--seq-len={args.seq_len}", f"--vocab={args.vocab}", f"--steps={args.steps}", f"--device={args.device}"]
     rows = []
@@ -121,12 +125,13 @@ def main(argv=None) -> int:
             print(r.stderr[-3000:], file=sys.stderr)
             return 1
         rows.append(json.loads(r.stdout.strip().splitlines()[-1]))
-    print(f"dense d_model {args.d_model}, {args.n_layers} layers, batch {args.batch} × seq_len {args.seq_len}, "
-          f"{args.device}; activations saved without checkpointing: {saved_mb(args):.0f} MB")
-    print("| activation_checkpointing | peak memory over the step MB | step s (median) | step time vs none |")
-    print("|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['mode']} | {r['peak_mb']:.0f} | {r['step_s']:.3f} | {r['step_s'] / rows[0]['step_s']:.2f}× |")
+    rep.add(f"Dense d_model {args.d_model}, {args.n_layers} layers, batch {args.batch} × seq_len {args.seq_len}, "
+            f"{args.device}, {args.steps} steps a mode; activations saved without checkpointing: {saved_mb(args):.0f} MB.",
+            "")
+    rep.table(["activation_checkpointing", "peak memory over the step MB", "step s (median)", "step time vs none"],
+              [(r["mode"], f"{r['peak_mb']:.0f}", f"{r['step_s']:.3f}", f"{r['step_s'] / rows[0]['step_s']:.2f}×")
+               for r in rows])
+    rep.write(args.out)
     return 0
 
 

@@ -3,6 +3,7 @@
     NANOGPT_DIR=/path/to/nanoGPT python -m bench.anchor_compare [--steps 200] [--compile] [overrides...]
     NANOGPT_DIR=... python -m bench.anchor_compare +experiment=speedrun threads=1
     NANOGPT_DIR=... python -m bench.anchor_compare --raw [--compile] threads=1   # the bare steps, no bookkeeping
+    NANOGPT_DIR=... python -m bench.anchor_compare --out docs/results/anchor_compare.md threads=1
 
 The anchor is nanoGPT itself (bench/nanogpt.py: its model.py and configure_optimizers from the checkout,
 its README's CPU configuration, its batch draw from its train.bin). ballast runs train.py's real loop
@@ -28,6 +29,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench import nanogpt  # noqa: E402
+from bench.report import Report  # noqa: E402
 
 DATA = os.environ.get("TINYSHAKESPEARE", "tinyshakespeare.txt")  # README: Running
 
@@ -100,8 +102,10 @@ def main() -> None:
     ap.add_argument("--raw", action="store_true",
                     help="ballast's bare step instead (bench/config.py: batch, forward/backward, clip, AdamW, "
                          "schedule; no StepRecord, telemetry, guard or sinks): the model and optimizer alone")
+    ap.add_argument("--out", help="also write the figures (markdown) to this file")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides for ballast (default +experiment=shakespeare_char)")
     args = ap.parse_args()
+    rep = Report("train.py's step against nanoGPT's, interleaved", "python -m bench.anchor_compare")
     root = nanogpt.nanogpt_dir(args.nanogpt)
     over = list(args.overrides)
     if not any(o.startswith("+experiment=") for o in over):
@@ -115,7 +119,8 @@ def main() -> None:
              "train.eval_batch_size=240",
              f"train.compile={str(args.compile).lower()}"]
     if args.raw:
-        return compare_raw(root, over, args)
+        compare_raw(root, over, args, rep)
+        return rep.write(args.out)
     from train import train  # noqa: E402  (train.py's loop)
 
     with tempfile.TemporaryDirectory(prefix="anchor_compare-") as tmp:
@@ -134,32 +139,33 @@ def main() -> None:
     n_ours = run.model.num_params()
     n_anchor = sum(p.numel() for p in model.parameters())
     tokens = nanogpt.CPU_COMMAND["batch_size"] * nanogpt.CPU_COMMAND["block_size"]
-    print(f"parameters: ballast {n_ours:,} | nanoGPT {n_anchor:,} (tied wte and wpe included) | "
+    rep.add(f"- parameters: ballast {n_ours:,} | nanoGPT {n_anchor:,} (tied wte and wpe included) | "
           f"ratio {n_ours / n_anchor:.3f}")
-    print(f"{k} interleaved steps each, {torch.get_num_threads()} threads, compile={args.compile}")
+    rep.add(f"- {k} interleaved steps each, {torch.get_num_threads()} threads, compile={args.compile}")
     for name, xs in (("ballast", ours), ("nanoGPT", anchor)):
         m = statistics.median(xs)
         rounds = " ".join(f"{r * 1e3:.1f}" for r in medians_by_round(xs, args.rounds))
-        print(f"{name:8s} median {m * 1e3:6.1f} ms/step  {tokens / m / 1e3:5.2f}k tokens/s  by round: {rounds}")
+        rep.add(f"- {name}: median {m * 1e3:.1f} ms/step, {tokens / m / 1e3:.2f}k tokens/s; by round: {rounds}")
     oc, ac = statistics.median(sink.ours_cpu[:k]), statistics.median(sink.anchor_cpu[:k])
     # NOTE: process CPU time: with threads=1 it is the step's own compute, which other jobs on a shared
     # machine move far less than wall time (with more threads it also counts their spinning)
-    print(f"CPU time per step: ballast {oc * 1e3:.1f} ms | nanoGPT {ac * 1e3:.1f} ms | ballast speed / nanoGPT "
+    rep.add(f"- CPU time per step: ballast {oc * 1e3:.1f} ms | nanoGPT {ac * 1e3:.1f} ms | ballast speed / nanoGPT "
           f"speed {ac / oc:.3f}")
     # Where ballast's iteration goes: the StepRecord's own phases (train.py), and what lies outside them
     # (building the record, the sinks before this one); nanoGPT's figure is its whole step.
     keys = [k_ for k_ in ("data", "route", "fwd_bwd", "optim", "log_eval", "ckpt", "total") if k_ in sink.parts[0]]
     parts = {k_: statistics.median(p[k_] for p in sink.parts[:k]) for k_ in keys}
     outside = statistics.median(ours) - parts["total"]
-    print("ballast iteration, median per phase: " + " | ".join(f"{k_} {v * 1e3:.2f}" for k_, v in parts.items())
+    rep.add("- ballast iteration, median per phase (ms): " + " | ".join(f"{k_} {v * 1e3:.2f}" for k_, v in parts.items())
           + f" | record + sinks (outside total) {outside * 1e3:.2f} ms")
     pair = statistics.median(a / o for o, a in zip(ours, anchor))
     by_round = [a / o for o, a in zip(medians_by_round(ours, args.rounds), medians_by_round(anchor, args.rounds))]
-    print(f"ballast speed / nanoGPT speed: {statistics.median(anchor) / statistics.median(ours):.3f} "
-          f"(median of per-step pairs {pair:.3f}; by round {' '.join(f'{r:.3f}' for r in by_round)})")
+    rep.add(f"- ballast speed / nanoGPT speed: {statistics.median(anchor) / statistics.median(ours):.3f} "
+            f"(median of per-step pairs {pair:.3f}; by round {' '.join(f'{r:.3f}' for r in by_round)})")
+    rep.write(args.out)
 
 
-def compare_raw(root: Path, over: list[str], args) -> None:
+def compare_raw(root: Path, over: list[str], args, rep: Report) -> None:
     """ballast's bare step against nanoGPT's, one each in turn (the order swapping every pair), CPU time."""
 
     from bench.config import build_train_step, compose_config
@@ -180,7 +186,7 @@ def compare_raw(root: Path, over: list[str], args) -> None:
             if i >= args.warmup:
                 times[name].append(time.process_time() - c0)
     o, a = statistics.median(times["ballast"]), statistics.median(times["nanoGPT"])
-    print(f"bare steps (no StepRecord, telemetry, guard, sinks), {args.steps} pairs, {torch.get_num_threads()} "
+    rep.add(f"- bare steps (no StepRecord, telemetry, guard, sinks), {args.steps} pairs, {torch.get_num_threads()} "
           f"threads, compile={args.compile}: CPU time per step ballast {o * 1e3:.1f} ms | nanoGPT {a * 1e3:.1f} ms "
           f"| ballast speed / nanoGPT speed {a / o:.3f}")
 

@@ -3,6 +3,7 @@ windows that pay every refill.
 
     python -m bench.anticipatory_overhead                        # moe_tiny, batch 16, 2 micro-batches
     python -m bench.anticipatory_overhead --model mixed_tiny --rounds 3 --window 20 --delay 2
+    python -m bench.anticipatory_overhead --out docs/results/anticipatory_overhead.md
 
 One model and optimizer are shared; each arm has its own loader. Per round each arm runs one block of
 `--window` steps, the order rotating every round, so drift on a shared machine hits all of them alike.
@@ -29,6 +30,7 @@ sys.path.insert(0, str(ROOT))
 from data import build_data  # noqa: E402
 from data.loader import Loader  # noqa: E402
 from bench.config import compose_config  # noqa: E402
+from bench.report import Report  # noqa: E402
 from model import Transformer  # noqa: E402
 from optim import build_optimizer  # noqa: E402
 from optim.accumulate import count_valid_tokens, forward_backward  # noqa: E402
@@ -51,8 +53,10 @@ def main() -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads; NOTE: 1 on a shared 2-core box, where 2 threads thrash under load")
+    p.add_argument("--out", help="also write the figures (markdown) to this file")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    rep = Report("Anticipatory routing: step time absent, off and on", "python -m bench.anticipatory_overhead")
     cfg = compose_config([f"model={args.model}", "data=synthetic", f"train.batch_size={args.batch_size}",
                           f"train.micro_batches={args.micro_batches}"])
     tc = cfg.train
@@ -135,15 +139,15 @@ def main() -> None:
         fwd.append(t2 - t1 - (t1 - t0))
     base_med = statistics.median(times["baseline"])
     refills = 3 * (args.delay + 1)
-    print(f"{args.model}: {model.num_params() / 1e6:.2f}M params, {len(model.moe_layers())} MoE layers, "
-          f"batch {tc.batch_size} × {ds.seq_len}, {tc.micro_batches} micro-batches, Δt = {args.delay}, "
-          f"{args.device}, {torch.get_num_threads()} threads, {args.rounds} rounds × {args.window}-step windows per arm")
-    print(f"{'arm':<10}{'median ms':>11}{'min ms':>9}{'max ms':>9}{'window s':>10}{'cpu ms':>9}{'window cpu s':>14}")
-    for arm in ARMS:
-        t = times[arm]
-        print(f"{arm:<10}{1e3 * statistics.median(t):>11.1f}{1e3 * min(t):>9.1f}{1e3 * max(t):>9.1f}"
-              f"{statistics.median(w for w, _ in totals[arm]):>10.2f}{1e3 * statistics.median(cpus[arm]):>9.1f}"
-              f"{statistics.median(c for _, c in totals[arm]):>14.2f}")
+    rep.add(f"{args.model}: {model.num_params() / 1e6:.2f}M params, {len(model.moe_layers())} MoE layers, "
+            f"batch {tc.batch_size} × {ds.seq_len}, {tc.micro_batches} micro-batches, Δt = {args.delay}, "
+            f"{args.device}, {torch.get_num_threads()} threads, {args.rounds} rounds × {args.window}-step windows per arm.",
+            "")
+    rep.table(["arm", "median ms", "min ms", "max ms", "window s", "cpu ms", "window cpu s"],
+              [(arm, f"{1e3 * statistics.median(times[arm]):.1f}", f"{1e3 * min(times[arm]):.1f}",
+                f"{1e3 * max(times[arm]):.1f}", f"{statistics.median(w for w, _ in totals[arm]):.2f}",
+                f"{1e3 * statistics.median(cpus[arm]):.1f}", f"{statistics.median(c for _, c in totals[arm]):.2f}")
+               for arm in ARMS])
     # OFF costs one attribute test per step; timed directly, since on a busy box the A/B above cannot
     # resolve a difference this small.
     off, n_calls = ars["off"], 100_000
@@ -151,20 +155,21 @@ def main() -> None:
     for _ in range(n_calls):
         off.routes_for(1, 0)
     call_s = (time.perf_counter() - t0) / n_calls
-    print(f"off: routes_for costs {1e6 * call_s:.2f} µs/step = {100 * call_s / base_med:.5f} % of a baseline step")
+    rep.add(f"- off: routes_for costs {1e6 * call_s:.2f} µs/step = {100 * call_s / base_med:.5f} % of a baseline step")
     for a, b in (("off", "baseline"), ("on", "baseline")):
         for j, (what, per_step) in enumerate((("wall", times), ("cpu", cpus))):
             steady = statistics.median(per_step[a]) / statistics.median(per_step[b]) - 1
             per_round = [x[j] / y[j] - 1 for x, y in zip(totals[a], totals[b])]
-            print(f"{a} vs {b} ({what}): steady step {100 * steady:+.1f} % (median steps); whole window "
+            rep.add(f"- {a} vs {b} ({what}): steady step {100 * steady:+.1f} % (median steps); whole window "
                   f"{100 * statistics.median(per_round):+.1f} % (median of rounds, range "
                   f"{100 * min(per_round):+.1f} .. {100 * max(per_round):+.1f} %)")
     r_med = statistics.median(route_s)
-    print(f"time_s.route while on: median {1e3 * r_med:.1f} ms = {100 * r_med / base_med:.1f} % of a baseline step; "
+    rep.add(f"- time_s.route while on: median {1e3 * r_med:.1f} ms = {100 * r_med / base_med:.1f} % of a baseline step; "
           f"window total {1e3 * sum(route_s) / args.rounds:.0f} ms per window = {args.window} steady forwards + "
           f"{refills - 3} refill forwards (switch-on, rollback, resume: Δt each)")
-    print(f"one routing forward, alone: {1e3 * statistics.median(fwd):.1f} ms forward + "
-          f"{1e3 * statistics.median(peek):.2f} ms rebuilding the batch (peek)")
+    rep.add(f"- one routing forward, alone: {1e3 * statistics.median(fwd):.1f} ms forward + "
+            f"{1e3 * statistics.median(peek):.2f} ms rebuilding the batch (peek)")
+    rep.write(args.out)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """What the attention-logit telemetry and QK-clip cost, against a plain training step.
 
     python -m bench.attn_logit_probe [--steps 30] [--batch 16] [--seq 256] [--d 128] [--layers 4] [--heads 4]
+    python -m bench.attn_logit_probe --out docs/results/attn_logit_probe.md
 
 Interleaved, step by step on the same batches (this machine's speed drifts): a forward + backward of a
 dense model (1) plain, (2) with the telemetry probe on (per head max of QKᵀ/√d of the FIRST sequence of
@@ -20,6 +21,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from bench.report import Report  # noqa: E402
 from model import ModelConfig, Transformer  # noqa: E402
 from optim.config import QKClipConfig  # noqa: E402
 from optim.qk_clip import QKClip  # noqa: E402
@@ -34,7 +36,9 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--out", help="also write the table (markdown) to this file")
     a = p.parse_args()
+    rep = Report("The attention-logit probe and QK-clip against a plain step", "python -m bench.attn_logit_probe")
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
     model = Transformer(ModelConfig(vocab_size=256, seq_len=a.seq, d_model=a.d, n_layers=a.layers, n_heads=a.heads))
@@ -61,13 +65,14 @@ def main() -> None:
             times["probe"].append(tq)
             times["qk_clip"].append(tc)
     med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
-    print(f"dense {a.layers} layers × {a.heads} heads, d {a.d}, batch {a.batch} × seq {a.seq}, "
-          f"{a.threads} thread(s), {a.steps} interleaved steps (median ms)")
-    print(f"  fwd+bwd plain             {med['plain']:8.1f} ms")
-    print(f"  fwd+bwd + logit probe     {med['probe']:8.1f} ms   overhead {med['probe'] / med['plain'] - 1:+.1%} "
-          f"(telemetry steps only)")
-    print(f"  QK-clip re-measure alone  {med['qk_clip']:8.1f} ms   = {med['qk_clip'] / med['plain']:.1%} of a step "
-          f"(every step when optim.qk_clip.tau is set)")
+    rep.add(f"Dense {a.layers} layers × {a.heads} heads, d {a.d}, batch {a.batch} × seq {a.seq}, "
+            f"{a.threads} thread(s), {a.steps} interleaved steps.", "")
+    rep.table(["what", "median ms", "against the plain step"], [
+        ("fwd+bwd plain", f"{med['plain']:.1f}", ""),
+        ("fwd+bwd + logit probe (telemetry steps only)", f"{med['probe']:.1f}", f"{med['probe'] / med['plain'] - 1:+.1%}"),
+        ("QK-clip re-measure alone (every step when optim.qk_clip.tau is set)", f"{med['qk_clip']:.1f}",
+         f"{med['qk_clip'] / med['plain']:.1%} of a step")])
+    rep.write(a.out)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.report import Report  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -24,9 +25,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     from bench.doctor_score import scored_steps
     from doctor.cli import doctor
-    lines = [f"# {args.title}: `python bench/doctor_clean.py`", "",
-             "| run | steps scored | headline | incidents judged natural (step: reason) |", "|---|---|---|---|"]
+    out = Report(args.title, "python bench/doctor_clean.py", argv)
     bad = faults = steps = 0
+    rows = []
     for d in map(Path, args.runs):
         rep = doctor(d, plots=False)
         n = scored_steps(d)
@@ -35,13 +36,11 @@ def main(argv=None) -> int:
         faults += sum(i["judgement"] == "fault" for i in rep["incidents"])
         nat = "; ".join(f"{i['step']}: {i['reason'][:90]}" for i in rep["incidents"] if i["judgement"] == "natural")
         head = rep["class"] if rep["earliest"] is None else f"**{rep['class']} at {rep['earliest']['step']}**"
-        lines.append(f"| {d.name} | {n} | {head} | {nat or '—'} |")
-    lines += ["", f"headline not healthy: {bad} of {len(args.runs)} runs; incidents judged a fault (all false here): "
-              f"{faults}, {1000 * faults / max(steps, 1):.2f} per 1000 scored steps ({steps} scored)"]
-    print("\n".join(lines))
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text("\n".join(lines) + "\n")
+        rows.append((d.name, n, head, nat or "—"))
+    out.table(["run", "steps scored", "headline", "incidents judged natural (step: reason)"], rows)
+    out.add(f"headline not healthy: {bad} of {len(args.runs)} runs; incidents judged a fault (all false here): "
+            f"{faults}, {1000 * faults / max(steps, 1):.2f} per 1000 scored steps ({steps} scored)")
+    out.write(args.out)
     return 0
 
 

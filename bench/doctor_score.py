@@ -31,6 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.doctor_drills import BY_NAME, FAULTS, JOBS, ROOT, Fault  # noqa: E402
+from bench.report import Report  # noqa: E402
 
 LAUNCHER = str(ROOT / "bench" / "doctor_drills.py")
 BASE, S = JOBS["drill"]  # the job being scored (main() --job); module-level for the tests' helpers
@@ -196,23 +197,21 @@ def train_drill(kind: str, root: Path) -> Path:
     return d
 
 
-def score_drills(kinds: list[str], root: Path, jobs: int, train: bool) -> list[str]:
+def score_drills(kinds: list[str], root: Path, jobs: int, train: bool, out: Report) -> None:
     """The registry's drills scored on the headline: class (the drill's `expects`) and step ±1 of S."""
     from doctor.cli import doctor
     from stability.drills import registry
     if train:
         with ThreadPoolExecutor(jobs) as pool:
             list(pool.map(lambda k: train_drill(k, root), kinds))
-    out = ["| drill | expected class / step | doctor | ✓ |", "|---|---|---|---|"]
-    ok = 0
+    rows = []
     for k in kinds:
         rep = doctor(root / f"drill_{k}", plots=False)
         e = rep["earliest"] or {}
         hit = rep["class"] == registry()[k].expects and e.get("step") is not None and abs(e["step"] - S) <= 1
-        ok += hit
-        out.append(f"| {k} | {registry()[k].expects} / {S} | {rep['class']} / {e.get('step')} | {'✓' if hit else '✗'} |")
-    out += ["", f"registry drills scored on the headline: {ok} of {len(kinds)}"]
-    return out
+        rows.append((k, f"{registry()[k].expects} / {S}", f"{rep['class']} / {e.get('step')}", "✓" if hit else "✗"))
+    out.table(["drill", "expected class / step", "doctor", "✓"], rows)
+    out.add(f"registry drills scored on the headline: {sum(r[-1] == '✓' for r in rows)} of {len(kinds)}")
 
 
 def main(argv=None) -> int:
@@ -239,14 +238,14 @@ def main(argv=None) -> int:
         return 2
     root = Path(args.reuse or args.keep or tempfile.mkdtemp(prefix="doctor_score_"))
     root.mkdir(parents=True, exist_ok=True)
+    what = "The registry's drills scored" if args.registry is not None else "Doctor scores"
+    out = Report(f"{what} (job {args.job}, fault step {S})", "python bench/doctor_score.py", argv)
+    emit = out.add
     if args.registry is not None:
         from stability.drills import registry
         kinds = args.registry or [k for k in registry() if k not in ("none", "mixture_switch")]
-        lines = score_drills(kinds, root, args.jobs, not args.reuse)
-        print("\n".join(lines))
-        if args.out:
-            Path(args.out).write_text(f"# Registry drills: `python bench/doctor_score.py --registry` (job {args.job}, "
-                                      f"step {S})\n\n" + "\n".join(lines) + "\n")
+        score_drills(kinds, root, args.jobs, not args.reuse, out)
+        out.write(args.out)
         return 0
     faults = [BY_NAME[n] for n in args.faults]
     seeds = list(range(args.seed_from, args.seed_from + args.clean))
@@ -265,19 +264,12 @@ def main(argv=None) -> int:
         nat = [i for i in rep.get("incidents") or [] if i.get("judgement") == "natural"]
         clean.append({"seed": s, "class": rep["class"], "ok": rep["class"] == "healthy", "natural": len(nat),
                       "scored": scored_steps(root / f"clean_seed{s}"), "summary": rep["summary"][:110] + g})
-    lines: list[str] = []
-
-    def emit(x: str = "") -> None:
-        print(x)
-        lines.append(x)
+    emit("Scored on the report's headline (class, timeline layer, step ±1).", "")
     early = any(r["before"] for r in rows)  # incidents before the fault: a column only when there are any
-    emit("| fault | expected class / layer / step | doctor | class | layer | step ±1 |" + (" before S |" if early else ""))
-    emit("|---|---|---|---|---|---|" + ("---|" if early else ""))
-    for r in rows:
-        m = lambda b: "✓" if b else "✗"  # noqa: E731
-        emit(f"| {r['fault']} | {r['expect']} | {r['got']} | {m(r['class'])} | {m(r['layer'])} | {m(r['step'])} |"
-              + (f" {r['before'] or '—'} |" if early else ""))
-    emit()
+    m = lambda b: "✓" if b else "✗"  # noqa: E731
+    out.table(["fault", "expected class / layer / step", "doctor", "class", "layer", "step ±1"] + ["before S"] * early,
+              [[r["fault"], r["expect"], r["got"], m(r["class"]), m(r["layer"]), m(r["step"])]
+               + [r["before"] or "—"] * early for r in rows])
     emit(f"faults scored on the headline: {sum(r['ok'] for r in rows)} of {len(rows)} (class, layer and step ±1); "
           f"on the fault's own incident: {sum(r['incident'] for r in rows)} of {len(rows)}")
     for c in clean:
@@ -285,11 +277,7 @@ def main(argv=None) -> int:
     bad, steps = sum(not c["ok"] for c in clean), sum(c["scored"] for c in clean)
     emit(f"clean runs: {bad} with a false fault in {len(clean)} ({1000 * bad / max(steps, 1):.2f} per 1000 scored "
           f"steps); {sum(c['natural'] for c in clean)} incident(s) judged natural")
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        head = (f"# Doctor scores: `python bench/doctor_score.py {' '.join(argv if argv is not None else sys.argv[1:])}`\n\n"
-                f"Job {args.job}, fault step {S}; scored on the report's headline (class, timeline layer, step ±1).\n")
-        Path(args.out).write_text(head + "\n" + "\n".join(lines) + "\n")
+    out.write(args.out)
     print(f"runs: {root}")
     if not args.keep and not args.reuse:
         shutil.rmtree(root, ignore_errors=True)

@@ -7,6 +7,7 @@ would then not test what it says.
     OMP_NUM_THREADS=1 python -m bench.drills_quiet                                 # every drill, seeds 0-2, 1 and 2 threads
     python -m bench.drills_quiet --drills drill_labels_shuffle moe_spike_drill --seeds 0 1 2 3 --threads 1
     python -m bench.drills_quiet --drills drill_lr_spike -- optim.lr=2e-3          # overrides after --
+    python -m bench.drills_quiet --out docs/results/drills_quiet.md
 
 A drill whose module needs 2+ processes (stability/drills/, min_world) runs under torchrun, the others on one; --jobs (default 2) runs at a time.
 """
@@ -22,6 +23,7 @@ import tempfile
 from pathlib import Path
 
 from bench.quickstart_grid import QUIET, map_jobs
+from bench.report import Report
 
 ROOT = Path(__file__).resolve().parents[1]
 DRILLS = sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("drill_*.yaml")) + ["moe_spike_drill"]
@@ -73,22 +75,27 @@ def main() -> None:
     p.add_argument("--threads", nargs="*", type=int, default=[1, 2])
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--keep", type=Path, help="keep the run directories here")
+    p.add_argument("--out", help="also write the table (markdown) to this file")
     p.add_argument("overrides", nargs="*", help="after --: train.py overrides")
     args = p.parse_args()
+    rep = Report("Fault drills before their injection", "python -m bench.drills_quiet")
     root = args.keep or Path(tempfile.mkdtemp(prefix="drills_quiet-"))
-    print(f"{len(args.drills) * len(args.seeds) * len(args.threads)} runs; dirs under {root}", flush=True)
-    print(f"{'drill':<24}{'seed':>5}{'thr':>4}{'fault':>6}{'max ‖g‖':>9}  before the fault", flush=True)
+    print(f"dirs under {root}", flush=True)
+    rep.add(f"{len(args.drills) * len(args.seeds) * len(args.threads)} runs, each stopped one step before its fault; "
+            "the guard's triggers and actions before it (none: quiet).", "")
+    rep.columns("drill", "seed", "threads", "fault step", "largest ‖g‖", "before the fault")
 
     def show(row: dict) -> None:
-        head = f"{row['drill']:<24}{row['seed']:>5}{row['threads']:>4}{row['fault_step']:>6}"
+        head = (row["drill"], row["seed"], row["threads"], row["fault_step"])
         if "error" in row:
-            print(f"{head}  ERROR {row['error']}", flush=True)
+            rep.row(*head, "", f"ERROR {row['error']}")
         else:
-            print(f"{head}{row['max_gnorm']:>9.1f}  {' '.join(row['early']) or 'quiet'}", flush=True)
+            rep.row(*head, f"{row['max_gnorm']:.1f}", " ".join(row["early"]) or "quiet")
 
     rows = run_grid(args.drills, args.seeds, args.threads, args.overrides, root, args.jobs, show)
     bad = [r for r in rows if "error" in r or r["early"]]
-    print(f"\n{len(rows) - len(bad)}/{len(rows)} quiet before their injection")
+    rep.add("", f"{len(rows) - len(bad)}/{len(rows)} quiet before their injection")
+    rep.write(args.out)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """How much of a step is matrix multiply, and how close to this machine's GEMM speed it runs.
 
     python -m bench.gemm_floor [--steps 20] [overrides...]      # default: shakespeare_char
+    python -m bench.gemm_floor --out docs/results/gemm_floor.md threads=1 +experiment=shakespeare_char data.path=$TINYSHAKESPEARE
 
 Profiles ballast's step (bench/config.py; compiled when the experiment is) with shapes recorded, then
 times every GEMM shape of the step again in isolation (same shapes, contiguous operands, warm caches,
@@ -23,6 +24,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench.config import build_train_step, compose_config  # noqa: E402
+from bench.report import Report  # noqa: E402
 
 DTYPES = {"float": torch.float32, "c10::BFloat16": torch.bfloat16, "BFloat16": torch.bfloat16}
 DEFAULT = ["+experiment=shakespeare_char", f"data.path={os.environ.get('TINYSHAKESPEARE', 'tinyshakespeare.txt')}"]
@@ -51,8 +53,10 @@ def isolated_us(shapes: list[tuple[tuple[int, ...], tuple[int, ...], str]], reps
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--out", help="also write the table (markdown) to this file")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
+    rep = Report("The step's GEMMs: in the step and alone", "python -m bench.gemm_floor")
     step, _ = build_train_step(compose_config(args.overrides or DEFAULT))
     for _ in range(15):  # warm-up, and the compile when on
         step()
@@ -75,8 +79,8 @@ def main() -> None:
             a, b = operands(e.name, e.input_shapes)
             dt = (getattr(e, "input_dtypes", None) or ["float"] * 3)[1 if e.name in ("aten::addmm", "aten::baddbmm") else 0]
             in_step[(tuple(a), tuple(b), dt)].append(e.cpu_time_total)
-    print(f"step {step_ms:.1f} ms under the profiler; per GEMM shape (M×K @ K×N), per step:")
-    print(f"{'shape':>22s} {'calls':>5s} {'in step':>9s} {'GF/s':>6s} {'isolated':>9s} {'GF/s':>6s}")
+    rep.add(f"Step {step_ms:.1f} ms under the profiler; per GEMM shape (M×K @ K×N), per step:", "")
+    rep.columns("shape", "calls", "in step µs", "GF/s", "isolated µs", "GF/s")
     tot_step = tot_iso = tot_flop = 0.0
     rows = sorted(in_step.items(), key=lambda kv: -sum(kv[1]))
     for ((a, b, dt), us), iso in zip(rows, isolated_us([shape for shape, _ in rows])):
@@ -87,13 +91,14 @@ def main() -> None:
         tot_iso += iso * calls
         tot_flop += flop * calls
         lead = f"{a[0]}×" if len(a) == 3 else ""
-        print(f"{lead + str(a[-2]):>6s}×{a[-1]:<5d}@ {b[-2]}×{b[-1]:<5d} {calls:5.1f} {med:7.0f}µs {flop / med / 1e3:6.1f} "
-              f"{iso:7.0f}µs {flop / iso / 1e3:6.1f}")
-    print(f"GEMMs per step: {tot_flop / 1e9:.2f} GFLOP; {tot_step / 1e3:.1f} ms in the step "
-          f"({tot_flop / tot_step / 1e3:.0f} GF/s), {tot_iso / 1e3:.1f} ms in isolation ({tot_flop / tot_iso / 1e3:.0f} GF/s); "
-          f"{torch.get_num_threads()} threads")
-    print(f"step {plain_ms:.1f} ms unprofiled ({cpu_ms:.1f} ms of CPU) = {plain_ms / (tot_iso / 1e3):.2f}x "
-          f"({cpu_ms / (tot_iso / 1e3):.2f}x in CPU time) its GEMM floor ({tot_iso / 1e3:.1f} ms)")
+        rep.row(f"{lead}{a[-2]}×{a[-1]} @ {b[-2]}×{b[-1]}", f"{calls:.1f}", f"{med:.0f}", f"{flop / med / 1e3:.1f}",
+                f"{iso:.0f}", f"{flop / iso / 1e3:.1f}")
+    rep.add("", f"- GEMMs per step: {tot_flop / 1e9:.2f} GFLOP; {tot_step / 1e3:.1f} ms in the step "
+            f"({tot_flop / tot_step / 1e3:.0f} GF/s), {tot_iso / 1e3:.1f} ms in isolation "
+            f"({tot_flop / tot_iso / 1e3:.0f} GF/s); {torch.get_num_threads()} threads")
+    rep.add(f"- step {plain_ms:.1f} ms unprofiled ({cpu_ms:.1f} ms of CPU) = {plain_ms / (tot_iso / 1e3):.2f}x "
+            f"({cpu_ms / (tot_iso / 1e3):.2f}x in CPU time) its GEMM floor ({tot_iso / 1e3:.1f} ms)")
+    rep.write(args.out)
 
 
 if __name__ == "__main__":

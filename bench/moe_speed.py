@@ -2,6 +2,8 @@
 
     python -m bench.moe_speed [--steps 30] [--d 256] [--experts 8] [--top-k 2] [--threads 2]
     python -m bench.moe_speed --device cuda --d 1024 --batch 16 --seq 1024   # GPU: bf16 autocast
+    python -m bench.moe_speed --steps 20 --threads 1 --out docs/results/moe_speed.md
+    python -m bench.moe_speed --json bench/out/gpu_moe.json                  # also the figures as JSON
 
 Models (4 layers, every layer after the first MoE): experts of width H, top-k routing plus a shared
 expert, so a token runs (k + 1) SwiGLU MLPs of width H; the dense twin's MLP has width (k + 1)·H, the same
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import statistics
 import sys
 import time
@@ -27,6 +30,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from bench.report import Report  # noqa: E402
 from model import ModelConfig, MoEConfig, Transformer  # noqa: E402
 
 
@@ -54,7 +58,10 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--out", help="also write the table (markdown) to this file")
+    ap.add_argument("--json", type=Path, help="also write the figures as JSON here (bench/gpu_table.py reads them)")
     args = ap.parse_args(argv)
+    rep = Report("MoE step time against a dense twin of equal active FLOPs", "python -m bench.moe_speed", argv)
     torch.set_num_threads(args.threads)
     dev = torch.device(args.device)
     cuda = dev.type == "cuda"
@@ -86,14 +93,20 @@ def main(argv=None) -> int:
     for b in batches[3:]:
         for name in arms:
             times[name].append(step(name, b))
-    dense = statistics.median(times["dense"])
     n = sum(p.numel() for p in arms["dense"].parameters())
-    print(f"d={args.d}, {args.experts} experts top-{args.top_k} + shared (H={args.d // 2}), batch {args.batch}×{args.seq}, "
-          f"{args.device}{' bf16 autocast' if cuda else f', {args.threads} thread(s)'}, {args.steps} interleaved steps; "
-          f"dense twin {n / 1e6:.2f}M params")
-    for name, ts in times.items():
-        med = statistics.median(ts)
-        print(f"{name:>14}: {med * 1e3:8.1f} ms/step  ({med / dense:.2f}× dense)")
+    ms = {name: 1e3 * statistics.median(ts) for name, ts in times.items()}
+    vs_dense = {name: x / ms["dense"] for name, x in ms.items()}
+    rep.add(f"d={args.d}, {args.experts} experts top-{args.top_k} + shared (H={args.d // 2}), batch {args.batch}×{args.seq}, "
+            f"{args.device}{' bf16 autocast' if cuda else f', {args.threads} thread(s)'}, {args.steps} interleaved steps; "
+            f"dense twin {n / 1e6:.2f}M params.", "")
+    rep.table(["arm", "median ms/step", "× dense"],
+              [(name, f"{ms[name]:.1f}", f"{vs_dense[name]:.2f}×") for name in ms])
+    rep.write(args.out)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        settings = {k: v for k, v in vars(args).items() if k not in ("json", "out")}
+        args.json.write_text(json.dumps({**settings, "dense_params": n, "ms": ms, "vs_dense": vs_dense},
+                                        indent=1) + "\n")
     return 0
 
 

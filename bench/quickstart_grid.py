@@ -3,13 +3,16 @@ seed, data seed, thread count and a 1e-6 perturbation of the initial weights? tr
 grid point; prints one row each and the worst case.
 
     OMP_NUM_THREADS=1 python -m bench.quickstart_grid                          # 5 seeds x 2 data seeds x {1, 2} threads
+    python -m bench.quickstart_grid --seeds 0 --data-seeds 1234 --out docs/results/quickstart.md   # the first command
     python -m bench.quickstart_grid --seeds 0 1 2 --data-seeds 1234 --threads 1 --steps 300 -- optim.lr=2e-3
     python -m bench.quickstart_grid --seeds 0 --noise 1e-6                     # the perturbation test
 
 Columns: `forms` = first step where the copy source's train loss, averaged over 10 steps, is below the
 midpoint between log(alphabet) (no head) and its floor (head formed), or "-" if never; `copy gap` and
 `gap` = final eval loss of the copy source / of the whole mixture minus its exact floor on the same
-evaluation tokens; `eval` = final eval loss; `wall s` = the run's wall time, start-up included. A row
+evaluation tokens; `eval` = final eval loss (its exact floor and each source's loss beside it: the lines
+`python train.py` prints); `largest ‖g‖` = the run's largest pre-clip grad norm, its step and the median
+of the run's; `ckpt MB` = one checkpoint's size; `wall s` = the run's wall time, start-up included. A row
 passes when both gaps are <= --tol (0.05 nats). --jobs (default 2) runs at a time; each run gets
 `threads` intra-op threads. With --keep DIR, a point whose DIR/<point>/row.json exists is read, not
 trained again: a grid stopped half-way resumes.
@@ -33,6 +36,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from bench.report import Report  # noqa: E402
+
 QUIET = ["logging.progress=false", "logging.wandb=disabled", "logging.plot=false"]
 
 
@@ -67,12 +73,13 @@ def copy_floor(run_dir: Path) -> tuple[float, float]:
 
     from data import build_data
     from data.loader import eval_batches
+    from run.config import Config
 
-    cfg = json.loads((run_dir / "config.json").read_text())
-    ds = build_data(cfg["data"])
+    cfg = Config.from_dict(json.loads((run_dir / "config.json").read_text()))
+    ds = build_data(cfg.data)
     names = ds.source_names
     f_S, n_S = torch.zeros(len(names), dtype=torch.float64), torch.zeros(len(names), dtype=torch.float64)
-    for b in eval_batches(ds, cfg["train"]["eval_samples"], cfg["train"]["eval_batch_size"]):
+    for b in eval_batches(ds, cfg.train.eval_samples, cfg.train.eval_batch_size):
         valid = b.labels != -100
         f_S.index_add_(0, b.sources, (b.floor.double() * valid).sum(1))
         n_S.index_add_(0, b.sources, valid.sum(1).double())
@@ -114,8 +121,13 @@ def summarize(run_dir: Path, point: dict, wall: float) -> dict:
                   if sum(train_copy[i - 9:i + 1]) / 10 < mid), None)
     last = next(r_["eval"] for r_ in reversed(recs) if r_.get("eval"))
     spikes = [r_["step"] for r_ in recs if r_["grad_norm"] > 10]
+    top = max(recs, key=lambda r_: r_["grad_norm"])
+    ckpts = [d for d in (run_dir / "checkpoints").glob("step_*") if d.is_dir()]
     return {**point, "forms": forms, "steps": recs[-1]["step"], "copy_gap": last["by_source"]["copy"] - copy_f,
-            "gap": last["loss"] - floor, "eval": last["loss"], "max_gnorm": max(r_["grad_norm"] for r_ in recs),
+            "gap": last["loss"] - floor, "eval": last["loss"], "floor": floor, "by_source": last["by_source"],
+            "max_gnorm": top["grad_norm"], "max_gnorm_step": top["step"],
+            "median_gnorm": sorted(r_["grad_norm"] for r_ in recs)[len(recs) // 2],
+            "ckpt_mb": sum(f.stat().st_size for f in ckpts[0].rglob("*") if f.is_file()) / 1e6 if ckpts else None,
             "gnorm_gt10_steps": spikes[:5], "wall_s": wall,
             "ms_per_step": 1e3 * sum(r_["time_s"]["total"] for r_ in recs) / len(recs)}
 
@@ -152,39 +164,48 @@ def main() -> None:
     p.add_argument("--tol", type=float, default=0.05)
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--keep", type=Path, help="keep the run directories here (a point with a row.json is reused)")
+    p.add_argument("--out", type=Path, help="also write the table (markdown) to this file")
     p.add_argument("overrides", nargs="*", help="after --: train.py overrides (the recipe to test)")
     args = p.parse_args()
     if args.child:
         return child(args.noise, args.overrides)
+    rep = Report("The default job over seeds, data seeds and threads", "python -m bench.quickstart_grid")
     root = args.keep or Path(tempfile.mkdtemp(prefix="quickstart_grid-"))
     points = [{"seed": s, "data_seed": d, "threads": t}
               for s, d, t in itertools.product(args.seeds, args.data_seeds, args.threads)]
-    print(f"{len(points)} runs of {args.steps or 'the recipe'} steps, noise {args.noise:g}, recipe overrides: "
-          f"{' '.join(args.overrides) or '(the default)'}; dirs under {root}", flush=True)
-    print(f"{'seed':>5}{'data':>6}{'thr':>4}{'forms':>7}{'eval':>8}{'copy gap':>10}{'gap':>9}{'max ‖g‖':>9}"
-          f"{'ms/step':>9}{'wall s':>8}  spikes (‖g‖ > 10)", flush=True)
+    print(f"dirs under {root}", flush=True)
+    rep.add(f"{len(points)} runs of {args.steps or 'the recipe'} steps, noise {args.noise:g} on the initial weights, "
+            f"recipe overrides: {' '.join(args.overrides) or '(the default)'}; a run passes when both gaps are <= "
+            f"{args.tol} nats.", "")
+    rep.columns("seed", "data seed", "threads", "head forms at step", "final eval (exact floor)", "markov / copy",
+                "copy gap", "gap", "largest ‖g‖ (step; median)", "ckpt MB", "ms/step", "wall s", "")
     rows = []
 
     def show(row: dict) -> None:
         rows.append(row)
         if "error" in row:
-            print(f"{row['seed']:>5}{row['data_seed']:>6}{row['threads']:>4}  ERROR {row['error']}", flush=True)
+            rep.row(row["seed"], row["data_seed"], row["threads"], f"ERROR {row['error']}", *[""] * 9)
             return
-        ok = passes(row, args.tol)
-        print(f"{row['seed']:>5}{row['data_seed']:>6}{row['threads']:>4}{row['forms'] or '-':>7}{row['eval']:>8.4f}"
-              f"{row['copy_gap']:>+10.4f}{row['gap']:>+9.4f}{row['max_gnorm']:>9.1f}{row['ms_per_step']:>9.0f}"
-              f"{row['wall_s']:>8.0f}  {row['gnorm_gt10_steps']}{'' if ok else '  FAIL'}", flush=True)
+        src = row["by_source"]
+        rep.row(row["seed"], row["data_seed"], row["threads"], row["forms"] or "never",
+                f"{row['eval']:.4f} ({row['floor']:.4f})", f"{src.get('markov', float('nan')):.4f} / {src['copy']:.4f}",
+                f"{row['copy_gap']:+.4f}", f"{row['gap']:+.4f}",
+                f"{row['max_gnorm']:.1f} ({row['max_gnorm_step']}; {row['median_gnorm']:.2f})",
+                "—" if row["ckpt_mb"] is None else f"{row['ckpt_mb']:.1f}", f"{row['ms_per_step']:.0f}",
+                f"{row['wall_s']:.0f}", "pass" if passes(row, args.tol) else "FAIL")
 
     run_grid(points, args.steps, args.noise, args.overrides, root, args.jobs, show)
     good = [r for r in rows if "error" not in r]
+    rep.add()
     if good:
         passed = sum(passes(r, args.tol) for r in good)
         formed = [r["forms"] for r in good if r["forms"]]
-        print(f"\n{passed}/{len(rows)} pass (copy gap and gap <= {args.tol}); copy gap "
-              f"{min(r['copy_gap'] for r in good):+.4f}..{max(r['copy_gap'] for r in good):+.4f}, gap "
-              f"{min(r['gap'] for r in good):+.4f}..{max(r['gap'] for r in good):+.4f}; head forms at steps "
-              f"{min(formed) if formed else '-'}..{max(formed) if formed else '-'} "
-              f"({len(good) - len(formed)} never)")
+        rep.add(f"{passed}/{len(rows)} pass (copy gap and gap <= {args.tol}); copy gap "
+                f"{min(r['copy_gap'] for r in good):+.4f}..{max(r['copy_gap'] for r in good):+.4f}, gap "
+                f"{min(r['gap'] for r in good):+.4f}..{max(r['gap'] for r in good):+.4f}; head forms at steps "
+                f"{min(formed) if formed else '-'}..{max(formed) if formed else '-'} "
+                f"({len(good) - len(formed)} never)")
+    rep.write(args.out)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
     python -m bench.shards                         # generated corpora of 50 and 200 MB, byte tokenizer
     python -m bench.shards --sizes 20 --num-proc 2 --tokenizer char
+    python -m bench.shards --sizes 20 80 --out docs/results/shards.md
 
 For each size: a corpus of 10 MB text files is generated (random words, deterministic), tokenised once
 into a fresh cache (wall time → MB/s and tokens/s), then a fresh process opens the cache and reads
@@ -22,6 +23,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from bench.report import Report  # noqa: E402
 
 FILE_MB = 10
 
@@ -49,11 +51,11 @@ def rss_mb() -> tuple[float, float]:
 
 def measure(cfg: dict, batches: int) -> dict:
     """In a fresh process: open the (already built) cache, read batches, report RSS and throughput."""
-    from data import Loader, build_data
+    from data import DataConfig, Loader, build_data
 
     base = rss_mb()
     t0 = time.perf_counter()
-    ds = build_data(cfg)
+    ds = build_data(DataConfig.from_dict(cfg))
     t_open = time.perf_counter() - t0
     opened = rss_mb()
     loader = Loader(ds, 64)
@@ -74,10 +76,12 @@ def main(argv=None) -> int:
     p.add_argument("--batches", type=int, default=200)
     p.add_argument("--dir", default=None, help="work directory (default: a temporary one, removed after)")
     p.add_argument("--measure", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--out", help="also write the table (markdown) to this file")
     args = p.parse_args(argv)
     if args.measure:
         print(json.dumps(measure(json.loads(args.measure), args.batches)))
         return 0
+    rep = Report("Sharded text corpora: tokenise, load, memory", "python -m bench.shards", argv)
     work = Path(args.dir or tempfile.mkdtemp(prefix="bench_shards_"))
     rows = []
     try:
@@ -92,8 +96,8 @@ def main(argv=None) -> int:
             import os
             env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_CACHE": str(work / "hf")}
             t0 = time.perf_counter()
-            build = subprocess.run([sys.executable, "-c", "import json,sys; from data import build_data; "
-                                    f"build_data(json.loads(sys.argv[1]))", json.dumps(cfg)],
+            build = subprocess.run([sys.executable, "-c", "import json,sys; from data import DataConfig, build_data; "
+                                    "build_data(DataConfig.from_dict(json.loads(sys.argv[1])))", json.dumps(cfg)],
                                    cwd=ROOT, env=env, capture_output=True, text=True)
             tok_s = time.perf_counter() - t0
             if build.returncode:
@@ -115,15 +119,14 @@ def main(argv=None) -> int:
     finally:
         if not args.dir:
             shutil.rmtree(work, ignore_errors=True)
-    print(f"tokenizer {args.tokenizer}, num_proc {args.num_proc}, loader batch 64 × seq_len 256, {args.batches} batches")
-    print("RSS = anonymous + file-backed (mapped shard pages, reclaimable page cache), in MB")
-    print("| corpus MB | tokenise s (incl. start) | MB/s | tokens/s | shards MB | open s (sha256) | loader samples/s "
-          "| loader tokens/s | RSS after import | RSS opened | RSS after reading |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        rss = [f"{a:.0f} + {f:.0f}" for a, f in r[10:13]]
-        print(f"| {r[1]:.0f} | {r[3]:.1f} | {r[4]:.1f} | {r[5] / 1e6:.2f}M | {r[6]:.0f} | {r[7]:.2f} | {r[8]:.0f} | "
-              f"{r[9] / 1e6:.2f}M | {rss[0]} | {rss[1]} | {rss[2]} |")
+    rep.add(f"Generated corpora, tokenizer {args.tokenizer}, num_proc {args.num_proc}, loader batch 64 × seq_len 256, "
+            f"{args.batches} batches. RSS = anonymous + file-backed (mapped shard pages, reclaimable page cache), "
+            "in MB.", "")
+    rep.table(["corpus MB", "tokenise s (incl. start)", "MB/s", "tokens/s", "shards MB", "open s (sha256)",
+               "loader samples/s", "loader tokens/s", "RSS after import", "RSS opened", "RSS after reading"],
+              [(f"{r[1]:.0f}", f"{r[3]:.1f}", f"{r[4]:.1f}", f"{r[5] / 1e6:.2f}M", f"{r[6]:.0f}", f"{r[7]:.2f}",
+                f"{r[8]:.0f}", f"{r[9] / 1e6:.2f}M", *(f"{a:.0f} + {f:.0f}" for a, f in r[10:13])) for r in rows])
+    rep.write(args.out)
     return 0
 
 

@@ -28,6 +28,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from bench.report import Report  # noqa: E402
 
 TARGET = 1.8857  # nanoGPT's val loss after its README CPU command's 2000 iterations (karpathy/nanoGPT 3adf61e)
 ITER = re.compile(r"^iter (\d+): loss ([\d.]+), time ([\d.]+)ms")
@@ -89,9 +90,10 @@ def nanogpt_on_our_protocol(root: Path, ckpt: Path, run_dir: Path) -> tuple[floa
     from bench import nanogpt
     from data import build_data
     from data.loader import eval_batches
+    from run.config import Config
 
-    cfg = OmegaConf.load(run_dir / "config.yaml")
-    ds = build_data(OmegaConf.to_container(cfg.data, resolve=True))
+    cfg = Config.from_dict(OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml"), resolve=True))
+    ds = build_data(cfg.data)
     batches = eval_batches(ds, cfg.train.eval_samples, cfg.train.eval_batch_size)
     model, it = nanogpt.load_checkpoint(root, ckpt)
     return nanogpt.eval_loss(model, batches), it
@@ -99,46 +101,51 @@ def nanogpt_on_our_protocol(root: Path, ckpt: Path, run_dir: Path) -> tuple[floa
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("out", type=Path, help="the directory bench/speedrun.sh wrote")
+    ap.add_argument("runs", type=Path, help="the directory bench/speedrun.sh wrote")
+    ap.add_argument("--out", help="also write the table (markdown) to this file")
     ap.add_argument("--target", type=float, default=TARGET)
     ap.add_argument("--nanogpt", default=None, help="nanoGPT checkout, to evaluate its checkpoint (default $NANOGPT_DIR)")
     args = ap.parse_args()
-    rounds = sorted(int(p.name.split("-")[1]) for p in args.out.glob("ballast-*") if p.is_dir())
+    rep = Report("Time to nanoGPT's final val loss", "python -m bench.speedrun")
+    rounds = sorted(int(p.name.split("-")[1]) for p in args.runs.glob("ballast-*") if p.is_dir())
     if not rounds:
-        sys.exit(f"bench: {args.out}: no ballast-<round> run directory")
-    print(f"target: val loss <= {args.target}")
-    print(f"{'round':>5} {'who':8} {'ms/step':>8} {'steps':>6} {'seconds':>8} {'final val':>16}  load (before | after)")
+        sys.exit(f"bench: {args.runs}: no ballast-<round> run directory")
+    rep.add(f"Target: val loss <= {args.target}.", "")
+    rep.columns("round", "who", "ms/step", "steps to target", "step-seconds", "final val@step", "load (before \\| after)")
     ratios, short = [], False
     for r in rounds:
-        ng = summary(read_nanogpt(args.out / f"nanogpt-{r}.log"), args.target, fallback_last=True)
-        ours = summary(read_ballast(args.out / f"ballast-{r}"), args.target, fallback_last=False)
+        ng = summary(read_nanogpt(args.runs / f"nanogpt-{r}.log"), args.target, fallback_last=True)
+        ours = summary(read_ballast(args.runs / f"ballast-{r}"), args.target, fallback_last=False)
         short |= not ng["reached"]
         for who, s in (("nanoGPT", ng), ("ballast", ours)):
-            load = (args.out / f"{who.lower()}-{r}.uptime")
-            load = " | ".join(ln.split("load average:")[-1].strip() for ln in load.read_text().splitlines()) \
+            load = (args.runs / f"{who.lower()}-{r}.uptime")
+            load = " \\| ".join(ln.split("load average:")[-1].strip() for ln in load.read_text().splitlines()) \
                 if load.exists() else "?"
             steps = f"{s['step']}{'' if s['reached'] else '*'}" if s["step"] else "never"
             secs = f"{s['seconds']:.1f}" if s["seconds"] else "-"
             fin = f"{s['final'][1]:.4f}@{s['final'][0]}" if s["final"] else "-"
-            print(f"{r:>5} {who:8} {s['median_ms']:8.1f} {steps:>6} {secs:>8} {fin:>16}  {load}")
+            rep.row(r, who, f"{s['median_ms']:.1f}", steps, secs, fin, load)
         if ours["seconds"] and ng["seconds"]:
-            ratios.append(ng["seconds"] / ours["seconds"])
-            print(f"{'':>5} ballast reaches it {ratios[-1]:.2f}x sooner ({ng['step'] / ours['step']:.2f}x fewer steps, "
-                  f"step time {ours['median_ms'] / ng['median_ms']:.3f}x nanoGPT's)")
+            ratios.append((r, ng["seconds"] / ours["seconds"], ng["step"] / ours["step"], ours["median_ms"] / ng["median_ms"]))
+    rep.add()
+    for r, sooner, fewer, step in ratios:
+        rep.add(f"- round {r}: ballast reaches it {sooner:.2f}x sooner ({fewer:.2f}x fewer steps, step time {step:.3f}x "
+                "nanoGPT's)")
     if short:
-        print("* never at or below the target on nanoGPT's own eval: its whole run counts")
+        rep.add("- \\* never at or below the target on nanoGPT's own eval: its whole run counts")
     if ratios:
-        print(f"time to target, nanoGPT / ballast: {' '.join(f'{x:.2f}' for x in ratios)} "
-              f"(median {statistics.median(ratios):.2f}x over {len(ratios)} rounds)")
-    ev = read_ballast(args.out / f"ballast-{rounds[0]}")
-    print(f"eval protocols: ballast {ev['eval_tokens']} fixed validation tokens per eval; nanoGPT 15,360 random "
-          f"validation tokens (eval_iters 20 × 12 × 64) every 250 iterations")
-    ckpt = args.out / f"nanogpt-{rounds[0]}" / "ckpt.pt"
+        rep.add(f"- time to target, nanoGPT / ballast: {' '.join(f'{x[1]:.2f}' for x in ratios)} "
+                f"(median {statistics.median(x[1] for x in ratios):.2f}x over {len(ratios)} rounds)")
+    ev = read_ballast(args.runs / f"ballast-{rounds[0]}")
+    rep.add(f"- eval protocols: ballast {ev['eval_tokens']} fixed validation tokens per eval; nanoGPT 15,360 random "
+            f"validation tokens (eval_iters 20 × 12 × 64) every 250 iterations")
+    ckpt = args.runs / f"nanogpt-{rounds[0]}" / "ckpt.pt"
     if ckpt.exists():
         from bench import nanogpt
 
-        loss, it = nanogpt_on_our_protocol(nanogpt.nanogpt_dir(args.nanogpt), ckpt, args.out / f"ballast-{rounds[0]}")
-        print(f"nanoGPT's checkpoint (iteration {it}) on ballast's eval protocol: val loss {loss:.4f}")
+        loss, it = nanogpt_on_our_protocol(nanogpt.nanogpt_dir(args.nanogpt), ckpt, args.runs / f"ballast-{rounds[0]}")
+        rep.add(f"- nanoGPT's checkpoint (iteration {it}) on ballast's eval protocol: val loss {loss:.4f}")
+    rep.write(args.out)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ quickstart (prints figures). Targets (issue 16): every-10 <= 2 %, every step <= 
     python -m bench.telemetry_overhead threads=1            # 4 rounds of three 10-step blocks
     python -m bench.telemetry_overhead --rounds 6 --block 10 threads=1 train.batch_size=16
     python -m bench.telemetry_overhead --rounds 2 --paired 200 threads=1   # + 200 off/on step pairs
+    python -m bench.telemetry_overhead --paired 120 --out docs/results/telemetry_overhead.md threads=1
 
 NOTE: on a shared 2-core machine pass threads=1: two intra-op threads fighting other jobs for the
 cores made a step 30× slower here (22 s instead of 0.7 s), which drowns any overhead.
@@ -31,6 +32,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench.config import compose_config  # noqa: E402
+from bench.report import Report  # noqa: E402
 from data import build_data  # noqa: E402
 from data.loader import Loader  # noqa: E402
 from model import Transformer  # noqa: E402
@@ -49,8 +51,10 @@ def main() -> None:
     p.add_argument("--paired", type=int, default=0, metavar="N",
                    help="also N pairs of single steps, telemetry off then on, alternating: the median of the "
                         "per-pair CPU-time difference (a tighter figure than block means on a drifting machine)")
+    p.add_argument("--out", help="also write the figures (markdown) to this file")
     p.add_argument("overrides", nargs="*", help="Hydra overrides, as for train.py")
     args = p.parse_args()
+    rep = Report("Per-layer telemetry: step time off, every 10 steps, every step", "python -m bench.telemetry_overhead")
     cfg = compose_config(args.overrides)
     tc = cfg.train
     torch.manual_seed(cfg.seed)
@@ -90,19 +94,21 @@ def main() -> None:
         nonfinite_flags(2.0, 30.0, 1.0)
     extras_us = (time.perf_counter() - t0) / 100 * 1e6
 
-    print(f"quickstart: batch {tc.batch_size} × {ds.seq_len} tokens, {tc.micro_batches} micro-batches, "
-          f"{model.num_params() / 1e6:.2f}M params, {torch.get_num_threads()} threads; "
-          f"{args.rounds} rounds of {args.block}-step blocks per arm (block means; overhead = median over "
-          f"rounds of arm / off in that round, range in brackets)")
+    rep.add(f"The quickstart: batch {tc.batch_size} × {ds.seq_len} tokens, {tc.micro_batches} micro-batches, "
+            f"{model.num_params() / 1e6:.2f}M params, {torch.get_num_threads()} threads; {args.rounds} rounds of "
+            f"{args.block}-step blocks per arm (block means; overhead = median over rounds of arm / off in that round, "
+            "range in brackets).", "")
+    cells = []
     for j, what in enumerate(("wall", "cpu")):
         off = [b[j] for b in block_mean["off"]]
-        line = f"{what:5} off {1e3 * statistics.median(off):7.1f} ms/step"
+        row = [what, f"{1e3 * statistics.median(off):.1f}"]
         for arm in names[1:]:
             ratios = [b[j] / o - 1 for b, o in zip(block_mean[arm], off)]
-            line += (f" | {arm} {1e3 * statistics.median(b[j] for b in block_mean[arm]):7.1f} ms "
-                     f"{100 * statistics.median(ratios):+.1f} % [{100 * min(ratios):+.1f}, {100 * max(ratios):+.1f}]")
-        print(line)
-    print(f"moe_summary + nonfinite_flags: {extras_us:.0f} µs/step (run every step in either arm)")
+            row.append(f"{1e3 * statistics.median(b[j] for b in block_mean[arm]):.1f} ms, "
+                       f"{100 * statistics.median(ratios):+.1f} % [{100 * min(ratios):+.1f}, {100 * max(ratios):+.1f}]")
+        cells.append(row)
+    rep.table(["time", "off ms/step", *names[1:]], cells)
+    rep.add(f"- moe_summary + nonfinite_flags: {extras_us:.0f} µs/step (run every step in either arm)")
     if args.paired:
         # NOTE: one off step and one telemetry step back to back, the order alternating per pair: the drift of
         # a shared machine moves both halves of a pair alike, and the median of the differences drops outliers
@@ -114,9 +120,10 @@ def main() -> None:
             off_t.append(t["off"])
         d, o = statistics.median(diff), statistics.median(off_t)
         q = statistics.quantiles(diff, n=4)
-        print(f"paired ({args.paired} pairs, CPU time): off {1e3 * o:.1f} ms/step; a telemetry step costs "
+        rep.add(f"- paired ({args.paired} pairs, CPU time): off {1e3 * o:.1f} ms/step; a telemetry step costs "
               f"{1e3 * d:+.1f} ms (quartiles {1e3 * q[0]:+.1f}, {1e3 * q[2]:+.1f}) = every step {100 * d / o:+.1f} %, "
               f"every 10 {10 * d / o:+.1f} %")
+    rep.write(args.out)
 
 
 if __name__ == "__main__":

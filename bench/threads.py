@@ -13,10 +13,8 @@ when threads sleep, never what they compute.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -25,6 +23,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from bench.report import Report  # noqa: E402
+
 SPIN_DEFAULT = "300000"  # libgomp's own default spin count (GOMP_SPINCOUNT unset, OMP_WAIT_POLICY unset)
 VARIANTS = {  # name: (environment, overrides)
     "gomp default spin (before)": ({"GOMP_SPINCOUNT": SPIN_DEFAULT}, []),
@@ -59,34 +60,27 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--out", type=Path, help="also write the table as markdown here")
     a = ap.parse_args(argv)
+    rep = Report("Threads on a shared machine", "python -m bench.threads", argv)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for load in a.loads:
             spinners = busy(load)
             try:
                 got: dict[str, list] = {v: [] for v in VARIANTS}
-                for rep in range(a.repeats):
+                for r in range(a.repeats):
                     for name, (env_extra, over) in VARIANTS.items():
-                        out = Path(tmp) / f"load{load}-run{rep}-{list(VARIANTS).index(name)}"
+                        out = Path(tmp) / f"load{load}-run{r}-{list(VARIANTS).index(name)}"
                         got[name].append(one(env_extra, over, a.steps, out))
                         print(f"load {load} | {name}: {got[name][-1][0]:.0f} ms a step", flush=True)
             finally:
                 for p in spinners:
                     p.kill()
             rows += [(load, name, [g[0] for g in v], v[-1][2]) for name, v in got.items()]
-    commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip()
-    head = (f"{datetime.date.today()}, commit {commit}, {platform.processor() or platform.machine()}, "
-            f"{os.cpu_count()} CPUs; the default job, {a.steps} steps a run, median step time of steps 4..{a.steps}, "
-            f"{a.repeats} runs a variant, alternating")
-    lines = ["# Threads on a shared machine (`python -m bench.threads`)", "", head, "",
-             "| busy processes | variant | median step (ms), each run | loss at the last step |", "|---|---|---|---|"]
-    lines += [f"| {load} | {name} | {' / '.join(f'{t:.0f}' for t in ts)} | {loss:.6f} |"
-              for load, name, ts, loss in rows]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if a.out:
-        a.out.write_text(text)
+    rep.add(f"The default job, {a.steps} steps a run, median step time of steps 4..{a.steps}, {a.repeats} runs a "
+            "variant, alternating; busy processes spin beside it.", "")
+    rep.table(["busy processes", "variant", "median step (ms), each run", "loss at the last step"],
+              [(load, name, " / ".join(f"{t:.0f}" for t in ts), f"{loss:.6f}") for load, name, ts, loss in rows])
+    rep.write(a.out)
     return 0
 
 

@@ -37,6 +37,14 @@ class RunComplete(Exception):
     restarts a job killed after its final save gets exit 0 and this line, not a refusal."""
 
 
+def schema_defaults() -> dict:
+    """Every key's default, as the typed schema declares it (run/config.py)."""
+    from omegaconf import OmegaConf
+
+    from run.config import Config
+    return OmegaConf.to_container(OmegaConf.structured(Config), resolve=True)
+
+
 def resume_options(resume: str | ResumeConfig | None) -> tuple[str | None, bool, list[str]]:
     """(what to resume from, allow_data_change, allow_config_change) from `resume=latest` or the full form
     (a ResumeConfig, checked by the schema)."""
@@ -108,7 +116,7 @@ class Checkpointer:
         saved_shapes = {k[len("model."):]: tuple(md.size) for k, md in
                         FileSystemReader(str(path)).read_metadata().state_dict_metadata.items()
                         if k.startswith("model.") and hasattr(md, "size")}
-        notes = check_config(meta["config"], self.state.config, self.allow_config, name)
+        notes = check_config(meta["config"], self.state.config, self.allow_config, name, schema_defaults())
         check_model(saved_shapes, self.state.tensors()[0], name)
         notes += check_data(blobs["loader"]["fingerprint"], self.state.loader.dataset.fingerprint,
                             self.allow_data_change, name, meta["config"].get("data"), self.state.config.get("data"))

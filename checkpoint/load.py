@@ -48,8 +48,9 @@ def load_model(run_dir, checkpoint: str | None = None, device: str = "cpu"):
 
     config = run_config(Path(run_dir))
     path = find_checkpoint(Path(run_dir), config, checkpoint)
-    dataset = build_data(config["data"])
-    model = Transformer(Config.from_dict(config).model.for_data(dataset))
+    typed = Config.from_dict(config)
+    dataset = build_data(typed.data)
+    model = Transformer(typed.model.for_data(dataset))
     sd = {k[len("model."):]: v for k, v in read_tensors(path).items() if k.startswith("model.")}
     missing, unexpected = model.load_state_dict(sd, strict=False)
     # NOTE: a tied head is one tensor under two names; the checkpoint may hold either name only.

@@ -34,14 +34,17 @@ def _under(key: str, prefixes: Sequence[str]) -> bool:
     return any(key == p or key.startswith(p + ".") for p in prefixes)
 
 
-def check_config(saved: Mapping, current: Mapping, allowed: Sequence[str], name: str) -> list[str]:
-    a, b = flatten(saved), flatten(current)
+def check_config(saved: Mapping, current: Mapping, allowed: Sequence[str], name: str,
+                 defaults: Mapping | None = None) -> list[str]:
+    """defaults: the schema's (run/config.py Config): a key the checkpoint's code did not have yet ran as its
+    default describes (a schema default is the default run's value), so a new key at its default is no change."""
+    a, b, d = flatten(saved), flatten(current), flatten(defaults or {})
     notes = []
     for key in sorted(set(a) | set(b)):
         if not _under(key, MUST_MATCH):
             continue
         was, now = a.get(key, _ABSENT), b.get(key, _ABSENT)
-        if was == now:
+        if was == now or (was == _ABSENT and key in d and now == d[key]):
             continue
         diff = f"{key}={now} but checkpoint {name} has {key}={was}"
         if not _under(key, allowed):

@@ -6,19 +6,19 @@ describe(); Loader turns it into a resumable, rank-sharded stream of batches.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Mapping
 
 from data.batch import IGNORE_INDEX, Batch
 from data.loader import Loader, eval_batches
 from data.synthetic import PAD_ID, SyntheticMixture
 from data.text import TextDataset
 from data.config import DataConfig, SourceConfig
+from run.config_errors import typed
 
 
-def build_data(cfg: Mapping | DataConfig):
-    """Build the dataset named by cfg.kind (a DataConfig, a plain dict or an OmegaConf DictConfig; a
-    mapping goes through the DataConfig schema, so its keys, types and ranges are checked there)."""
-    cfg = DataConfig.from_dict(cfg)
+def build_data(cfg: DataConfig):
+    """Build the dataset named by cfg.kind, from the `data` group's DataConfig (a dict is refused: it
+    reaches here through the schema, `DataConfig.from_dict` or `Config.from_dict(d).data`)."""
+    cfg = typed(cfg, DataConfig, "build_data")
     if cfg.kind == "synthetic":
         return SyntheticMixture(cfg.sources, seq_len=cfg.seq_len, min_doc_len=cfg.min_doc_len, seed=cfg.seed)
     listed = isinstance(cfg.path, (list, tuple))

@@ -20,15 +20,26 @@ def _check_shard(batch_size: int, rank: int, world: int) -> int:
 
 
 class Loader:
-    def __init__(self, dataset, batch_size: int, rank: int = 0, world: int = 1, split: str = "train"):
+    def __init__(self, dataset, batch_size: int, rank: int = 0, world: int = 1, split: str = "train",
+                 skip: tuple[int, ...] = ()):
+        """skip: batch IDs (first global sample ids) never served: quarantined data (train.skip_batches)."""
         self.dataset, self.batch_size, self.rank, self.world, self.split = dataset, batch_size, rank, world, split
         self.local_batch_size = _check_shard(batch_size, rank, world)
-        self.samples_consumed = 0  # global, identical on every rank
+        self.skip = frozenset(skip)
+        # global, identical on every rank; always the first id of the next batch served (never quarantined)
+        self.samples_consumed = self._served(0)
+
+    def _served(self, first: int) -> int:
+        """The batch at cursor `first`, or the first one after it that is not quarantined (passed over whole)."""
+        while first in self.skip:
+            first += self.batch_size
+        return first
 
     def next(self) -> Batch:
         b = self.local_batch_size
-        start = self.samples_consumed + self.rank * b
-        self.samples_consumed += self.batch_size
+        first = self.samples_consumed
+        self.samples_consumed = self._served(first + self.batch_size)
+        start = first + self.rank * b
         return self.dataset.samples(range(start, start + b), self.split)
 
     def peek(self, k: int) -> Batch:
@@ -36,7 +47,9 @@ class Loader:
         without moving the cursor. k = -1 is the batch the last next() returned: anticipatory routing
         with delay 0 routes the batch being trained. Pure, since a sample is a function of its id."""
         bad = isinstance(k, bool) or not isinstance(k, int)
-        first = -1 if bad else self.samples_consumed + k * self.batch_size
+        first = -1 if bad else self.samples_consumed + min(k, 0) * self.batch_size
+        for _ in range(max(k, 0) if not bad else 0):
+            first = self._served(first + self.batch_size)
         if first < 0:
             raise ValueError(f"peek k={k!r}: must be an integer with a batch at or after sample 0 "
                              f"(samples_consumed={self.samples_consumed}, batch_size={self.batch_size})")
@@ -56,7 +69,7 @@ class Loader:
         if consumed < 0:
             raise ValueError(f"samples_consumed={consumed}: must be >= 0")
         # NOTE: a count that is not a multiple of the new batch_size is fine: ids stay contiguous.
-        self.samples_consumed = consumed
+        self.samples_consumed = self._served(consumed)
 
 
 def eval_batches(dataset, n_samples: int, batch_size: int, rank: int = 0, world: int = 1) -> list[Batch]:

@@ -146,8 +146,9 @@ def source_floors(config: dict) -> dict | None:
     data = config.get("data") or {}
     if data.get("kind") != "synthetic":
         return None
-    from data import build_data
-    return build_data(data).floor_by_source()
+    from data import DataConfig, build_data
+    from data.config import read_keys
+    return build_data(DataConfig.from_dict(read_keys(data))).floor_by_source()
 
 
 # ---- numerics -------------------------------------------------------------------------------------

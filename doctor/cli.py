@@ -11,8 +11,11 @@ invariants (sample ids, tokens, per-rank sharding, doctor/invariants.py), walks 
 batch and its replay command (doctor/replay.py), state and environment versions, the rejected
 hypotheses with their evidence, one single-variable fix and the regression command.
 
+    python -m doctor runs/<run> --verify   # and prove it (doctor/verify.py): the "Verified" section
+
 Exit status: 0 with a report (what the records lack — a truncated last line, an older record version —
-is one line each on stderr); 2 with a one-line error when the directory holds no complete record.
+is one line each on stderr); 2 with a one-line error when the directory holds no complete record, or
+when --verify cannot verify (the report then says why).
 """
 from __future__ import annotations
 
@@ -31,8 +34,10 @@ from run.argv import without
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def doctor(run_dir, plots: bool = True) -> dict:
-    """Diagnose `run_dir`, write its report files, return report.json's content."""
+def doctor(run_dir, plots: bool = True, verify: bool = False, budget: int = 1000, say=print) -> dict:
+    """Diagnose `run_dir`, write its report files, return report.json's content; with `verify`, prove the
+    diagnosis first (doctor/verify.py: re-execution, two counterfactuals, the fix) into its `verified`."""
+    verified = verify_or_why(run_dir, budget, say) if verify else None
     run, diag, devs = diagnose(run_dir)
     for note in run.notes:  # what the records lack: one line each, the diagnosis goes on without it
         print(f"doctor: {note}", file=sys.stderr)
@@ -41,8 +46,18 @@ def doctor(run_dir, plots: bool = True) -> dict:
     # NOTE: a fix is prescribed for a fault only: a healthy run (its incidents, if any, the run learning) gets none
     fix = fix_for(diag, run, ckpt) if diag.fault_class != "healthy" else None
     report = doctor_report.to_json(run, diag, devs, state, fix, commands(run, diag, fix, ckpt))
+    if verified is not None:
+        report["verified"] = verified
     doctor_report.write(run, diag, report, plots)
     return report
+
+
+def verify_or_why(run_dir, budget: int, say) -> dict:
+    from doctor.verify import Verifier, VerifyError
+    try:
+        return Verifier(Path(run_dir), budget, say).verify()
+    except VerifyError as e:
+        return {"status": "refused", "why": str(e)}
 
 
 # ---- state and environment ---------------------------------------------------------------------------
@@ -124,7 +139,7 @@ def commands(run: Run, diag: Diagnosis, fix: dict | None, ckpt) -> dict:
     argv = json.loads(env_file.read_text()).get("argv") if env_file.is_file() else None
     regression = None
     if fix and argv is not None:
-        over = [fix["override"]] if fix.get("override") else []
+        over = fix["override"].split() if fix.get("override") else []
         keep = without(argv, ("hydra.run.dir", "resume", *(o.split("=", 1)[0].lstrip("+") for o in over)))
         regression = (" ".join([launch, "train.py", *keep, f"hydra.run.dir={d}-fix", *over])
                       + f"\npython -m doctor {d}-fix")
@@ -137,9 +152,15 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m doctor", description=__doc__.split("\n\n")[0])
     ap.add_argument("run_dir", help="a run directory (holds metrics.jsonl)")
     ap.add_argument("--no-plots", action="store_true", help="skip doctor_timeline.png")
+    ap.add_argument("--verify", action="store_true", help="prove the diagnosis: re-execute the incident, two "
+                    "counterfactual replays, the fix over a short window (runs under RUN/verify/)")
+    ap.add_argument("--budget", type=int, default=1000, help="--verify: optimizer steps it may replay in all")
     args = ap.parse_args(argv)
+    if args.budget < 1:
+        print(f"doctor: --budget={args.budget}: must be >= 1", file=sys.stderr)
+        return 2
     try:
-        report = doctor(args.run_dir, plots=not args.no_plots)
+        report = doctor(args.run_dir, plots=not args.no_plots, verify=args.verify, budget=args.budget)
     except (ValueError, OSError) as e:
         print(f"doctor: {e}", file=sys.stderr)
         return 2
@@ -153,8 +174,12 @@ def main(argv=None) -> int:
     if e:
         print(f"earliest anomaly: step {e['step']}, {e['layer']} layer, {e['quantity']}"
               + (f" ({e['model_layer']})" if e["model_layer"] else "") + f"; rank {e['rank']}")
+    v = report.get("verified")
+    if v is not None:
+        for line in doctor_report.verified_lines(v):
+            print(line)
     print(f"report: {Path(args.run_dir) / 'report.md'}")
-    return 0
+    return 2 if v is not None and v["status"] == "refused" else 0
 
 
 if __name__ == "__main__":

@@ -28,9 +28,10 @@ def content_check(run: Run) -> tuple[list[tuple[int, Deviation]], str | None]:
     if not recs or not data_cfg:
         return [], None
     try:
-        from data import build_data
+        from data import DataConfig, build_data
         from data.batch import content_hash
-        ds = build_data(data_cfg)
+        from data.config import read_keys
+        ds = build_data(DataConfig.from_dict(read_keys(data_cfg)))
     except Exception as e:  # NOTE: data the doctor's machine cannot build (a missing file): not checked
         return [], f"batch content not checked against the sample ids: the data cannot be rebuilt here ({type(e).__name__})"
     fp = ds.fingerprint[:12]

@@ -3,6 +3,10 @@ registered per class (doctor/classes.py names them; tests/test_signals.py checks
 
     fix_for(diag, run, ckpt) -> {"variable", "change", "override", "expect"}
 
+`override`: the config overrides (space-separated) that make the change on a rerun, or None when the fix is
+not a config change; `python -m doctor RUN --verify` runs it from the state before the incident
+(doctor/verify.py), and the regression command repeats the run's own command line with it.
+
 A class without a fix of its own gets the hint its first quantity's Signal declares (stability/signals.py).
 """
 from __future__ import annotations
@@ -43,9 +47,9 @@ def fix_for(diag: Diagnosis, run: Run, ckpt) -> dict:
 def _data_corrupted_batch(diag: Diagnosis, run: Run, ckpt, t, b, action, ck) -> dict:
     ids = f"samples [{b['first']}, {b['first'] + b['size']})"
     return {"variable": f"the batch of step {t} ({ids})",
-            "change": f"train without it, then repair the data stage that produced it (the replay rebuilds {ids} "
-                      f"from their ids: compare its input stats with the logged ones)",
-            "override": "guard.rollback.data=skip" if action == "rollback" else "guard.action=skip",
+            "change": f"quarantine it (the loader never serves it), then repair the data stage that produced it (the "
+                      f"replay rebuilds {ids} from their ids: compare its input stats with the logged ones)",
+            "override": f"train.skip_batches=[{b['first']}]",
             "expect": f"no second spike when the run reaches {ids} again; loss by source back on its trajectory"}
 
 
@@ -63,15 +67,17 @@ def _numerics_nonfinite(diag: Diagnosis, run: Run, ckpt, t, b, action, ck) -> di
 def _optim_lr_switch(diag: Diagnosis, run: Run, ckpt, t, b, action, ck) -> dict:
     return {"variable": f"the LR of steps {t}.. (off its schedule)",
             "change": "keep the LR on optim.schedule: find what replaced it (a resume with another schedule, a "
-                      "manual change, a scheduler that was not restored)", "override": None,
+                      "manual change, a scheduler that was not restored)",
+            "override": f"intervene.kind=lr intervene.step={t}",
             "expect": f"record lr / schedule = 1 at step {t}; no update-ratio jump"}
 
 
 @fix('optim.state')
 def _optim_state(diag: Diagnosis, run: Run, ckpt, t, b, action, ck) -> dict:
     return {"variable": f"the optimizer state entering step {t}",
-            "change": f"restore it from {ck} and rerun; audit what writes optimizer state between steps",
-            "override": f"resume.path={ck}" if ckpt else None,
+            "change": f"keep the moments the optimizer's own update wrote (undo what rewrote them after it; or restart "
+                      f"from {ck}); audit what writes optimizer state between steps",
+            "override": f"intervene.kind=moments intervene.step={t if diag.anomaly.quantity.startswith('state.') else t - 1}",
             "expect": f"update ratio at step {t} within its baseline"}
 
 

@@ -11,7 +11,8 @@
 Continuity rules (data/loader.py: step t reads global ids [first, first + size), rank r the r-th
 contiguous share): a record's first id is its predecessor's first + size, the predecessor being the
 latest earlier record of step t − 1 (so a rollback's replay and a resume continue from the step they
-restart at). Explained departures: a rollback with guard.rollback.data=skip moves the cursor forward.
+restart at). Explained departures: a rollback with guard.rollback.data=skip moves the cursor forward; a
+batch ID listed in train.skip_batches is never served (quarantined data).
 A step that goes back needs a rollback (the previous record says so) or a resume (this record says so).
 """
 from __future__ import annotations
@@ -45,6 +46,7 @@ def continuity(run: Run) -> list[tuple[int, Deviation]]:
     out: list[tuple[int, Deviation]] = []
     recs = run.records
     skip = ((run.config.get("guard") or {}).get("rollback") or {}).get("data") == "skip"
+    quarantine = set((run.config.get("train") or {}).get("skip_batches") or ())  # declared: never served
     last_at: dict[int, int] = {}        # step -> index of its latest record so far
     content: dict[int, list] = {}       # first sample id -> per-rank hashes first seen
     owner: dict[tuple, tuple] = {}      # (rank, content hash) -> (first sample id, step) first seen with it
@@ -58,6 +60,8 @@ def continuity(run: Run) -> list[tuple[int, Deviation]]:
         if p is not None and "first" in b and "first" in (recs[p].get("batch") or {}):
             pb = recs[p]["batch"]
             expect = pb["first"] + pb["size"]
+            while expect in quarantine:
+                expect += pb["size"]
             after_rollback = i and recs[i - 1].get("guard", {}).get("rollback")
             if b["first"] != expect and not (skip and after_rollback and b["first"] > expect):
                 out.append((i, _inv("continuity.sample_ids", t, b["first"], expect)))

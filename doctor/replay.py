@@ -14,7 +14,8 @@ NOTE: the batch is rebuilt from its ids (dataset.samples(range(first, first + si
 batch is the ranks' shards in rank order). A batch corrupted in flight is therefore rebuilt CLEAN, and
 a NaN injected by a forward hook does not come back: a finite replay of a non-finite step is evidence
 that the fault is not in the state or the batch (transient), and the run's own per-layer telemetry
-names the layer.
+names the layer. A drill the config names (fault.kind, one process) is part of the run and acts in the
+replay too, at its points and with its state from the checkpoint: a rerun contains the planted fault.
 """
 from __future__ import annotations
 
@@ -59,11 +60,12 @@ def replay(run_dir, step: int, dtype: str = "float32", checkpoint=None, train_to
     # in a fraction of a second instead of after the torch import.
     import torch
 
-    from checkpoint import publish, read_blobs
+    from checkpoint import TrainState, publish, read_blobs
     from data import Loader, build_data
     from model import Transformer
-    from run.config import Config
     from optim import build_optimizer, build_scheduler
+    from run.config import Config
+    from stability.faults import FaultInjector
 
     run_dir = Path(run_dir)
     if dtype not in DTYPES:
@@ -83,13 +85,16 @@ def replay(run_dir, step: int, dtype: str = "float32", checkpoint=None, train_to
     if config.get("threads"):  # NOTE: the thread count changes CPU reduction order: keep the run's
         torch.set_num_threads(int(config["threads"]))
 
-    ds = build_data(config["data"])
-    torch.manual_seed(int(config.get("seed", 0)))
-    model = Transformer(Config.from_dict(config).model.for_data(ds))
-    optimizer, _ = build_optimizer(model, config["optim"])
-    scheduler = build_scheduler(optimizer, config["optim"]["schedule"], int(config["train"]["steps"]))
-    from checkpoint import TrainState
-    state = TrainState(model, optimizer, scheduler, Loader(ds, int(config["train"]["batch_size"])), config)
+    cfg = Config.from_dict(config)
+    ds = build_data(cfg.data)
+    torch.manual_seed(cfg.seed)
+    model = Transformer(cfg.model.for_data(ds))
+    optimizer, _ = build_optimizer(model, cfg.optim)
+    scheduler = build_scheduler(optimizer, cfg.optim.schedule, cfg.train.steps)
+    loader = Loader(ds, cfg.train.batch_size)
+    faults = FaultInjector(cfg.fault, model=model, optimizer=optimizer, loader=loader, data_cfg=cfg.data,
+                           train_cfg=cfg.train)
+    state = TrainState(model, optimizer, scheduler, loader, config, extras={"faults": faults})
     state.load(ckpt, blobs["meta"]["world"], allow_data_change=True)
     notes = [] if blobs["loader"]["fingerprint"] == ds.fingerprint else [
         f"the checkpoint's data manifest {blobs['loader']['fingerprint'][:12]} differs from config.yaml's "
@@ -99,13 +104,13 @@ def replay(run_dir, step: int, dtype: str = "float32", checkpoint=None, train_to
         raise ValueError(f"--step={step}: no record of step(s) {missing[:3]} between the checkpoint (step {k}) and it")
     retrained = list(range(k + 1, step)) if train_to else []
     for t in retrained:
-        notes += train_step(model, optimizer, scheduler, ds, config, path_of[t])
+        notes += train_step(model, optimizer, scheduler, ds, config, path_of[t], faults)
     if not train_to and k < step - 1:
         notes.append(f"--no-train-to: the parameters are those of step {k}, not {step - 1}: an approximate replay")
     rec = path_of[step]
     if rec.get("routing", {}).get("on"):
         notes.append("the run used anticipatory routes at this step; the replay routes with the current parameters")
-    out = forward(model.to(getattr(torch, dtype)), micro_batches(ds, config, rec), len(ds.source_names), ds)
+    out = forward(model.to(getattr(torch, dtype)), micro_batches(ds, config, rec, faults), len(ds.source_names), ds)
     logged_first = next((n for n, q in rec.get("layers", {}).items()
                          if "act_rms" in q and not math.isfinite(q["act_rms"])), None)
     res = ReplayResult(step, str(ckpt), dtype, retrained, out["loss"], rec["loss"],
@@ -139,32 +144,45 @@ def newest_before(run_dir: Path, config: dict, step: int) -> Path:
     return found[-1]
 
 
-def micro_batches(ds, config: dict, rec: dict) -> list:
-    """The step's micro-batches in the run's order: each rank's contiguous shard, split per rank."""
+def micro_batches(ds, config: dict, rec: dict, faults=None) -> list:
+    """The step's micro-batches in the run's order: each rank's contiguous shard, split per rank; on one
+    process, the config's drill acts on the batch and arms its forward hooks as in the run."""
+    from stability.callbacks import StepState
     first, size, world = rec["batch"]["first"], rec["batch"]["size"], rec.get("world", 1)
     batch = ds.samples(range(first, first + size), "train")
+    if faults is not None and world == 1:
+        s = StepState(rec["step"], first_id=first, batch=batch)
+        faults.at("on_batch", s)
+        faults.at("before_forward", s)
+        batch = s.batch
     n = int(config["train"]["micro_batches"])
     return [mb for shard in batch.micro_batches(world) for mb in shard.micro_batches(n)]
 
 
-def train_step(model, optimizer, scheduler, ds, config: dict, rec: dict) -> list[str]:
+def train_step(model, optimizer, scheduler, ds, config: dict, rec: dict, faults=None) -> list[str]:
     """One logged optimizer step, as train.py runs it (token-normalised forward/backward, clip, step or
-    the logged skip, schedule, MoE bias). Returns notes where the replay departs from the record."""
+    the logged skip, schedule, MoE bias; the config's drill at its points). Returns notes where the replay
+    departs from the record."""
     import torch
 
     from optim.accumulate import count_valid_tokens, forward_backward, reduce_step_sums
     from precision import optimizer_step
+    from stability.callbacks import StepState
     tc, notes, t = config["train"], [], rec["step"]
-    micro = micro_batches(ds, config, rec)
+    micro = micro_batches(ds, config, rec, faults)
     n_valid = count_valid_tokens(micro, torch.device("cpu"))
     sums = forward_backward(model, micro, n_valid, float(tc["z_loss"]), 1, len(ds.source_names))
     stats = reduce_step_sums(sums, n_valid.item())
+    if faults is not None:
+        faults.at("before_update", StepState(t))
     lr = optimizer.param_groups[0]["lr"] / optimizer.param_groups[0].get("lr_scale", 1.0)
     if not math.isclose(lr, rec["lr"], rel_tol=1e-9):
         notes.append(f"step {t}: logged lr {rec['lr']:.6g} but the schedule gives {lr:.6g}: "
                      f"the replay follows the schedule")
     if not rec.get("skipped"):
         optimizer_step(model.parameters(), optimizer, None, tc.get("max_grad_norm"))
+    if faults is not None:
+        faults.at("after_update", StepState(t))
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     for layer, moe in model.moe_layers():

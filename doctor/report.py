@@ -142,6 +142,8 @@ def render(run: Run, diag: Diagnosis, report: dict) -> str:
         out += (["", "## Regression check", "", "```", cmd["regression"], "```", "", f"Expect: {fix['expect']}"]
                 if cmd["regression"] else ["", "## Regression check", "", "- none: the run recorded no command line "
                                            "(environment.json argv) to repeat"])
+    if report.get("verified") is not None:
+        out += ["", "## Verified", "", *verified_lines(report["verified"], md=True)]
     out += ["", "## Timeline", "", *timeline_table(run, diag), "", f"![timeline]({PLOT})"]
     guard = [e for e in run.events if diag.step is None or abs(e["step"] - diag.step) <= 3][:8]
     if guard:
@@ -151,6 +153,39 @@ def render(run: Run, diag: Diagnosis, report: dict) -> str:
         out += ["", "---", "", f"Ground truth for this drill (events.jsonl `fault`; not read by the diagnosis): "
                 f"{report['ground_truth']}"]
     return "\n".join(out) + "\n"
+
+
+def verified_lines(v: dict, md: bool = False) -> list[str]:
+    """The proof (doctor/verify.py) in words: attribution, the two counterfactuals, the fix, the commands."""
+    if v["status"] != "verified":
+        return [f"verify: {v['status']}: {v['why']}"]
+    a, f = v["attribution"], v["fix"]
+    what = "the natural incident" if v["judgement"] == "natural" else v["class"]
+    out = [f"verify: {what} at step {v['step']} ({v['quantity']}), rebuilt from {a['rebuilt']['from']} "
+           f"(steps {a['rebuilt']['steps'][0]}..{a['rebuilt']['steps'][1]}: {a['rebuilt']['records_equal']} records "
+           f"equal to the run's, bit for bit)",
+           f"verify: attribution: {a['verdict']}; {a['fp64']}"]
+    for c in v["counterfactuals"]:
+        share = "—" if c["deviation_share"] is None else f"{round(100 * c['deviation_share']) + 0} %"
+        out.append(f"verify: counterfactual, {c['tests']}: {c['verdict']} ({v['quantity']} {_f(c['value'])} vs logged "
+                   f"{_f(c['logged'])}, baseline {_f(c['baseline'])}: {share} of the deviation left)")
+    if not v["counterfactuals"]:
+        out.append(f"verify: counterfactuals: none run ({f.get('counterfactuals', f['why'])})")
+    if f["ran"]:
+        out.append(f"verify: fix `{' '.join(f['overrides'])}` over steps {f['window'][0]}..{f['window'][1]}: {f['verdict']}")
+        g = f["floor_gap"]
+        out.append("verify: loss − exact floor by source (nats): " + "; ".join(
+            f"{s} {g['fix'][s]:.3f} with the fix, {_f(g['before'].get(s))} before the incident, "
+            f"{_f(g['without_fix'].get(s))} without the fix" for s in g["fix"]))
+    else:
+        out.append(f"verify: fix: {f['why']}")
+    out.append(f"verify: {v['replayed_steps']} steps replayed in {len(v['runs'])} runs "
+               f"({sum(r['seconds'] for r in v['runs']):.0f} s; budget {v['budget']})")
+    if md:
+        out = [f"- {x.removeprefix('verify: ')}" for x in out]
+        out += ["", "Each run (under verify/ in the run directory):", "", "```"]
+        out += [r["command"] for r in v["runs"]] + ["```"]
+    return out
 
 
 def timeline_table(run: Run, diag: Diagnosis) -> list[str]:

@@ -11,17 +11,23 @@ import time
 
 import torch
 
-from data import build_data
+from data import DataConfig, build_data
 from data.loader import Loader, eval_batches
 from model import ModelConfig, Transformer
 from optim import build_optimizer, build_scheduler
 from optim.accumulate import count_valid_tokens, forward_backward
+from optim.config import OptimConfig
 from precision import build_recipe, optimizer_step
 from precision.config import PrecisionConfig
 
 OPTIM = {"lr": 3.0e-3, "betas": [0.9, 0.95], "eps": 1.0e-8, "weight_decay": 0.1,
          "groups": [{"name": "no_decay", "kinds": ["bias", "norm", "embedding", "router"], "weight_decay": 0.0}],
          "schedule": {"name": "cosine", "warmup_steps": 30, "min_lr_ratio": 0.1, "decay_fraction": 0.2}}
+
+
+def optim_config(steps: int) -> OptimConfig:
+    """OPTIM through its schema, the warmup a tenth of a short run (at most 30 steps)."""
+    return OptimConfig.from_dict({**OPTIM, "schedule": {**OPTIM["schedule"], "warmup_steps": min(30, steps // 10)}})
 
 
 @contextlib.contextmanager
@@ -62,13 +68,14 @@ def train_small(model_cfg: ModelConfig, data_cfg: dict, precision: PrecisionConf
     change the data (loader.dataset.set_weights) or inject a fault (optimizer.param_groups, .state).
     NOTE: a changed lr lasts one step: scheduler.step() recomputes every lr from its base afterwards.
     """
-    dataset = build_data(data_cfg) if dataset is None else dataset
+    dataset = build_data(DataConfig.from_dict(data_cfg)) if dataset is None else dataset
     torch.manual_seed(seed)
     model = Transformer(model_cfg.for_data(dataset))
     recipe = build_recipe(precision)
     recipe.convert(model)
-    optimizer, _ = build_optimizer(model, OPTIM)
-    scheduler = build_scheduler(optimizer, {**OPTIM["schedule"], "warmup_steps": min(30, steps // 10)}, steps)
+    optim = optim_config(steps)
+    optimizer, _ = build_optimizer(model, optim)
+    scheduler = build_scheduler(optimizer, optim.schedule, steps)
     scaler = recipe.make_scaler()
     loader = Loader(dataset, batch_size)
     evals = eval_batches(dataset, eval_samples, min(64, eval_samples))

@@ -28,7 +28,7 @@ import model.attention as attention_mod
 import model.loss as loss_mod
 import model.rope as rope_mod
 import model.swiglu as swiglu_mod
-from data import IGNORE_INDEX, PAD_ID, build_data
+from data import IGNORE_INDEX, PAD_ID, DataConfig, build_data
 from data.loader import eval_batches
 from labs.common import single_thread, train_small
 from labs.gradcheck import autograd_grads, fd_check, rel_err
@@ -252,7 +252,7 @@ def heldout_excess(model, dataset, samples: int) -> dict:
 def mask_bug_lesson(seed: int, steps: int, n: int, gen: torch.Generator, heldout: int = HELDOUT) -> tuple[dict, dict]:
     """Train the tiny mixed model with PAD targets; on a held-out batch, gradcheck the whole model on the
     correct objective and on the buggy one, and compare their losses and gradients."""
-    dataset = build_data({**DATA, "seed": seed})
+    dataset = build_data(DataConfig.from_dict({**DATA, "seed": seed}))
     trained = {}
     curve = train_small(MODEL, {}, PrecisionConfig(), steps, 16, seed, eval_samples=16,
                         dataset=PadTargets(dataset), on_step=lambda s, m, o, l: trained.setdefault("m", m))

@@ -132,6 +132,9 @@ def new(seed: int, out: Path) -> dict:
     ans = draw(seed)
     cmd = [sys.executable, "train.py", f"train.steps={ans['step'] + AFTER}", "threads=1", f"hydra.run.dir={out}",
            "logging.wandb=disabled", "logging.progress=false", "guard=log", "telemetry.every=1",
+           # NOTE: no checkpoints: one holds the drill's state, i.e. the answer (doctor --verify rebuilds the
+           # steps before the incident from the run's config instead)
+           "checkpoint.every=0",
            "run_name=incident", *[f"{k}={v}" for k, v in ans["overrides"].items()]]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "HF_DATASETS_OFFLINE": "1",
            "HF_HUB_OFFLINE": "1"}

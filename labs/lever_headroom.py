@@ -33,7 +33,7 @@ from labs.claims.tiny import build, check_lines, figure, save
 from labs.common import single_thread
 from optim import build_optimizer, build_scheduler
 from optim.accumulate import count_valid_tokens, forward_backward
-from optim.config import QKClipConfig, ZScoreConfig
+from optim.config import OptimConfig, QKClipConfig, ZScoreConfig
 from optim.qk_clip import QKClip
 from optim.zclip import ZScoreClip
 from precision import optimizer_step
@@ -57,17 +57,18 @@ DETECTOR = {"metrics": {"loss": {"direction": "up"}, "grad_norm": {"direction": 
             "window": 30, "threshold": 6.0, "min_history": 20, "warmup": 50, "cooldown": 10}
 
 
-def optim_cfg(lr: float, name: str) -> dict:
-    return {"name": name, "lr": lr, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1,
-            "groups": [{"name": "no_decay", "kinds": ["norm", "embedding"], "weight_decay": 0.0}]}
+def optim_cfg(lr: float, name: str, steps: int) -> OptimConfig:
+    return OptimConfig.from_dict({"name": name, "lr": lr, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1,
+                                  "groups": [{"name": "no_decay", "kinds": ["norm", "embedding"], "weight_decay": 0.0}],
+                                  "schedule": {"name": "constant", "warmup_steps": max(1, steps // 20)}})
 
 
 def train(seed: int, lever: dict, lr: float, steps: int) -> dict:
     """One run of `steps` steps at peak `lr` with `lever` on; stops early once the loss is non-finite."""
     dataset, model = build(seed, model={**MODEL, **lever.get("model", {})})
-    optimizer, _ = build_optimizer(model, optim_cfg(lr, lever.get("optim", "adamw")))
-    schedule = {"name": "constant", "warmup_steps": max(1, steps // 20)}
-    scheduler = build_scheduler(optimizer, schedule, steps)
+    cfg = optim_cfg(lr, lever.get("optim", "adamw"), steps)
+    optimizer, _ = build_optimizer(model, cfg)
+    scheduler = build_scheduler(optimizer, cfg.schedule, steps)
     clip = ZScoreClip(ZScoreConfig(**lever["zscore"])) if "zscore" in lever else None
     qk_clip = QKClip(model, QKClipConfig(tau=lever["qk_clip"])) if "qk_clip" in lever else None
     detector = SpikeDetector(DetectorConfig(**DETECTOR))

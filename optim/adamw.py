@@ -6,14 +6,13 @@ Weight decay is decoupled (AdamW, Loshchilov & Hutter): λ shrinks θ directly a
 adaptive denominator, so a group with λ = 0 (biases, norms, embeddings, router) is never pulled to 0.
 """
 
-from collections.abc import Mapping
-
 import torch
 import torch.nn as nn
 
 from optim.config import OptimConfig
 from optim.groups import build_param_groups
 from optim.muon import Muon, fused_row_splits, split_groups
+from run.config_errors import typed
 
 
 def _fused_supported(params: list[torch.Tensor]) -> bool:
@@ -26,13 +25,13 @@ def _fused_supported(params: list[torch.Tensor]) -> bool:
     return all(p.device.type in devices and torch.is_floating_point(p) for p in params)
 
 
-def build_optimizer(model: nn.Module, cfg: Mapping) -> tuple[torch.optim.Optimizer, list[dict]]:
+def build_optimizer(model: nn.Module, cfg: OptimConfig) -> tuple[torch.optim.Optimizer, list[dict]]:
     """AdamW (fused where supported, else foreach) over build_param_groups(model, cfg), and its table;
     or, with optim.name=muon, Muon on the hidden matrices and AdamW on the rest (optim/muon.py).
 
-    cfg is the `optim` node: name, lr, betas, eps, weight_decay, groups, muon, qk_clip.
+    cfg is the `optim` group's OptimConfig (its schema checked betas, eps, lr and the rules: optim/config.py).
     """
-    cfg = OptimConfig.from_dict(cfg)  # the schema checks betas, eps, lr and the rules (optim/config.py)
+    cfg = typed(cfg, OptimConfig, "build_optimizer")
     betas, eps = tuple(float(b) for b in cfg.betas), float(cfg.eps)
     kind = cfg.name
 

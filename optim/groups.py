@@ -16,12 +16,12 @@ or moving the router must not silently start decaying gains and routing logits â
 the bug this contract exists to catch.
 """
 
-from collections.abc import Mapping
 from fnmatch import fnmatchcase
 
 import torch.nn as nn
 
 from optim.config import DEFAULT_GROUP, OptimConfig
+from run.config_errors import typed
 
 
 def _module_kinds(module: nn.Module, module_name: str, param_name: str) -> set[str]:
@@ -64,13 +64,13 @@ def _matches(rule: dict, pname: str, kinds: set[str]) -> bool:
     return bool(rule["kinds"] & kinds) or any(fnmatchcase(pname, pat) for pat in rule["names"])
 
 
-def build_param_groups(model: nn.Module, cfg: Mapping) -> tuple[list[dict], list[dict]]:
+def build_param_groups(model: nn.Module, cfg: OptimConfig) -> tuple[list[dict], list[dict]]:
     """Torch param-group dicts and a summary table (one row per group) for `model` under `cfg`.
 
     Group dicts carry params, name, weight_decay, lr_scale and lr = cfg.lr Â· lr_scale. Parameters keep
     model.named_parameters() order inside each group, so optimizer state maps back deterministically.
     """
-    cfg = OptimConfig.from_dict(cfg)  # keys, types, ranges, kinds and duplicate names: the schema's
+    cfg = typed(cfg, OptimConfig, "build_param_groups")  # keys, types, ranges, kinds, names: the schema checked them
     base_lr, base_wd = float(cfg.lr), float(cfg.weight_decay)
     rules = []
     for i, rule in enumerate(cfg.groups):

@@ -28,6 +28,7 @@ import math
 from collections.abc import Callable, Mapping
 
 from optim.config import ScheduleConfig
+from run.config_errors import typed
 
 def _phases(cfg: Mapping | ScheduleConfig, total_steps: int) -> tuple[str, int, int, int, float]:
     """(name, W, s₀, D, r) of a schedule over total_steps; the schema checks it (optim/config.py)."""
@@ -59,7 +60,7 @@ def factor_fn(cfg: Mapping, total_steps: int) -> Callable[[int], float]:
     return lambda step: _factor(step, *phases)
 
 
-def build_scheduler(optimizer, cfg: Mapping, total_steps: int):
+def build_scheduler(optimizer, cfg: ScheduleConfig, total_steps: int):
     """LambdaLR applying lr_factor to every group's own lr (so lr_scale survives).
 
     NOTE: LambdaLR's state_dict is the step counter (last_epoch) and base lrs; the factor is recomputed
@@ -67,4 +68,4 @@ def build_scheduler(optimizer, cfg: Mapping, total_steps: int):
     """
     # NOTE: torch imported here: lr_factor is pure arithmetic, and the doctor reads it without torch
     from torch.optim.lr_scheduler import LambdaLR
-    return LambdaLR(optimizer, factor_fn(cfg, total_steps))  # checked up front, not at the first step
+    return LambdaLR(optimizer, factor_fn(typed(cfg, ScheduleConfig, "build_scheduler"), total_steps))  # checked up front, not at the first step

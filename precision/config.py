@@ -13,7 +13,8 @@ TE_RECIPES = ("block", "current", "delayed")
 TE_FORMATS = ("E4M3", "HYBRID")
 _USED = {  # options each recipe reads, beside name
     "fp32": set(), "bf16": set(), "fp16": {"loss_scale"},
-    "fp8_block": {"scaling", "autocast_dtype"}, "fp8_tensor": {"scaling", "autocast_dtype"},
+    "fp8_block": {"scaling", "autocast_dtype", "fused_quant"},
+    "fp8_tensor": {"scaling", "autocast_dtype", "fused_quant"},
     "te_fp8": {"recipe", "fp8_format", "amax_history_len", "amax_compute_algo", "margin", "autocast_dtype"},
 }
 
@@ -24,6 +25,10 @@ class PrecisionConfig:
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)  # fp16
     scaling: str | None = None          # fp8_*: block | tensor (null: the recipe's own, by name)
     autocast_dtype: str | None = None   # fp8_*, te_fp8: dtype of the non-FP8 ops (null: fp32) | bfloat16
+    # fp8_*: true: quantise with one torch.compile'd function per kind (precision/quant_fused.py, the same
+    # bits) | false: the eager quantiser | null: on for CUDA; off on a CPU, where compiling costs seconds and
+    # Inductor's E4M3 cast is slower than eager's (docs/results/quant_fused.md)
+    fused_quant: bool | None = None
     recipe: str = "block"               # te_fp8: block | current | delayed
     fp8_format: str | None = None       # te_fp8: E4M3 | HYBRID (null: E4M3 for block, else HYBRID)
     amax_history_len: int = 1024        # te_fp8 delayed: scale from the max amax over this many steps
@@ -35,6 +40,8 @@ class PrecisionConfig:
         unused_keys(self, {"name", *_USED[self.name]}, "precision", f"precision={self.name}")
         check(self.scaling is None or self.scaling in SCALINGS, "precision.scaling", repr(self.scaling),
               f"expected one of {', '.join(SCALINGS)}")
+        check(self.fused_quant is None or isinstance(self.fused_quant, bool), "precision.fused_quant",
+              repr(self.fused_quant), "expected null, true or false")
         check(self.autocast_dtype in (None, "bfloat16"), "precision.autocast_dtype", repr(self.autocast_dtype),
               "expected null or one of bfloat16")
         choice("precision.recipe", self.recipe, TE_RECIPES)

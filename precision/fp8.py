@@ -36,6 +36,8 @@ class Fp8Recipe(Recipe):
         super().__init__(cfg, device)
         self.scaling, self.name = cfg["scaling"], cfg["name"]  # resolved by name: PrecisionConfig.options()
         self.high = dtype_from_cfg(cfg, "autocast_dtype")  # None: non-FP8 ops in fp32
+        # precision.fused_quant null: fused on CUDA only (the schema's comment says why)
+        self.fused = self.device.type == "cuda" if cfg["fused_quant"] is None else cfg["fused_quant"]
 
     def autocast(self):
         if self.high is None:
@@ -55,7 +57,7 @@ class Fp8Recipe(Recipe):
             elif isinstance(m, (Fp8Linear, Fp8GroupedExperts)):  # converted by an earlier call
                 out.append(ModuleDecision(name, type(m).__name__, fp8, "already converted"))
             elif role == "experts":
-                swap_module(model, name, Fp8GroupedExperts.from_experts(m, self.scaling))
+                swap_module(model, name, Fp8GroupedExperts.from_experts(m, self.scaling, self.fused))
                 out.append(ModuleDecision(name, "GroupedExperts", fp8, "routed experts, quantised per expert"))
             elif role == "linear":
                 bad = [d for d in (m.in_features, m.out_features) if d % ALIGN]
@@ -63,7 +65,7 @@ class Fp8Recipe(Recipe):
                     out.append(ModuleDecision(name, "Linear", high, f"dims {m.in_features}→{m.out_features}: "
                                               f"{bad[0]} is not a multiple of {ALIGN} (FP8 GEMM alignment)"))
                     continue
-                swap_module(model, name, Fp8Linear.from_linear(m, self.scaling))
+                swap_module(model, name, Fp8Linear.from_linear(m, self.scaling, self.fused))
                 pad = [d for d in (m.in_features, m.out_features) if d % 128] if self.scaling == "block" else []
                 why = f"eligible Linear; dim {pad[0]} ends in a partial 128-tile (zero-padded)" if pad else "eligible Linear"
                 out.append(ModuleDecision(name, "Linear", fp8, why))
@@ -79,7 +81,10 @@ class Fp8Recipe(Recipe):
         path = ("CPU: quantise → dequantise → fp32 matmul (emulation)" if self.device.type != "cuda" else
                 "CUDA: torch scaled_mm where it supports the scaling, emulation elsewhere"
                 + (f" ({'; '.join(f'{k}: {v}' for k, v in gemm.items())})" if gemm else ""))
-        return super().notes() + [path]
+        quant = ("quantiser: fused, one torch.compile'd function per kind (precision/quant_fused.py)" if self.fused
+                 else "quantiser: eager (precision/quant.py)")
+        setting = {None: "null (on for CUDA)", True: "true", False: "false"}[self.cfg["fused_quant"]]
+        return super().notes() + [path, f"{quant}; precision.fused_quant={setting}"]
 
     def rows(self) -> dict[str, str]:
         high = SHORT[self.high] if self.high else "fp32"

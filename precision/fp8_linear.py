@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from model.moe import GroupedExperts
 from precision.fp8_gemm import gemm_nt
 from precision.quant import quantize
+from precision.quant_fused import quantize_fused
 
 SCALINGS = ("block", "tensor")
 
@@ -31,29 +32,38 @@ class _Fp8Matmul(torch.autograd.Function):
     """y_MN = x_MK · w_NK^T with FP8 operands; the gradients come from FP8 GEMMs too."""
 
     @staticmethod
-    def forward(ctx, x_MK: Tensor, w_NK: Tensor, scaling: str) -> Tensor:
+    def forward(ctx, x_MK: Tensor, w_NK: Tensor, scaling: str, fused: bool) -> Tensor:
         act, wk = _kinds(scaling)
         ctx.save_for_backward(x_MK, w_NK)
-        ctx.scaling = scaling
-        return gemm_nt(quantize(x_MK, act), quantize(w_NK, wk))
+        ctx.scaling, ctx.fused = scaling, fused
+        quant = _quantizer(fused)
+        return gemm_nt(quant(x_MK, act), quant(w_NK, wk))
 
     @staticmethod
     def backward(ctx, dy_MN: Tensor):
         x_MK, w_NK = ctx.saved_tensors
         act, wk = _kinds(ctx.scaling)
+        quant = _quantizer(ctx.fused)
         dy_MN = dy_MN.float()
         dx = dw = None
         if ctx.needs_input_grad[0]:
             # NOTE: quantise(W)^T == quantise(W^T) exactly for blocks (a symmetric group): no re-tiling.
-            dx = gemm_nt(quantize(dy_MN, act), quantize(w_NK, wk).t()).to(x_MK.dtype)
+            dx = gemm_nt(quant(dy_MN, act), quant(w_NK, wk).t()).to(x_MK.dtype)
         if ctx.needs_input_grad[1]:
             # Re-tiled: dW contracts over the tokens, so dy and x are grouped along the tokens.
-            dw = gemm_nt(quantize(dy_MN.t(), act), quantize(x_MK.t(), act)).to(w_NK.dtype)
-        return dx, dw, None
+            dw = gemm_nt(quant(dy_MN.t(), act), quant(x_MK.t(), act)).to(w_NK.dtype)
+        return dx, dw, None, None
 
 
-def fp8_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, scaling: str = "block") -> Tensor:
-    """F.linear with FP8 GEMMs. Output in x's dtype (or autocast's), computed in FP32."""
+def _quantizer(fused: bool):
+    """The same QTensor either way (precision/quant_fused.py): compiled per kind, or the eager reference."""
+    return quantize_fused if fused else quantize
+
+
+def fp8_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, scaling: str = "block",
+               fused: bool = False) -> Tensor:
+    """F.linear with FP8 GEMMs. Output in x's dtype (or autocast's), computed in FP32. fused: quantise with
+    the compiled quantiser (precision.fused_quant)."""
     if scaling not in SCALINGS:
         raise ValueError(f"precision.scaling={scaling!r}: expected one of {', '.join(SCALINGS)}")
     dev = x.device.type
@@ -63,7 +73,7 @@ def fp8_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, scaling: s
     # NOTE: autocast off inside: it would recast the FP32 dequantised operands to BF16.
     with torch.autocast(dev, enabled=False):
         x_MK = x.reshape(-1, x.shape[-1])
-        y_MN = _Fp8Matmul.apply(x_MK, weight, scaling)
+        y_MN = _Fp8Matmul.apply(x_MK, weight, scaling, fused)
         if bias is not None:
             y_MN = y_MN + bias.float()
     return y_MN.reshape(*x.shape[:-1], weight.shape[0]).to(out_dtype)
@@ -73,23 +83,23 @@ class Fp8Linear(nn.Linear):
     """nn.Linear whose matmuls run in FP8. Same parameters, names and state dict as nn.Linear."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, scaling: str = "block",
-                 device=None, dtype=None):
+                 device=None, dtype=None, fused: bool = False):
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
-        self.scaling = scaling
+        self.scaling, self.fused = scaling, fused
 
     @classmethod
-    def from_linear(cls, lin: nn.Linear, scaling: str) -> "Fp8Linear":
+    def from_linear(cls, lin: nn.Linear, scaling: str, fused: bool = False) -> "Fp8Linear":
         """Wrap the *same* Parameter objects (no copy): ties and optimizer references survive."""
-        new = cls(lin.in_features, lin.out_features, lin.bias is not None, scaling, device="meta")
+        new = cls(lin.in_features, lin.out_features, lin.bias is not None, scaling, device="meta", fused=fused)
         new.weight = lin.weight
         new.bias = lin.bias
         return new
 
     def forward(self, x: Tensor) -> Tensor:
-        return fp8_linear(x, self.weight, self.bias, self.scaling)
+        return fp8_linear(x, self.weight, self.bias, self.scaling, self.fused)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, fp8=e4m3, scaling={self.scaling}"
+        return f"{super().extra_repr()}, fp8=e4m3, scaling={self.scaling}, fused_quant={self.fused}"
 
 
 class Fp8GroupedExperts(GroupedExperts):
@@ -98,21 +108,22 @@ class Fp8GroupedExperts(GroupedExperts):
     Only `linear` is overridden: the dispatch loop and clamp telemetry are GroupedExperts' own.
     """
 
-    def __init__(self, n_experts: int, d_model: int, hidden: int, limit: float | None, scaling: str = "block"):
+    def __init__(self, n_experts: int, d_model: int, hidden: int, limit: float | None, scaling: str = "block",
+                 fused: bool = False):
         super().__init__(n_experts, d_model, hidden, limit)
-        self.scaling = scaling
+        self.scaling, self.fused = scaling, fused
 
     @classmethod
-    def from_experts(cls, ex: GroupedExperts, scaling: str) -> "Fp8GroupedExperts":
+    def from_experts(cls, ex: GroupedExperts, scaling: str, fused: bool = False) -> "Fp8GroupedExperts":
         E, H2, D = ex.w_gate_up.shape
         with torch.device("meta"):
-            new = cls(E, D, H2 // 2, ex.limit, scaling)
+            new = cls(E, D, H2 // 2, ex.limit, scaling, fused)
         new.w_gate_up, new.w_down = ex.w_gate_up, ex.w_down
         new.record_stats, new.clamp_hits, new.clamp_total = ex.record_stats, ex.clamp_hits, ex.clamp_total
         return new
 
     def linear(self, x: Tensor, w: Tensor) -> Tensor:
-        return fp8_linear(x, w, None, self.scaling)
+        return fp8_linear(x, w, None, self.scaling, self.fused)
 
     def extra_repr(self) -> str:
-        return f"fp8=e4m3, scaling={self.scaling}"
+        return f"fp8=e4m3, scaling={self.scaling}, fused_quant={self.fused}"

@@ -29,7 +29,6 @@ TILE = 128
 # NOTE: a group whose amax is below this is scaled as if its amax were this: s stays a normal FP32
 # number, so an all-zero or denormal group never divides 0/0 (NaN) or x/0 (inf).
 AMAX_FLOOR = 1e-30
-KINDS = ("tile", "block", "tensor")
 
 
 class QTensor(NamedTuple):
@@ -51,16 +50,26 @@ class QTensor(NamedTuple):
         return QTensor(self.data.t(), scale, self.kind, self.tile)
 
 
+# NOTE: the sign of a NaN is not fixed by IEEE 754, and E4M3 keeps it (0x7F or 0xFF). Inductor's CPU max and
+# min (at::vec::maximum/minimum: amax, clamp) return any NaN as the all-ones pattern, sign bit set, where
+# eager's return a NaN they were given. So under torch.compile (precision/quant_fused.py) cast_e4m3 and
+# _scale put eager's NaN back, and a poisoned group gets the same E4M3 code compiled as eager.
 def cast_e4m3(x_scaled: torch.Tensor) -> torch.Tensor:
     """Clamp, then cast. WARN: without the clamp a value past 448 becomes NaN on CUDA (E4M3fn has
     no inf); rounding x/s can overshoot 448 by half an ulp even when s comes from the amax."""
-    return x_scaled.clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+    clamped = x_scaled.clamp(-E4M3_MAX, E4M3_MAX)
+    if torch.compiler.is_compiling():  # the NaN the division made, as eager's clamp keeps it
+        clamped = torch.where(x_scaled.isnan(), x_scaled, clamped)
+    return clamped.to(E4M3)
 
 
-def _scale(amax: torch.Tensor) -> torch.Tensor:
+def _scale(amax: torch.Tensor, qmax: float | torch.Tensor) -> torch.Tensor:
     # NOTE: NaN/inf amax passes through (clamp keeps NaN, inf/448 = inf): a non-finite input must
     # reach the output as non-finite, where the step's finite check sees it, not be quietly zeroed.
-    return amax.float().clamp(min=AMAX_FLOOR) / E4M3_MAX
+    scale = amax.float().clamp(min=AMAX_FLOOR) / qmax
+    if torch.compiler.is_compiling():  # a positive NaN, as eager's amax of |x| gives
+        scale = torch.where(scale.isnan(), torch.nan, scale)
+    return scale
 
 
 def _pad_to(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
@@ -68,26 +77,53 @@ def _pad_to(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     return F.pad(x, (0, -C % cols, 0, -R % rows)) if (R % rows or C % cols) else x
 
 
-def quantize(x: torch.Tensor, kind: str, tile: int = TILE) -> QTensor:
-    """Quantise a 2-D tensor with one online amax per group of the given kind."""
-    if kind not in KINDS:
-        raise ValueError(f"quantize: kind={kind!r}, expected one of {', '.join(KINDS)}")
-    if x.dim() != 2:
-        raise ValueError(f"quantize: expected a 2-D tensor, got shape {tuple(x.shape)}")
+# The three groupings, x (R, C) -> (q, scale). qmax is E4M3_MAX, as a number here; the fused quantiser
+# (precision/quant_fused.py) compiles these same functions and passes it as a tensor.
+def quantize_tiles(x: torch.Tensor, tile: int, qmax: float | torch.Tensor = E4M3_MAX):
     x = x.float()
     R, C = x.shape
-    if kind == "tensor":
-        scale = _scale(x.abs().amax() if x.numel() else x.new_zeros(()))
-        return QTensor(cast_e4m3(x / scale), scale, kind, tile)
-    if kind == "tile":
-        x_RGt = rearrange(_pad_to(x, 1, tile), "r (g t) -> r g t", t=tile)
-        scale_RG = _scale(x_RGt.abs().amax(-1) if R else x_RGt.new_zeros(0, x_RGt.shape[1]))
-        q_RGt = cast_e4m3(x_RGt / scale_RG[..., None])
-        return QTensor(rearrange(q_RGt, "r g t -> r (g t)")[:, :C], scale_RG, kind, tile)
-    x_blk = rearrange(_pad_to(x, tile, tile), "(bn tn) (bk tk) -> bn bk tn tk", tn=tile, tk=tile)
-    scale_NK = _scale(x_blk.abs().amax(dim=(-2, -1)))
-    q_blk = cast_e4m3(x_blk / scale_NK[..., None, None])
-    return QTensor(rearrange(q_blk, "bn bk tn tk -> (bn tn) (bk tk)")[:R, :C], scale_NK, kind, tile)
+    x_RGt = rearrange(_pad_to(x, 1, tile), "r (g t) -> r g t", t=tile)
+    scale_RG = _scale(x_RGt.abs().amax(-1) if R else x_RGt.new_zeros(0, x_RGt.shape[1]), qmax)
+    q_RGt = cast_e4m3(x_RGt / scale_RG[..., None])
+    return rearrange(q_RGt, "r g t -> r (g t)")[:, :C], scale_RG
+
+
+def quantize_blocks(x: torch.Tensor, tile: int, qmax: float | torch.Tensor = E4M3_MAX):
+    x = x.float()
+    R, C = x.shape
+    x_pad = _pad_to(x, tile, tile)
+    # NOTE: the blocks are split in place, not permuted, so every step is a view and q comes out in x's
+    # layout; and every axis length is given: under symbolic shapes (the fused quantiser) einops would
+    # infer tk as C / bk, which Inductor cannot prove is the tile, and would copy q out instead of viewing it.
+    x_blk = rearrange(x_pad, "(bn tn) (bk tk) -> bn tn bk tk", bn=x_pad.shape[0] // tile,
+                      bk=x_pad.shape[1] // tile, tn=tile, tk=tile)
+    scale_NK = _scale(x_blk.abs().amax(dim=(1, 3)), qmax)
+    q_blk = cast_e4m3(x_blk / scale_NK[:, None, :, None])
+    return rearrange(q_blk, "bn tn bk tk -> (bn tn) (bk tk)")[:R, :C], scale_NK
+
+
+def quantize_whole(x: torch.Tensor, tile: int, qmax: float | torch.Tensor = E4M3_MAX):
+    """tile: unused (one signature for the three groupings)."""
+    x = x.float()
+    scale = _scale(x.abs().amax() if x.numel() else x.new_zeros(()), qmax)
+    return cast_e4m3(x / scale), scale
+
+
+GROUPINGS = {"tile": quantize_tiles, "block": quantize_blocks, "tensor": quantize_whole}
+KINDS = tuple(GROUPINGS)
+
+
+def check_input(x: torch.Tensor, kind: str, where: str = "quantize") -> None:
+    if kind not in KINDS:
+        raise ValueError(f"{where}: kind={kind!r}, expected one of {', '.join(KINDS)}")
+    if x.dim() != 2:
+        raise ValueError(f"{where}: expected a 2-D tensor, got shape {tuple(x.shape)}")
+
+
+def quantize(x: torch.Tensor, kind: str, tile: int = TILE) -> QTensor:
+    """Quantise a 2-D tensor with one online amax per group of the given kind."""
+    check_input(x, kind)
+    return QTensor(*GROUPINGS[kind](x, tile), kind, tile)
 
 
 def expand_scale(q: QTensor) -> torch.Tensor:

@@ -36,6 +36,7 @@ from stability.callbacks import Callbacks
 from stability.events import EventLog
 from stability.faults import FaultDrill, FaultInjector
 from stability.guard import Guard
+from stability.intervene import Intervene
 from stability.sinks import build_sinks
 from stability.telemetry import StepTelemetry, Telemetry
 
@@ -96,7 +97,7 @@ def build_run(cfg: DictConfig, dist: Dist) -> Run:
     scaler = recipe.make_scaler()  # None unless fp16
     levers = build_levers(typed.train.clip, typed.train.zscore, typed.optim.qk_clip, model)
     tc = typed.train
-    loader = Loader(dataset, tc.batch_size, dist.rank, dist.world)
+    loader = Loader(dataset, tc.batch_size, dist.rank, dist.world, skip=tuple(tc.skip_batches))
     evals = eval_batches(dataset, tc.eval_samples, tc.eval_batch_size, dist.rank, dist.world)
     floor = dataset.expected_floor() if hasattr(dataset, "expected_floor") else None
     # the rules that need the model or the data (fault.layer, the mixture weights) fail here, before anything is written
@@ -116,7 +117,9 @@ def build_run(cfg: DictConfig, dist: Dist) -> Run:
     ckpt = Checkpointer(typed.checkpoint, typed.resume, typed.train.steps, dist, run_dir, state)
     ckpt.check_resume()  # which checkpoint, and is it this run: fails before anything is written
     callbacks = Callbacks([FaultDrill(faults, optimizer, events, guard) if faults.kind != "none" else None, routing,
-                           StepTelemetry(telemetry) if telemetry.every else None, levers])
+                           StepTelemetry(telemetry) if telemetry.every else None, levers,
+                           Intervene(typed.intervene, optimizer, scheduler, loader, events)
+                           if typed.intervene.kind != "none" else None])
 
     if dist.is_main:
         write_header(cfg, typed, dist, run_dir, dataset, model, model_cfg, group_table, recipe)

@@ -34,6 +34,7 @@ from precision.config import PrecisionConfig
 from run.argv import normalise
 from run.config_errors import ConfigError, check, choice, fail, from_mapping, known_keys_only, one_line
 from stability.config import FaultConfig, GuardConfig, LoggingConfig, TelemetryConfig
+from stability.intervene import InterveneConfig
 
 SCHEMA = "ballast_schema"  # the name conf/config.yaml's defaults list starts with
 DEVICES = ("auto", "cpu", "cuda")
@@ -53,6 +54,9 @@ class TrainConfig:
     activation_checkpointing: str = "none"  # none | full | selective: recompute block activations in the backward
     clip: str = "fixed"          # fixed (max_grad_norm) | zscore (adaptive, optim/zclip.py)
     zscore: ZScoreConfig = field(default_factory=ZScoreConfig)  # train.clip=zscore only
+    # batch IDs (first global sample ids) the loader never serves: quarantined data, keyed by the batch and not
+    # by the step, so a resume or a rollback cannot move the quarantine onto other data (the doctor's data fix)
+    skip_batches: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         for key in ("steps", "batch_size", "micro_batches", "eval_every", "eval_samples", "eval_batch_size"):
@@ -65,6 +69,8 @@ class TrainConfig:
         check(self.z_loss >= 0, "train.z_loss", self.z_loss, "must be >= 0")
         choice("train.clip", self.clip, CLIP_MODES)
         choice("train.activation_checkpointing", self.activation_checkpointing, ("none", "full", "selective"))
+        bad = [i for i in self.skip_batches if i < 0 or i % self.batch_size]
+        check(not bad, "train.skip_batches", bad[:1], f"batch IDs are multiples of train.batch_size={self.batch_size}")
 
     def check_world(self, world: int) -> None:
         """The rule that needs the launch: every rank gets whole micro-batches."""
@@ -98,6 +104,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
+    intervene: InterveneConfig = field(default_factory=InterveneConfig)  # one changed step (doctor --verify)
 
     @classmethod
     def from_dict(cls, saved: Mapping) -> "Config":

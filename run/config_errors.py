@@ -55,6 +55,16 @@ def from_mapping(cls: type[T], cfg: Any, where: str) -> T:
         raise ConfigError(one_line(e, where)) from None
 
 
+def typed(cfg: Any, cls: type[T], builder: str) -> T:
+    """`cfg` if it is a `cls`: a builder takes its group's config dataclass only, so the typed schema
+    (run/config.py `Config.from_dict`, or the dataclass itself) is the one way in and nothing re-parses a dict."""
+    if not isinstance(cfg, cls):
+        article = "an" if cls.__name__[0] in "AEIOU" else "a"
+        raise TypeError(f"{builder} takes {article} {cls.__name__} ({cls.__module__}), got {type(cfg).__name__}: "
+                        f"build it with {cls.__name__}(...), {cls.__name__}.from_dict(d) or Config.from_dict(d)")
+    return cfg
+
+
 def unused_keys(obj, used, where: str, what: str) -> None:
     """Refuse a key that `what` (e.g. `data.kind=text`) does not read but that was set away from its
     default: a silently ignored setting is a wrong belief about the run."""

@@ -9,8 +9,8 @@ does, its keys, its lifetime, the doctor class it should produce); `python -m st
 Time, the lesson of a rollback drill (stability/drills/base.py, LIFETIMES):
 - one-shot and transient faults live in wall-clock time: they fire the first time step s is reached
   and never again, even when a rollback replays step s.
-- a data fault lives in the data: it is keyed by the batch ID (first global sample id of the step-s
-  batch) recorded when it first fires; a rollback that replays that batch meets the same bad data
+- a data fault lives in the data: it is keyed by the batch ID (first global sample id) the run's plan
+  puts at step s, (s − 1) · batch size; a rollback that replays that batch meets the same bad data
   (same corruption: it is seeded by the sample ids), one that skips the window never sees it again.
 - a persistent fault (mixture_switch, an objective change, and the settings / data / routing faults)
   is on from the first time step s is reached, and stays on after a rollback to before s.

@@ -36,6 +36,9 @@ from parallel.host_scalars import HostScalars
 class InputBaseline:
     """The running unigram histogram of every batch the run has read (float64 counts, V entries), and
     the owner block of every id when the dataset has them (dataset.token_ranges())."""
+    # the statistics read against that histogram: a process starts it empty (it is not in a checkpoint), so
+    # a resumed run's values of these differ from a straight run's (the doctor waits HIST_WARM steps)
+    RUNNING = ("kl_running", "rare_frac")
 
     def __init__(self, dataset):
         V = dataset.vocab_size

@@ -8,10 +8,12 @@ import torch
 
 from data import build_data
 from data.batch import IGNORE_INDEX, Batch
+from data.config import DataConfig
 from data.loader import Loader
 from model import Transformer
 from optim import build_optimizer, clip_grad_norm
 from optim.accumulate import count_valid_tokens, forward_backward
+from optim.config import OptimConfig
 from helpers import in_group, model_config, spawn
 
 DATA = {"kind": "synthetic", "seq_len": 32, "min_doc_len": 16, "seed": 3,
@@ -44,7 +46,7 @@ def unequal_batch(ds):
 
 @pytest.mark.parametrize("moe", [False, True])
 def test_accumulated_gradient_equals_full_batch_gradient(moe):
-    ds = build_data(DATA)
+    ds = build_data(DataConfig.from_dict(DATA))
     batch = unequal_batch(ds)
     counts = [mb.n_valid for mb in batch.micro_batches(2)]
     assert counts[0] * 3 < counts[1]  # the test means something only if the counts differ
@@ -77,11 +79,11 @@ def run_steps(dist, steps, micro):
     from parallel import wrap_model
     from parallel.config import ParallelConfig
 
-    ds = build_data(DATA)
+    ds = build_data(DataConfig.from_dict(DATA))
     model = tiny_model(ds.vocab_size, 32, moe=True)
-    opt, _ = build_optimizer(model, {"lr": 1e-2, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1,
-                                     "groups": [{"name": "no_decay", "kinds": ["norm", "embedding", "router"],
-                                                 "weight_decay": 0.0}]})
+    opt, _ = build_optimizer(model, OptimConfig.from_dict({
+        "lr": 1e-2, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1,
+        "groups": [{"name": "no_decay", "kinds": ["norm", "embedding", "router"], "weight_decay": 0.0}]}))
     wrapped = wrap_model(model, ParallelConfig(mode="auto"), dist)
     loader = Loader(ds, 8, dist.rank, dist.world)
     norms = []

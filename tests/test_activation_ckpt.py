@@ -6,11 +6,13 @@ import pytest
 import torch
 
 from data import build_data
+from data.config import DataConfig
 from data.loader import Loader
 from model import ModelConfig, Transformer
 from model.checkpointing import set_activation_checkpointing
 from optim import build_optimizer
 from optim.accumulate import count_valid_tokens, forward_backward
+from optim.config import OptimConfig
 from parallel.config import ParallelConfig
 from parallel import Dist, wrap_model
 from stability.config import TelemetryConfig
@@ -31,13 +33,13 @@ RTOL = 1e-6  # relative, per parameter: ‖g_ckpt − g‖ / ‖g‖
 def grads(mode: str, model_cfg: dict, dist: Dist, parallel: str = "none", compile: bool = False,
           telemetry: bool = False):
     torch.manual_seed(0)
-    ds = build_data(DATA)
+    ds = build_data(DataConfig.from_dict(DATA))
     model = Transformer(model_config({**model_cfg, "vocab_size": ds.vocab_size, "seq_len": ds.seq_len}))
     set_activation_checkpointing(model, mode)
     wrapped = wrap_model(model, ParallelConfig(mode=parallel), dist)
     if compile:
         wrapped = torch.compile(wrapped)
-    opt, _ = build_optimizer(model, {"lr": 1e-3})
+    opt, _ = build_optimizer(model, OptimConfig(lr=1e-3))
     tel = Telemetry(model, TelemetryConfig(every=1)) if telemetry else None
     mbs = Loader(ds, 8, dist.rank, dist.world).next().micro_batches(2)
     if tel:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from data import build_data
+from data.config import DataConfig
 from data.loader import Loader
 from helpers import model_config
 from model import MoE, Transformer
@@ -36,7 +37,7 @@ def tiny_moe(vocab: int, seed: int = 0) -> Transformer:
 def train(steps: int, delay: int | None, lr: float = 1e-3, before_forward=None):
     """train.py's step in miniature; delay=None never builds the object. Returns, per step, what it saw
     and the ids every MoE layer EXECUTED in the training forwards ([{layer: (N, k)} per micro-batch])."""
-    ds = build_data(DATA)
+    ds = build_data(DataConfig.from_dict(DATA))
     model = tiny_moe(ds.vocab_size)
     loader = Loader(ds, BATCH)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
@@ -123,7 +124,7 @@ def test_delay_two_executes_ids_chosen_two_steps_earlier():
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_peek_matches_next_and_does_not_move_the_cursor(world):
-    ds = build_data(DATA)
+    ds = build_data(DataConfig.from_dict(DATA))
     for rank in range(world):
         loader = Loader(ds, BATCH, rank, world)
         loader.next()
@@ -140,7 +141,7 @@ def test_peek_matches_next_and_does_not_move_the_cursor(world):
 
 
 def test_off_costs_nothing_and_on_routes_each_batch_once():
-    ds = build_data(DATA)
+    ds = build_data(DataConfig.from_dict(DATA))
     model = tiny_moe(ds.vocab_size)
     loader = Loader(ds, BATCH)
     calls = {"routes": 0, "peek": 0}
@@ -176,7 +177,7 @@ def test_off_costs_nothing_and_on_routes_each_batch_once():
 
 
 def test_bad_delay_and_dense_model_raise():
-    ds = build_data(DATA)
+    ds = build_data(DataConfig.from_dict(DATA))
     model, loader = tiny_moe(ds.vocab_size), Loader(ds, BATCH)
     with pytest.raises(ValueError, match="guard.anticipatory.delay=-1"):
         AnticipatoryRouting(model, loader, MICRO, AnticipatoryConfig(delay=-1), "cpu")

@@ -9,10 +9,12 @@ import pytest
 import torch
 
 from data import build_data
+from data.config import DataConfig
 from data.loader import Loader
 from helpers import model_config
 from model import Transformer
 from optim import build_optimizer
+from optim.config import OptimConfig
 from optim.levers import Levers
 from stability.anticipatory import AnticipatoryRouting
 from stability.callbacks import Callback, Callbacks, StepState
@@ -71,10 +73,10 @@ def test_an_unstated_order_is_refused():
 
 def test_lr_drill_scales_only_its_window_and_restores_the_schedule_bit_for_bit(tmp_path):
     torch.manual_seed(0)
-    ds = build_data(DATA)
+    ds = build_data(DataConfig.from_dict(DATA))
     model = Transformer(model_config({"d_model": 16, "n_layers": 1, "n_heads": 2,
                                                "vocab_size": ds.vocab_size, "seq_len": ds.seq_len}))
-    opt, _ = build_optimizer(model, {"lr": 3e-3})
+    opt, _ = build_optimizer(model, OptimConfig(lr=3e-3))
     inj = FaultInjector(FaultConfig(kind="lr_spike", step=2, factor=7.0, steps=1), model=model, optimizer=opt,
                         loader=Loader(ds, 4))
     events = EventLog(tmp_path)

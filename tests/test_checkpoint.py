@@ -16,11 +16,13 @@ from checkpoint.checkpointer import supersede_records
 from checkpoint.config import CheckpointConfig, ResumeConfig
 from checkpoint.resume import check_config, check_data, check_model
 from data import build_data
+from data.config import DataConfig
 from data.loader import Loader
 from helpers import HANG_S, model_config
 from model import Transformer
 from optim import build_optimizer, build_scheduler, clip_grad_norm
 from optim.accumulate import count_valid_tokens, forward_backward, reduce_step_sums
+from optim.config import OptimConfig
 from optim.scaler import DynamicLossScaler
 from parallel import Dist
 
@@ -42,10 +44,11 @@ pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 def make_state(seed=0, data=DATA, model=MODEL, steps=10) -> TrainState:
     torch.manual_seed(seed)
-    ds = build_data(data)
+    ds = build_data(DataConfig.from_dict(data))
     m = Transformer(model_config({**model, "vocab_size": ds.vocab_size, "seq_len": ds.seq_len}))
-    opt, _ = build_optimizer(m, OPTIM)
-    sched = build_scheduler(opt, OPTIM["schedule"], steps)
+    opt_cfg = OptimConfig.from_dict(OPTIM)
+    opt, _ = build_optimizer(m, opt_cfg)
+    sched = build_scheduler(opt, opt_cfg.schedule, steps)
     config = {"seed": seed, "model": model, "optim": OPTIM, "data": data,
               "train": {"steps": steps, "batch_size": 4, "micro_batches": 2, "z_loss": 1e-4, "max_grad_norm": 1.0},
               "checkpoint": {"every": 0, "dir": None, "mode": "sync", "keep_last": 2, "keep_every": None,
@@ -260,6 +263,11 @@ def test_resume_checks_name_the_difference():
     assert len(notes) == 1 and "train.steps=20" in notes[0]
     # micro-batching, logging, checkpoint cadence may change freely
     assert check_config(cfg, {**cfg, "train": {**cfg["train"], "micro_batches": 4}}, [], "x") == []
+    # a key newer than the checkpoint's code: its default is what that code ran; another value is a change
+    newer = {**cfg, "model": {**cfg["model"], "new_knob": None}}
+    assert check_config(cfg, newer, [], "x", defaults={"model": {"new_knob": None}}) == []
+    with pytest.raises(ValueError, match=r"model\.new_knob=2 but checkpoint x has model\.new_knob=<absent>"):
+        check_config(cfg, {**cfg, "model": {**cfg["model"], "new_knob": 2}}, [], "x", defaults={"model": {"new_knob": None}})
 
     shapes = {k: tuple(v.shape) for k, v in st.model.state_dict().items()}
     check_model(shapes, st.model.state_dict(), "x")

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from data import IGNORE_INDEX, Batch, Loader, build_data, eval_batches
+from data.config import DataConfig
 from data.tokenizers import BPETokenizer, ByteTokenizer, CharTokenizer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -22,6 +23,12 @@ SYN = {
 }
 
 
+def build(cfg):
+    """The dataset of a test's dict (or OmegaConf node), through the data group's schema: build_data takes
+    the DataConfig only."""
+    return build_data(DataConfig.from_dict(cfg))
+
+
 def _same(a: Batch, b: Batch) -> bool:
     return (a.sample_ids.equal(b.sample_ids) and a.tokens.equal(b.tokens) and a.labels.equal(b.labels)
             and a.sources.equal(b.sources) and (a.floor is None) == (b.floor is None)
@@ -30,7 +37,7 @@ def _same(a: Batch, b: Batch) -> bool:
 
 # ---- Batch -------------------------------------------------------------------------------------
 def test_micro_batches_have_unequal_valid_counts_and_round_trip():
-    ds = build_data({**SYN, "seq_len": 128, "min_doc_len": 16})
+    ds = build({**SYN, "seq_len": 128, "min_doc_len": 16})
     batch = Loader(ds, batch_size=16).next()
     mbs = batch.micro_batches(4)
     counts = [mb.n_valid for mb in mbs]
@@ -46,30 +53,30 @@ def test_micro_batches_have_unequal_valid_counts_and_round_trip():
 
 # ---- Loader ------------------------------------------------------------------------------------
 def test_same_seed_same_batches():
-    a, b = Loader(build_data(SYN), 8), Loader(build_data(SYN), 8)
+    a, b = Loader(build(SYN), 8), Loader(build(SYN), 8)
     for _ in range(3):
         x, y = a.next(), b.next()
         assert _same(x, y)
     assert x.sample_ids.tolist() == list(range(16, 24))
-    other = Loader(build_data({**SYN, "seed": 99}), 8)
+    other = Loader(build({**SYN, "seed": 99}), 8)
     other.next(), other.next()
     assert not other.next().tokens.equal(x.tokens)
 
 
 def test_restore_mid_run_continues_identically():
-    ref = Loader(build_data(SYN), 8)
+    ref = Loader(build(SYN), 8)
     straight = [ref.next() for _ in range(5)]
-    first = Loader(build_data(SYN), 8)
+    first = Loader(build(SYN), 8)
     first.next(), first.next()
     sd = json.loads(json.dumps(first.state_dict()))  # what a checkpoint would hold
-    resumed = Loader(build_data(SYN), 8)
+    resumed = Loader(build(SYN), 8)
     resumed.load_state_dict(sd)
     for want in straight[2:]:
         assert _same(resumed.next(), want)
 
 
 def test_ranks_see_disjoint_shares_of_the_single_process_batch():
-    ds = build_data(SYN)
+    ds = build(SYN)
     single = Loader(ds, 8)
     ranks = [Loader(ds, 8, rank=r, world=4) for r in range(4)]
     for _ in range(3):
@@ -83,7 +90,7 @@ def test_ranks_see_disjoint_shares_of_the_single_process_batch():
 
 
 def test_world_size_change_after_restore_consumes_the_straight_run_ids():
-    ds = build_data(SYN)
+    ds = build(SYN)
     straight = Loader(ds, 8)
     want = [straight.next() for _ in range(5)]
     two = [Loader(ds, 8, rank=r, world=2) for r in range(2)]
@@ -99,10 +106,10 @@ def test_world_size_change_after_restore_consumes_the_straight_run_ids():
 
 
 def test_fingerprint_mismatch_raises_unless_allowed():
-    saved = Loader(build_data(SYN), 8)
+    saved = Loader(build(SYN), 8)
     saved.next()
     sd = saved.state_dict()
-    other = Loader(build_data({**SYN, "seed": 7}), 8)
+    other = Loader(build({**SYN, "seed": 7}), 8)
     with pytest.raises(ValueError) as e:
         other.load_state_dict(sd)
     assert sd["fingerprint"] in str(e.value) and other.dataset.fingerprint in str(e.value)
@@ -123,22 +130,22 @@ def _with_source(i, **kw):
     _with_source(1, name="induction"),
 ])
 def test_fingerprint_changes_when_a_config_value_changes(cfg):
-    assert build_data(cfg).fingerprint != build_data(SYN).fingerprint
+    assert build(cfg).fingerprint != build(SYN).fingerprint
 
 
 def test_fingerprint_is_stable_for_equal_data():
-    base = build_data(SYN)
-    assert build_data(json.loads(json.dumps(SYN))).fingerprint == base.fingerprint
+    base = build(SYN)
+    assert build(json.loads(json.dumps(SYN))).fingerprint == base.fingerprint
     # Weights are a distribution: scaling them changes no sample, so not the fingerprint either.
-    scaled = build_data({**SYN, "sources": [dict(SYN["sources"][0], weight=7.0),
-                                            dict(SYN["sources"][1], weight=3.0)]})
+    scaled = build({**SYN, "sources": [dict(SYN["sources"][0], weight=7.0),
+                                       dict(SYN["sources"][1], weight=3.0)]})
     assert scaled.fingerprint == base.fingerprint
     base.set_weights([0.5, 0.5])
     assert base.fingerprint != scaled.fingerprint
 
 
 def test_eval_batches_are_the_fixed_sharded_val_set():
-    ds = build_data(SYN)
+    ds = build(SYN)
     single = eval_batches(ds, n_samples=16, batch_size=8)
     assert torch.cat([b.sample_ids for b in single]).tolist() == list(range(16))
     assert _same(single[0], ds.samples(range(8), split="val"))
@@ -192,8 +199,8 @@ def test_bpe_trains_deterministically_and_round_trips():
 
 @pytest.mark.parametrize("tokenizer", ["byte", "char", "bpe"])
 def test_text_val_split_is_the_tail_and_windows_stay_inside(txt, tokenizer):
-    ds = build_data({"kind": "text", "path": str(txt), "seq_len": 32, "seed": 0, "tokenizer": tokenizer,
-                     "bpe_vocab_size": 300, "format": "auto"})
+    ds = build({"kind": "text", "path": str(txt), "seq_len": 32, "seed": 0, "tokenizer": tokenizer,
+                "bpe_vocab_size": 300, "format": "auto"})
     cut = round(len(TEXT) * 0.9)
     assert ds.tokenizer.decode(ds._streams["val"]) == TEXT[cut:]
     assert ds.tokenizer.decode(ds._streams["train"]) == TEXT[:cut]
@@ -209,37 +216,37 @@ def test_text_val_split_is_the_tail_and_windows_stay_inside(txt, tokenizer):
 
 def test_text_fingerprint_tracks_content_and_tokenizer(txt, tmp_path):
     cfg = {"kind": "text", "path": str(txt), "seq_len": 32, "seed": 0}
-    base = build_data(cfg).fingerprint
-    assert build_data(cfg).fingerprint == base
-    assert build_data({**cfg, "tokenizer": "char"}).fingerprint != base
+    base = build(cfg).fingerprint
+    assert build(cfg).fingerprint == base
+    assert build({**cfg, "tokenizer": "char"}).fingerprint != base
     edited = tmp_path / "edited.txt"
     edited.write_text(TEXT.replace("fox", "cat"), encoding="utf-8")
-    assert build_data({**cfg, "path": str(edited)}).fingerprint != base
+    assert build({**cfg, "path": str(edited)}).fingerprint != base
 
 
 def test_jsonl_with_text_field_loads(tmp_path, hf_cache):
     p = tmp_path / "docs.jsonl"
     docs = [f"document {i} says hello" for i in range(40)]
     p.write_text("".join(json.dumps({"id": i, "body": d}) + "\n" for i, d in enumerate(docs)), encoding="utf-8")
-    ds = build_data({"kind": "text", "path": str(p), "seq_len": 16, "seed": 0, "text_field": "body"})
+    ds = build({"kind": "text", "path": str(p), "seq_len": 16, "seed": 0, "text_field": "body"})
     joined = "\n".join(docs)
     cut = round(len(joined) * 0.9)
     assert ds.tokenizer.decode(ds._streams["train"]) == joined[:cut]
     with pytest.raises(ValueError, match="data.text_field=text"):
-        build_data({"kind": "text", "path": str(p), "seq_len": 16, "seed": 0})
+        build({"kind": "text", "path": str(p), "seq_len": 16, "seed": 0})
 
 
 def test_missing_file_names_data_path(tmp_path):
     missing = str(tmp_path / "nope.txt")
     with pytest.raises(ValueError, match=f"data.path={missing}: file not found"):
-        build_data({"kind": "text", "path": missing, "seq_len": 16, "seed": 0})
+        build({"kind": "text", "path": missing, "seq_len": 16, "seed": 0})
 
 
 def test_hub_name_offline_gives_one_line_error():
     # The offline switches are read when `datasets` is imported, so this runs in a fresh interpreter.
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
-    code = ("from data import build_data\n"
-            "try:\n build_data({'kind': 'text', 'path': 'owner/name', 'seq_len': 8, 'seed': 0})\n"
+    code = ("from data import DataConfig, build_data\n"
+            "try:\n build_data(DataConfig.from_dict({'kind': 'text', 'path': 'owner/name', 'seq_len': 8, 'seed': 0}))\n"
             "except ValueError as e:\n print('ERR', e)\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
                          timeout=600).stdout  # a hang guard only
@@ -247,14 +254,20 @@ def test_hub_name_offline_gives_one_line_error():
                            "pass a local file")
 
 
+def test_build_data_takes_the_typed_config_only():
+    with pytest.raises(TypeError) as e:
+        build_data(SYN)
+    assert str(e.value).startswith("build_data takes a DataConfig") and "\n" not in str(e.value)
+
+
 def test_shipped_data_configs_build(txt):
     from omegaconf import OmegaConf
 
     syn_cfg = OmegaConf.load(REPO / "conf/data/synthetic.yaml")  # a DictConfig and its plain dict agree
-    assert build_data(syn_cfg).fingerprint == build_data(OmegaConf.to_container(syn_cfg)).fingerprint
+    assert build(syn_cfg).fingerprint == build(OmegaConf.to_container(syn_cfg)).fingerprint
     text_cfg = OmegaConf.load(REPO / "conf/data/text.yaml")
     text_cfg.path, text_cfg.seq_len = str(txt), 32
     for tok in ("byte", "char", "bpe"):
         text_cfg.tokenizer = tok
-        ds = build_data(text_cfg)
+        ds = build(text_cfg)
         assert ds.tokenizer.name == tok and ds.samples([0]).tokens.max() < ds.vocab_size

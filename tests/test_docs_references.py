@@ -6,6 +6,7 @@ it names is defined in that file. The forms read, inside backticks:
     `stability/signals.py` `declare`                      a path, then a symbol in the next backticks
     `stability.signals.declare`                           a dotted module path and a symbol
 
+A path a command writes (`--out docs/results/x.md`) is an output, not a reference: it need not exist.
 A symbol is defined when the file's top level has a def, class, assignment or import of it, a method
 of one of its classes (`Class.method` or the bare name), or a registry declaration naming it (the first
 string of a top-level call: `declare("below_floor", ...)`, `@fix("...")`). A dotted form that starts with
@@ -30,6 +31,7 @@ PATH = re.compile(rf"(?<![\w./~-])((?:[\w-]+/)*[\w-]+\.{EXT})(?::{{1,2}}([A-Za-z
 GROUPS = {n.target.id for c in ast.parse((ROOT / "run/config.py").read_text(encoding="utf-8")).body
           if isinstance(c, ast.ClassDef) and c.name == "Config" for n in c.body if isinstance(n, ast.AnnAssign)}
 DOTTED = re.compile(r"^([a-z_][a-z0-9_]*(?:\.[A-Za-z_]\w*)+)(?:\(\))?$")
+OUTPUT = ("--out ", "--out=")  # the option a bench script writes its figures with
 SYMBOL = re.compile(r"^([A-Za-z_][\w.]*)(?:\(\))?$")
 
 
@@ -94,6 +96,8 @@ def references(text: str):
             found = False
             for pm in PATH.finditer(span):
                 path, symbol = pm.group(1), pm.group(2)
+                if span[:pm.start()].endswith(OUTPUT):
+                    continue  # what the command writes
                 if path.split("/")[0] not in TOP or ("/" not in path and not (ROOT / path).is_file()):
                     continue  # not this repository's path (another project's, a bare file name of a folder)
                 found = True
@@ -137,7 +141,8 @@ def test_every_code_reference_in_the_docs_resolves():
 def test_the_reader_finds_each_form_and_a_broken_one():
     text = ("`model/moe.py` `MoE`, `stability/signals.py:declare`, `tests/test_docs_references.py::nope`, "
             "`stability.signals.declare`, `model/nope.py`, `conf/experiment/…yaml`, `runs/<run>/x.py`, "
-            "`model.qk_norm`, `optim.qk_clip.tau`, `checkpoint.verify`, `nanoGPT/data/x/prepare.py`")
+            "`model.qk_norm`, `optim.qk_clip.tau`, `checkpoint.verify`, `nanoGPT/data/x/prepare.py`, "
+            "`python -m bench.x --out docs/results/new.md`")
     refs = [(p, s) for p, s, _ in references(text)]
     assert refs == [("model/moe.py", "MoE"), ("stability/signals.py", "declare"),
                     ("tests/test_docs_references.py", "nope"), ("stability/signals.py", "declare"),

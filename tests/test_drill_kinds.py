@@ -16,10 +16,12 @@ import torch
 from omegaconf import OmegaConf
 
 from data import build_data
+from data.config import DataConfig
 from data.loader import Loader
 from helpers import TINY, data_config, model_config, run_train
 from model import Transformer
 from optim import build_optimizer
+from optim.config import OptimConfig
 from parallel import Dist
 from stability.callbacks import StepState
 from stability.events import read_events
@@ -38,9 +40,9 @@ MODEL = {"d_model": 16, "n_layers": 2, "n_heads": 2,  # layer 0 dense, layer 1 M
 
 def build(fault: dict, model_cfg=MODEL, opt_cfg=None):
     torch.manual_seed(0)
-    ds = build_data(DATA)
+    ds = build_data(DataConfig.from_dict(DATA))
     model = Transformer(model_config({**model_cfg, "vocab_size": ds.vocab_size, "seq_len": ds.seq_len}))
-    opt, _ = build_optimizer(model, opt_cfg or {"lr": 1e-2})
+    opt, _ = build_optimizer(model, OptimConfig.from_dict(opt_cfg or {"lr": 1e-2}))
     loader = Loader(ds, 8)
     inj = FaultInjector(FaultConfig(**fault), model=model, optimizer=opt, loader=loader, data_cfg=data_config(DATA),
                         dist=Dist(0, 1, 0, torch.device("cpu"), None))
@@ -236,7 +238,10 @@ def test_rank_content_moves_rank_1_content_not_its_ids(tmp_path):
     the_fault_fired_once_at_s(events, "rank_content")
     from stability.resume_fields import rank_inputs  # the record's own content hash
 
-    ds = build_data(OmegaConf.to_container(OmegaConf.load(tmp_path / "run" / "config.yaml").data))
+    from run.config import Config
+
+    saved = OmegaConf.to_container(OmegaConf.load(tmp_path / "run" / "config.yaml"))
+    ds = build_data(Config.from_dict(saved).data)
     none = SimpleNamespace(tokens_by_source=torch.ones(1), loss_sum=torch.zeros(()))
 
     def content_hash(first: int) -> int:

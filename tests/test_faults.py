@@ -12,10 +12,12 @@ import torch
 from omegaconf import OmegaConf
 
 from data import IGNORE_INDEX, PAD_ID, build_data
+from data.config import DataConfig
 from data.loader import Loader
 from model import Transformer
 from optim import build_optimizer
 from optim.accumulate import count_valid_tokens, forward_backward
+from optim.config import OptimConfig
 from parallel.config import ParallelConfig
 from parallel import Dist, wrap_model
 from stability.drills import registry
@@ -34,9 +36,9 @@ MODEL = {"d_model": 16, "n_layers": 2, "n_heads": 2,
 
 def build(fault: dict, batch_size: int = 8, rank: int = 0, world: int = 1, data=DATA, model_cfg=MODEL):
     torch.manual_seed(0)
-    ds = build_data(data)
+    ds = build_data(DataConfig.from_dict(data))
     model = Transformer(model_config({**model_cfg, "vocab_size": ds.vocab_size, "seq_len": ds.seq_len}))
-    opt, _ = build_optimizer(model, {"lr": 1e-2})
+    opt, _ = build_optimizer(model, OptimConfig(lr=1e-2))
     loader = Loader(ds, batch_size, rank, world)
     inj = FaultInjector(FaultConfig(**fault), model=model, optimizer=opt, loader=loader, data_cfg=data_config(data),
                         dist=Dist(rank, world, rank, torch.device("cpu"), None))
@@ -234,7 +236,7 @@ def test_state_dict_round_trip_keeps_fired_flags_and_the_bad_batch():
     sw.before_batch(1)
     back, _, _, ld2 = build({"kind": "mixture_switch", "step": 1, "weights": [1, 0]})
     back.load_state_dict(sw.state_dict())
-    assert ld2.dataset.fingerprint == ld.dataset.fingerprint != build_data(DATA).fingerprint
+    assert ld2.dataset.fingerprint == ld.dataset.fingerprint != build_data(DataConfig.from_dict(DATA)).fingerprint
 
 
 @pytest.mark.parametrize("fault, key", [
@@ -279,7 +281,7 @@ def _ddp_worker(rank, world, store, out):
 def _missing_reduce_steps(dist: Dist) -> dict:
     rank, world = dist.rank, dist.world
     torch.manual_seed(0)
-    ds = build_data(DATA)
+    ds = build_data(DataConfig.from_dict(DATA))
     model = Transformer(model_config({**MODEL, "vocab_size": ds.vocab_size, "seq_len": ds.seq_len}))
     bare = copy.deepcopy(model)  # the same weights, never reduced: this rank's local gradient
     wrapped = wrap_model(model, ParallelConfig(mode="ddp"), dist)

@@ -9,10 +9,12 @@ import pytest
 import torch
 
 from data import build_data
+from data.config import DataConfig
 from data.loader import Loader
 from model import Transformer
 from optim import build_optimizer, clip_grad_norm
 from optim.accumulate import count_valid_tokens, forward_backward
+from optim.config import OptimConfig
 from parallel.config import ParallelConfig
 from parallel import Dist, wrap_model
 from helpers import in_group, model_config, spawn
@@ -31,10 +33,10 @@ def run(dist: Dist, micro: int) -> dict:
     from torch.distributed.tensor import DTensor, Shard
 
     torch.manual_seed(0)
-    ds = build_data(DATA)
+    ds = build_data(DataConfig.from_dict(DATA))
     model = Transformer(model_config({**MODEL, "vocab_size": ds.vocab_size, "seq_len": ds.seq_len}))
     wrapped = wrap_model(model, ParallelConfig(mode="fsdp"), dist)
-    opt, _ = build_optimizer(model, {"lr": 1e-2, "weight_decay": 0.1})  # after sharding: DTensor params
+    opt, _ = build_optimizer(model, OptimConfig(lr=1e-2, weight_decay=0.1))  # after sharding: DTensor params
     loader = Loader(ds, BATCH, dist.rank, dist.world)
     norms, sharded = [], []
     for _ in range(STEPS):

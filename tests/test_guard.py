@@ -10,10 +10,12 @@ import torch
 
 from checkpoint import TrainState
 from data import build_data
+from data.config import DataConfig
 from data.loader import Loader
 from model import ModelConfig, Transformer
 from optim import build_optimizer, build_scheduler
 from optim.accumulate import count_valid_tokens, forward_backward, reduce_step_sums
+from optim.config import OptimConfig
 from precision import optimizer_step
 from helpers import guard_config
 from stability.events import EventLog, read_events
@@ -44,11 +46,12 @@ class Rig:
 
     def __init__(self, tmp_path, action, **rollback):
         torch.manual_seed(0)
-        ds = build_data(DATA)
+        ds = build_data(DataConfig.from_dict(DATA))
         self.model = Transformer(ModelConfig(vocab_size=ds.vocab_size, seq_len=16, d_model=16, n_layers=2,
                                              n_heads=2))
-        self.opt, _ = build_optimizer(self.model, OPTIM)
-        self.sched = build_scheduler(self.opt, OPTIM["schedule"], 50)
+        opt_cfg = OptimConfig.from_dict(OPTIM)
+        self.opt, _ = build_optimizer(self.model, opt_cfg)
+        self.sched = build_scheduler(self.opt, opt_cfg.schedule, 50)
         self.loader = Loader(ds, 4)
         self.state = TrainState(self.model, self.opt, self.sched, self.loader, {})
         self.events = EventLog(tmp_path)

@@ -13,6 +13,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.nn.parallel import DistributedDataParallel
 
 from optim import build_optimizer, build_param_groups, clip_grad_norm, format_table
+from optim.config import OptimConfig
 from parallel import release
 from helpers import in_group, spawn
 
@@ -20,8 +21,9 @@ NO_DECAY = {"name": "no_decay", "kinds": ["bias", "norm", "embedding", "router",
             "weight_decay": 0.0}
 
 
-def optim_cfg(*rules, lr=3e-3, weight_decay=0.1):
-    return {"lr": lr, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": weight_decay, "groups": list(rules)}
+def optim_cfg(*rules, lr=3e-3, weight_decay=0.1) -> OptimConfig:
+    return OptimConfig.from_dict({"lr": lr, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": weight_decay,
+                                  "groups": list(rules)})
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -132,6 +134,13 @@ def test_names_rule_and_lr_scale_first_match_wins():
     assert {g["name"]: g["lr"] for g in opt.param_groups} == pytest.approx(
         {"no_decay": 2e-3, "attn": 1e-3, "default": 2e-3})
     assert [r["group"] for r in table] == ["no_decay", "attn", "default"]
+
+
+@pytest.mark.parametrize("builder", [build_optimizer, build_param_groups])
+def test_builders_take_the_typed_config_only(builder):
+    with pytest.raises(TypeError) as e:
+        builder(Toy(), {"lr": 1e-3})
+    assert str(e.value).startswith(f"{builder.__name__} takes an OptimConfig") and "\n" not in str(e.value)
 
 
 def test_rule_matching_nothing_and_bad_config_raise():

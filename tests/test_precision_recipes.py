@@ -141,6 +141,8 @@ def test_bf16_table_rows_are_what_autocast_does():
     ({"name": "fp16", "loss_scale": {"growth_factor": 0.5}}, "precision.loss_scale.growth_factor"),
     ({"name": "bf16", "autocast_dtype": "bfloat16"}, "precision.autocast_dtype"),
     ({"name": "fp8_block", "autocast_dtype": "float8"}, "precision.autocast_dtype"),
+    ({"name": "fp8_block", "fused_quant": "auto"}, "precision.fused_quant"),
+    ({"name": "bf16", "fused_quant": True}, "precision.fused_quant"),
 ])
 def test_bad_config_raises_one_line_naming_the_key(cfg, key):
     with pytest.raises(ValueError) as e:

@@ -9,9 +9,11 @@ import pytest
 import torch
 
 from data import build_data
+from data.config import DataConfig
 from model import Transformer
 from optim import build_optimizer, clip_grad_norm
 from optim.accumulate import count_valid_tokens, forward_backward
+from optim.config import OptimConfig
 from optim.scaler import DynamicLossScaler
 from precision import build_recipe, optimizer_step
 from helpers import in_group, model_config, precision_config, spawn
@@ -24,11 +26,11 @@ OPTIM = {"lr": 1e-2, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1,
 
 
 def setup(seed=0):
-    ds = build_data(DATA)
+    ds = build_data(DataConfig.from_dict(DATA))
     torch.manual_seed(seed)
     model = Transformer(model_config({"vocab_size": ds.vocab_size, "seq_len": 16, "d_model": 32,
                                                "n_layers": 2, "n_heads": 2}))
-    return ds, model, build_optimizer(model, OPTIM)[0]
+    return ds, model, build_optimizer(model, OptimConfig.from_dict(OPTIM))[0]
 
 
 def backward(model, ds, loss_scale=None, autocast=None, start=0):

@@ -8,6 +8,7 @@ import torch
 from model import ModelConfig, Transformer
 from optim import build_optimizer
 from optim.config import QKClipConfig
+from optim.config import OptimConfig
 from optim.qk_clip import QKClip
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -25,7 +26,7 @@ def _model(kv, **kw):
 @pytest.mark.parametrize("opt_name", ["adamw", "muon"])
 def test_after_a_step_every_head_is_at_most_tau_and_heads_under_tau_are_untouched(kv, opt_name):
     model = _model(kv)
-    opt, _ = build_optimizer(model, {"name": opt_name, "lr": 1e-2, "weight_decay": 0.1, "groups": []})
+    opt, _ = build_optimizer(model, OptimConfig(name=opt_name, lr=1e-2, weight_decay=0.1, groups=[]))
     g = torch.Generator().manual_seed(1)
     micro = [torch.randint(29, (3, 16), generator=g) for _ in range(2)]
     for x in micro:

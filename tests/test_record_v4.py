@@ -17,11 +17,14 @@ import yaml
 
 from data import build_data, eval_batches
 from data.batch import IGNORE_INDEX, Batch, content_hash
+from data.config import DataConfig
 from data.loader import Loader
 from model import Transformer
 from model.config import MoEConfig
 from model.moe import MoE, grouped_mm_runs
 from optim.accumulate import count_valid_tokens, forward_backward, reduce_step_sums
+from optim.config import OptimConfig
+from run.config import Config
 from stability.record import RECORD_VERSION, V4_FIELDS, batch_floor, floor_by_source
 from stability.telemetry import moe_summary
 from helpers import TINY, model_config, run_train
@@ -75,7 +78,7 @@ def test_content_hash_is_the_formula_the_records_used():
 
 def tiny(seed: int = 0):
     torch.manual_seed(seed)
-    ds = build_data(DATA)
+    ds = build_data(DataConfig.from_dict(DATA))
     model = Transformer(model_config({**MODEL, "vocab_size": ds.vocab_size, "seq_len": ds.seq_len}))
     return ds, model
 
@@ -134,8 +137,8 @@ def test_weight_norms_per_group_equal_fp64_norms_of_the_parameters():
     from stability.resume_fields import state_summary
 
     ds, model = tiny()
-    opt, _ = build_optimizer(model, {"name": "adamw", "lr": 1e-2, "weight_decay": 0.1, "groups": [
-        {"name": "no_decay", "kinds": ["bias", "norm", "embedding", "router"], "weight_decay": 0.0}]})
+    opt, _ = build_optimizer(model, OptimConfig.from_dict({"name": "adamw", "lr": 1e-2, "weight_decay": 0.1, "groups": [
+        {"name": "no_decay", "kinds": ["bias", "norm", "embedding", "router"], "weight_decay": 0.0}]}))
     assert len(opt.param_groups) >= 2
     loader = Loader(ds, 8)
     for _ in range(2):
@@ -259,7 +262,7 @@ def test_a_run_records_v4_fields_and_its_hashes_rebuild_from_the_sample_ids(tmp_
     assert r.returncode == 0, r.stderr[-3000:]
     records = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines() if x.strip()]
     config = yaml.safe_load((d / "config.yaml").read_text())
-    ds = build_data(config["data"])
+    ds = build_data(Config.from_dict(config).data)
     assert len(records) == 3
     for rec in records:
         assert rec["version"] == RECORD_VERSION == 4 and all(k in rec for k in V4_FIELDS)

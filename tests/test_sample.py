@@ -8,6 +8,7 @@ import sample
 from model import ModelConfig, MoEConfig, Transformer
 from model.generate import KVCache, forward_cached, generate
 from tests.helpers import run_train
+from data.config import DataConfig
 
 TEXT = "ROMEO: But soft, what light through yonder window breaks?\nJULIET: Ay me.\n" * 40
 
@@ -96,7 +97,7 @@ def test_synthetic_prompts_are_ids_or_a_source_name():
     from data import build_data
     from tests.test_data import SYN
 
-    ds = build_data(SYN)
+    ds = build_data(DataConfig.from_dict(SYN))
     bos = [r.start for r in ds.token_ranges()]
     assert sample.encode_prompt(ds, "copy") == [bos[1]]
     assert sample.encode_prompt(ds, f"{bos[0]} {bos[0] + 3}") == [bos[0], bos[0] + 3]

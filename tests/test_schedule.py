@@ -8,8 +8,8 @@ import math
 import pytest
 
 from optim import build_optimizer, build_scheduler, lr_factor
-from optim.config import ScheduleConfig
 from test_optim import NO_DECAY, Toy, optim_cfg
+from optim.config import ScheduleConfig
 
 
 def sched(name, warmup=10, ratio=0.1, **kw):
@@ -95,13 +95,20 @@ def test_a_schedule_that_fits_is_not_clamped(cfg):
     assert ScheduleConfig.from_dict(cfg).clamp_note(100) is None
 
 
+def test_build_scheduler_takes_the_typed_config_only():
+    opt, _ = build_optimizer(Toy(), optim_cfg())
+    with pytest.raises(TypeError) as e:
+        build_scheduler(opt, sched("cosine"), 10)
+    assert str(e.value).startswith("build_scheduler takes a ScheduleConfig") and "\n" not in str(e.value)
+
+
 def test_lambdalr_resume_is_exact():
     cfg = optim_cfg(NO_DECAY, {"name": "attn", "names": ["*.attn.*"], "lr_scale": 0.5})
     s_cfg, T = sched("cosine"), 40
 
     def make():
         opt, _ = build_optimizer(Toy(), cfg)
-        return opt, build_scheduler(opt, s_cfg, T)
+        return opt, build_scheduler(opt, ScheduleConfig.from_dict(s_cfg), T)
 
     def run(opt, sch, n):
         lrs = []

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from data import Loader, TextDataset, build_data
+from data.config import DataConfig
 from data.shards import ShardedTextDataset
 
 DOCS = ["".join(f"doc {d} line {i}: the quick brown fox {i * d} jumps.\n" for i in range(20 + d)) for d in range(4)]
@@ -24,9 +25,9 @@ def corpus(tmp_path, monkeypatch):
     return d
 
 
-def cfg(path, cache, **kw) -> dict:
-    return {"kind": "text", "path": path, "cache": str(cache), "seq_len": 16, "seed": 7, "val_fraction": 0.1,
-            "shard_tokens": 300, "num_proc": 1, **kw}
+def cfg(path, cache, **kw) -> DataConfig:
+    return DataConfig.from_dict({"kind": "text", "path": path, "cache": str(cache), "seq_len": 16, "seed": 7,
+                                 "val_fraction": 0.1, "shard_tokens": 300, "num_proc": 1, **kw})
 
 
 @pytest.mark.parametrize("tokenizer", ["byte", "char", "bpe"])

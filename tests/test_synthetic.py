@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from data import IGNORE_INDEX, PAD_ID, SyntheticMixture, build_data
+from data.config import DataConfig
 
 DEFAULT = {
     "kind": "synthetic", "seq_len": 128, "min_doc_len": 16, "seed": 1234,
@@ -71,7 +72,7 @@ def _ratio_and_se(sum_i, n_i):
 
 
 def test_mean_floor_matches_floor_by_source():
-    ds = build_data(DEFAULT)
+    ds = build_data(DataConfig.from_dict(DEFAULT))
     batch = ds.samples(range(4000))
     valid = batch.labels.numpy() != IGNORE_INDEX
     floor = batch.floor.numpy().astype(np.float64)
@@ -103,7 +104,7 @@ def test_markov_position_floors_match_empirical_means():
 
 
 def test_copy_floor_by_source_matches_naive_loop():
-    ds = build_data(DEFAULT)
+    ds = build_data(DataConfig.from_dict(DEFAULT))
     A, seg, m, T = 32, 12, 16, 128
     sums, counts = [], []
     for L in range(m, T + 2):  # uniform document length; L - 1 labels
@@ -142,7 +143,7 @@ def test_mixture_frequencies_match_weights(weights):
 
 
 def test_set_weights_changes_only_the_source_choice():
-    ds = build_data(DEFAULT)
+    ds = build_data(DataConfig.from_dict(DEFAULT))
     before = ds.samples(range(300))
     floor_before = ds.expected_floor()
     ds.set_weights([0.0, 1.0])
@@ -160,7 +161,7 @@ def test_set_weights_changes_only_the_source_choice():
 
 
 def test_sources_use_disjoint_token_ids():
-    ds = build_data(DEFAULT)
+    ds = build_data(DataConfig.from_dict(DEFAULT))
     ranges = ds.token_ranges()
     ids = [i for r in ranges for i in r]
     assert len(ids) == len(set(ids)) and sorted(ids) == list(range(1, ds.vocab_size))  # 0 is PAD
@@ -178,7 +179,7 @@ def test_sources_use_disjoint_token_ids():
 
 
 def test_samples_are_pure_functions_of_id_and_split():
-    ds = build_data(DEFAULT)
+    ds = build_data(DataConfig.from_dict(DEFAULT))
     a, b = ds.samples([5, 3, 9]), ds.samples([9, 5])
     assert (a.tokens[0] == b.tokens[1]).all() and (a.tokens[2] == b.tokens[0]).all()
     assert (a.floor[2] == b.floor[0]).all() and a.sample_ids.tolist() == [5, 3, 9]
@@ -204,5 +205,5 @@ def test_samples_are_pure_functions_of_id_and_split():
 ])
 def test_bad_config_raises_naming_the_key(patch, needle):
     with pytest.raises(ValueError) as e:
-        build_data({**DEFAULT, **patch})
+        build_data(DataConfig.from_dict({**DEFAULT, **patch}))
     assert needle in str(e.value) and "\n" not in str(e.value)

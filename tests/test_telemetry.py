@@ -13,10 +13,12 @@ import pytest
 import torch
 
 from data import build_data
+from data.config import DataConfig
 from data.loader import Loader
 from model import Transformer
 from optim import build_optimizer
 from optim.accumulate import count_valid_tokens, forward_backward, reduce_step_sums
+from optim.config import OptimConfig
 from optim.scaler import DynamicLossScaler
 from precision import optimizer_step
 from stability.record import floor_by_source
@@ -42,7 +44,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def build(tied: bool = True, seed: int = 0):
     torch.manual_seed(seed)
-    ds = build_data(DATA)
+    ds = build_data(DataConfig.from_dict(DATA))
     model = Transformer(model_config({**MODEL, "tie_embeddings": tied,
                                                "vocab_size": ds.vocab_size, "seq_len": ds.seq_len}))
     return ds, model
@@ -149,7 +151,7 @@ def close(a: float, b: float, rel=1e-5) -> bool:
 @pytest.mark.parametrize("tied, fp16", [(True, False), (False, True)])
 def test_layers_match_naive_recomputation(tied, fp16):
     ds, model = build(tied)
-    opt, _ = build_optimizer(model, {"lr": 1e-2, "weight_decay": 0.1})
+    opt, _ = build_optimizer(model, OptimConfig(lr=1e-2, weight_decay=0.1))
     loader, tel = Loader(ds, BATCH), Telemetry(model, TelemetryConfig(every=1))
     scaler = DynamicLossScaler(init_scale=2.0**10) if fp16 else None
     step(model, model, opt, tel, loader.next().micro_batches(2), 1, scaler)  # Adam state exists now
@@ -199,7 +201,7 @@ def test_telemetry_leaves_training_bit_identical(clamp, monkeypatch):
     params = []
     for every in (0, 1):
         ds, model = build()
-        opt, _ = build_optimizer(model, {"lr": 1e-2, "weight_decay": 0.1})
+        opt, _ = build_optimizer(model, OptimConfig(lr=1e-2, weight_decay=0.1))
         loader, tel = Loader(ds, BATCH), Telemetry(model, TelemetryConfig(every=every))
         outs = [step(model, model, opt, tel, loader.next().micro_batches(2), n)[0] for n in range(1, 5)]
         params.append([p.detach().clone() for p in model.parameters()])
@@ -213,7 +215,7 @@ def _plant_inf_grad(model):
 
 def test_skipped_step_has_zero_update_and_reads_real_params():
     ds, model = build()
-    opt, _ = build_optimizer(model, {"lr": 1e-2})
+    opt, _ = build_optimizer(model, OptimConfig(lr=1e-2))
     loader, tel = Loader(ds, BATCH), Telemetry(model, TelemetryConfig(every=1))
     step(model, model, opt, tel, loader.next().micro_batches(2), 1)
     out, res = step(model, model, opt, tel, loader.next().micro_batches(2), 2, before=_plant_inf_grad)
@@ -238,7 +240,7 @@ def test_skipped_step_has_zero_update_and_reads_real_params():
 
 def test_nan_activation_marks_its_layer_and_every_later_one():
     ds, model = build()
-    opt, _ = build_optimizer(model, {"lr": 1e-2})
+    opt, _ = build_optimizer(model, OptimConfig(lr=1e-2))
     tel = Telemetry(model, TelemetryConfig(every=1))
 
     def plant(module, args, out):  # registered before telemetry's hooks: they see the NaN
@@ -260,7 +262,7 @@ def test_nonfinite_optimizer_state_is_flagged():
     """From the moments' norms the StepRecord takes every step (stability/resume_fields.py): no second pass."""
     from stability.resume_fields import state_nonfinite, state_summary
     ds, model = build()
-    opt, _ = build_optimizer(model, {"lr": 1e-2})
+    opt, _ = build_optimizer(model, OptimConfig(lr=1e-2))
     loader, tel = Loader(ds, BATCH), Telemetry(model, TelemetryConfig(every=1))
     step(model, model, opt, tel, loader.next().micro_batches(2), 1)
     assert state_nonfinite(opt, state_summary(opt, model)) is False
@@ -279,7 +281,7 @@ def test_nonfinite_muon_momentum_is_flagged():
     """State beside Adam's moments (Muon's momentum buffer) is checked on its own."""
     from stability.resume_fields import state_nonfinite, state_summary
     ds, model = build()
-    opt, _ = build_optimizer(model, {"name": "muon", "lr": 1e-2})
+    opt, _ = build_optimizer(model, OptimConfig(name="muon", lr=1e-2))
     loader, tel = Loader(ds, BATCH), Telemetry(model, TelemetryConfig(every=1))
     step(model, model, opt, tel, loader.next().micro_batches(2), 1)
     bufs = [st["momentum_buffer"] for st in opt.state.values() if "momentum_buffer" in st]
@@ -290,7 +292,7 @@ def test_nonfinite_muon_momentum_is_flagged():
 
 def test_large_finite_gradient_is_measured_not_flagged():
     ds, model = build()
-    opt, _ = build_optimizer(model, {"lr": 1e-2})
+    opt, _ = build_optimizer(model, OptimConfig(lr=1e-2))
     tel, ref = Telemetry(model, TelemetryConfig(every=1)), {}
 
     def plant(m):  # |g| = 1e25: Σg² overflows FP32, yet the gradient is finite
@@ -309,7 +311,7 @@ def assert_armed(model):
 
 def test_every_gates_the_work_and_bad_values_name_the_key():
     ds, model = build()
-    opt, _ = build_optimizer(model, {"lr": 1e-2})
+    opt, _ = build_optimizer(model, OptimConfig(lr=1e-2))
     loader = Loader(ds, BATCH)
 
     def no_hooks(m):
@@ -330,7 +332,7 @@ def test_parameters_replaced_after_construction_are_followed():
     ds, model = build()
     tel = Telemetry(model, TelemetryConfig(every=1))  # before the swap, as if built before an FSDP wrap
     model.norm.weight = torch.nn.Parameter(model.norm.weight.detach().clone())
-    opt, _ = build_optimizer(model, {"lr": 1e-2})
+    opt, _ = build_optimizer(model, OptimConfig(lr=1e-2))
     out, _ = step(model, model, opt, tel, Loader(ds, BATCH).next().micro_batches(2), 1)
     assert out["layers"]["norm"]["update_ratio"] > 0  # stale references would read 0
 
@@ -359,7 +361,7 @@ def test_state_summary_equals_fp64_norms_of_the_moments_and_weights():
 
     torch.manual_seed(0)
     model = Transformer(model_config({**MODEL, "vocab_size": 8, "seq_len": 16}))
-    opt, _ = build_optimizer(model, {"name": "adamw", "lr": 1e-2})
+    opt, _ = build_optimizer(model, OptimConfig(name="adamw", lr=1e-2))
     for _ in range(2):
         model(torch.randint(0, 8, (2, 16)), torch.randint(0, 8, (2, 16))).loss_sum.backward()
         opt.step()

@@ -7,6 +7,7 @@ import torch
 
 from data.loader import Loader
 from optim import build_optimizer
+from optim.config import OptimConfig
 from parallel import Dist, wrap_model
 from parallel.config import ParallelConfig
 from stability.config import TelemetryConfig
@@ -24,7 +25,7 @@ def run_steps(dist: Dist, mode: str, micro: int, perturb_rank: int | None = None
     the all-reduce (as if its reduction had been lost)."""
     ds, model = build()
     wrapped = wrap_model(model, ParallelConfig(mode=mode), dist)
-    opt, _ = build_optimizer(model, {"lr": 1e-2, "weight_decay": 0.1})  # after sharding: DTensor params
+    opt, _ = build_optimizer(model, OptimConfig(lr=1e-2, weight_decay=0.1))  # after sharding: DTensor params
     loader, tel = Loader(ds, BATCH, dist.rank, dist.world), Telemetry(model, TelemetryConfig(every=1))
     outs, records = [], []
     for n in range(1, STEPS + 1):

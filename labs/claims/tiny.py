@@ -10,11 +10,12 @@ import math
 
 import torch
 
-from data import build_data
+from data import DataConfig, build_data
 from data.loader import Loader
 from model import ModelConfig, Transformer
 from optim import build_optimizer, build_scheduler
 from optim.accumulate import count_valid_tokens, forward_backward
+from optim.config import OptimConfig
 from precision import optimizer_step
 
 # Two sources of very different difficulty; documents of uniform random length in [min_doc_len, 33],
@@ -29,17 +30,17 @@ CONSTANT = {"name": "constant", "warmup_steps": 0}
 COSINE = {"name": "cosine", "warmup_steps": 0, "min_lr_ratio": 0.1}
 
 
-def optim_cfg(lr: float, schedule: dict = CONSTANT) -> dict:
+def optim_cfg(lr: float, schedule: dict = CONSTANT) -> OptimConfig:
     # NOTE: constant by default: most claims are about one step's arithmetic or about the LR itself,
     # and a warmup would blur both. A lab that compares end-of-run losses decays (less step noise).
-    return {"lr": lr, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1,
-            "groups": [{"name": "no_decay", "kinds": ["norm", "embedding"], "weight_decay": 0.0}],
-            "schedule": schedule}
+    return OptimConfig.from_dict({"lr": lr, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1,
+                                  "groups": [{"name": "no_decay", "kinds": ["norm", "embedding"], "weight_decay": 0.0}],
+                                  "schedule": schedule})
 
 
 def build(seed: int, data: dict | None = None, model: dict | None = None, init_seed: int | None = None):
     """(dataset, model): data seed `seed`, init seed `init_seed` (default: `seed`)."""
-    dataset = build_data({**DATA, **(data or {}), "seed": seed})
+    dataset = build_data(DataConfig.from_dict({**DATA, **(data or {}), "seed": seed}))
     torch.manual_seed(seed if init_seed is None else init_seed)
     net = Transformer(ModelConfig(**{**MODEL, **(model or {})}).for_data(dataset))
     return dataset, net
@@ -47,8 +48,9 @@ def build(seed: int, data: dict | None = None, model: dict | None = None, init_s
 
 def make_optimizer(model, lr: float, steps: int = 1, schedule: dict = CONSTANT):
     """The repository's AdamW over its parameter groups, and the scheduler (optim/)."""
-    optimizer, _ = build_optimizer(model, optim_cfg(lr, schedule))
-    return optimizer, build_scheduler(optimizer, schedule, steps)
+    cfg = optim_cfg(lr, schedule)
+    optimizer, _ = build_optimizer(model, cfg)
+    return optimizer, build_scheduler(optimizer, cfg.schedule, steps)
 
 
 def train_step(model, optimizer, scheduler, loader: Loader, max_grad_norm: float | None, z_coef: float = 0.0,

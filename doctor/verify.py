@@ -1,0 +1,357 @@
+"""The doctor proves its diagnosis: re-execute the incident, test two hypotheses by counterfactual replay, and
+run the one-variable fix (docs/course.md §5: "two hypotheses refuted, one single-variable fix, and the
+regression result").
+
+    python -m doctor runs/<run> --verify [--budget STEPS]
+
+For the first incident judged a fault (or, on a healthy run, the first natural one), at step S:
+
+1. Rebuild the state before it: the run's own command line (environment.json) re-run from the newest
+   checkpoint at or before S − 3, or from step 0 when there is none (refused when this checkout is not the
+   run's commit), saving steps S − 2 and S − 1. Its records must equal the run's bit for bit, else stop.
+2. Re-execute step S from S − 1 (train.py, FP32, drills and guard as configured) and in FP64 (doctor/replay.py,
+   forward only). Attribution: reproduced bit for bit (deterministic: the data, the state or the
+   computation), not reproduced (transient: outside the recorded run), and whether FP64 agrees (numerics).
+3. Two counterfactuals chosen by the class (COUNTERFACTUALS), each a replay that changes one thing
+   (stability/intervene.py): the deviation of the incident's quantity stays (the hypothesis is refuted) or goes
+   (supported), with the numbers.
+4. The fix (doctor/fixes.py `verify` override) from the state before the incident, over S .. S + 2 × the
+   detector window: the doctor on that window must find no fault from S on, and the loss gap to the exact
+   floor by source no worse than the run's; a natural incident gets no fix (the run recovered by itself).
+
+Every run is a directory under runs/<run>/verify/ with its config and records; report.json gains `verified`
+and report.md a "Verified" section with each command.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from checkpoint.resume import MUST_MATCH, _under
+from doctor.rules import Diagnosis, diagnose
+from doctor.timeline import Run
+from doctor.replay import trajectory
+from doctor.verify_records import (VerifyError, first_record, gap_by_source, noise_by_source, record_diff, value_in,
+                                   without_inputs)
+from run.argv import without
+from stability.record import read_records
+from stability.signals import family
+
+ROOT = Path(__file__).resolve().parents[1]
+# class -> the two hypotheses its counterfactuals test (a hypothesis: HYPOTHESES below); every other class
+# tests the batch against the state that met it
+COUNTERFACTUALS = {"optim.state": ("batch", "moments"), "optim.lr_switch": ("batch", "lr")}
+DEFAULT_CF = ("batch", "state")
+HYPOTHESES = {
+    "batch": "the batch: the same state with the neighbouring batch (step S + 1's ids)",
+    "state": "the state: the same batch one step earlier (the parameters and moments of step S − 2)",
+    "moments": "the optimizer state: the moments as the optimizer's own update wrote them (a later writer undone)",
+    "lr": "the schedule: step S with every group's LR on its schedule",
+}
+GOES, STAYS = 0.25, 0.5  # the deviation's remaining share: at most GOES supports, at least STAYS refutes
+RUN_CONTROL = ("hydra.run.dir", "resume", "checkpoint.every", "checkpoint.stop_after", "checkpoint.keep_last",
+               "logging.progress", "logging.wandb", "logging.plot", "intervene")
+QUIET = ["logging.progress=false", "logging.wandb=disabled", "logging.plot=false"]
+
+
+@dataclass
+class Launch:
+    name: str
+    overrides: list[str]
+    steps: int                 # optimizer steps it runs
+    command: str = ""
+    seconds: float = 0.0
+
+
+@dataclass
+class Verifier:
+    run_dir: Path
+    budget: int = 1000         # replayed optimizer steps, all runs together
+    say: object = print
+    launches: list[Launch] = field(default_factory=list)
+
+    # ---- the runs ----------------------------------------------------------------------------------------
+    def launch(self, name: str, overrides: list[str], steps: int, seed_records: list[dict] | None = None) -> Path:
+        """train.py with the run's own argv and `overrides` into verify/<name> (seeded with records when a
+        window is continued); raises VerifyError with train.py's last line when it fails."""
+        out = self.run_dir / "verify" / name
+        if out.exists():
+            shutil.rmtree(out)
+        out.mkdir(parents=True)
+        if seed_records:
+            (out / "metrics.jsonl").write_text("".join(json.dumps(r, allow_nan=True) + "\n" for r in seed_records))
+        argv = [*without(self.argv, RUN_CONTROL), f"hydra.run.dir={out}", *QUIET, *overrides]
+        cmd = [*self.launcher, "train.py", *argv]
+        shown = " ".join(cmd[1:] if cmd[0] == sys.executable else cmd)
+        used = sum(x.steps for x in self.launches)
+        self.say(f"verify: {name}: {steps} step(s) ({used + steps}/{self.budget} of the budget)")
+        t0 = time.perf_counter()
+        env = {**os.environ, "WANDB_MODE": "disabled"}
+        r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+        self.launches.append(Launch(name, overrides, steps, ("python " if cmd[0] == sys.executable else "") + shown,
+                                    time.perf_counter() - t0))
+        (out / "train.log").write_text(r.stdout + r.stderr)
+        if r.returncode not in (0, 3):  # 3: the guard stopped it (its records stand)
+            last = (r.stderr.strip() or r.stdout.strip()).splitlines()[-1:] or ["no output"]
+            raise VerifyError(f"the {name} run failed ({r.returncode}): {last[0]} (see {out / 'train.log'})")
+        return out
+
+    # ---- the protocol ------------------------------------------------------------------------------------
+    def verify(self) -> dict:
+        run, diag, _ = diagnose(self.run_dir)
+        target = next((i for i in diag.incidents if i.judgement and i.judgement.verdict == "fault"), None)
+        natural = target is None
+        if natural:
+            target = next(iter(diag.incidents), None)
+        if target is None or target.step is None:
+            return {"status": "nothing to verify", "why": "no incident: the run is healthy and nothing deviated"}
+        self.prepare(run, target)
+        S, q = target.step, target.anomaly.quantity
+        self.say(f"verify: {'natural incident' if natural else target.fault_class} at step {S} ({q})")
+        cps = self.rebuild(run, S)
+        attribution = self.attribute(run, target, cps)
+        if not attribution["reproduced"]:  # nothing in the rerun to change: its cause was outside the records
+            why = ("the incident does not reproduce from the state and the batch: a replay that changes one thing "
+                   "has no deviation to remove")
+            cfs, fix = [], {"ran": False, "why": "no rerun contains its cause: guard against it online "
+                                                 "(guard.action=skip or rollback)", "counterfactuals": why}
+        else:
+            cfs = [self.counterfactual(run, target, kind, cps)
+                   for kind in COUNTERFACTUALS.get(target.fault_class, DEFAULT_CF)]
+            fix = self.recovered(target) if natural else self.fix(run, diag, target, cps)
+        return {"status": "verified", "step": S, "class": target.fault_class, "quantity": q,
+                "judgement": "natural" if natural else "fault", "attribution": attribution,
+                "counterfactuals": cfs, "fix": fix, "budget": self.budget,
+                "replayed_steps": sum(x.steps for x in self.launches),
+                "runs": [{"name": x.name, "steps": x.steps, "seconds": round(x.seconds, 1), "command": x.command}
+                         for x in self.launches]}
+
+    def prepare(self, run: Run, target: Diagnosis) -> None:
+        env_file = self.run_dir / "environment.json"
+        env = json.loads(env_file.read_text()) if env_file.is_file() else {}
+        if env.get("argv") is None:
+            raise VerifyError(f"{env_file}: no recorded command line (argv) to re-execute")
+        self.argv, self.env = list(env["argv"]), env
+        world = int(env.get("world") or 1)
+        self.launcher = [sys.executable] if world <= 1 else ["torchrun", "--standalone", f"--nproc_per_node={world}"]
+        self.path = trajectory(run.records, target.step)  # the records that led to the incident
+        self.config = run.config
+
+    def rebuild(self, run: Run, S: int) -> dict[int, Path]:
+        """Checkpoints of steps S − 2 and S − 1, from the run's own newest checkpoint at or before S − 3 or
+        from step 0; the rebuilt records compared with the run's, bit for bit."""
+        if S < 3:
+            raise VerifyError(f"step {S}: too early to rebuild the two steps before it")
+        from checkpoint import publish
+        from doctor.cli import checkpoint_root
+        root = checkpoint_root(run)
+        found = [(s, p) for s, p in publish.list_steps(root) if s <= S - 3
+                 and publish.check(p, verify_hashes=False) is None] if root.is_dir() else []
+        start = found[-1] if found else None
+        if start is None:
+            from checkpoint.state import git_commit
+            was, now = str(self.env.get("git", "unknown")), git_commit()
+            if was != now:
+                raise VerifyError(f"the run was trained at commit {was}, this checkout is {now}: a rebuild from "
+                                  f"step 0 would not be the same run (check out {was}, or keep a checkpoint before "
+                                  f"step {S})")
+        k = start[0] if start else 0
+        steps = S - 1 - k
+        if steps + 4 > self.budget:
+            raise VerifyError(f"--budget={self.budget}: rebuilding steps {k + 1}..{S - 1} alone needs {steps} steps")
+        over = [f"checkpoint.stop_after={S - 1}", f"checkpoint.every={S - 2}", "checkpoint.keep_last=3"]
+        if start:
+            over.append(f"resume.path={start[1].resolve()}")
+        out = self.launch("rebuild", over, steps)
+        from stability.inputs import InputBaseline
+        running = InputBaseline.RUNNING if start else ()  # not in a checkpoint: a resumed process restarts them
+        mine = read_records(out / "metrics.jsonl")
+        for r in mine:
+            ref = self.path.get(r["step"])
+            diff = record_diff(without_inputs(ref, running), without_inputs(r, running)) if ref else \
+                "no such step in the run"
+            if diff:
+                raise VerifyError(f"the rebuild departs from the run at step {r['step']}: {diff} (the run is not "
+                                  f"reproducible here: another machine, thread count or code)")
+        cps = {s: p for s, p in publish.list_steps(out / "checkpoints")}
+        if S - 1 not in cps or S - 2 not in cps:
+            raise VerifyError(f"the rebuild saved no checkpoint of step {S - 2} and {S - 1} (under {out})")
+        self.rebuilt = {"from": f"checkpoint {start[1].name}" if start else "step 0 (the run's config)",
+                        "steps": [k + 1, S - 1], "records_equal": len(mine)}
+        return cps
+
+    def attribute(self, run: Run, target: Diagnosis, cps: dict[int, Path]) -> dict:
+        S = target.step
+        out = self.launch("replay", [f"resume.path={cps[S - 1].resolve()}", f"checkpoint.stop_after={S}",
+                                     "checkpoint.every=0"], 1)
+        rec = first_record(out, S)
+        orig = self.path[S]
+        from stability.inputs import InputBaseline
+        # the whole record (the wall clock aside; the replay is a resumed process: see rebuild)
+        diff = record_diff(without_inputs(orig, InputBaseline.RUNNING), without_inputs(rec, InputBaseline.RUNNING))
+        same = diff is None
+        share = self.share(target, rec, S)
+        reproduced = share >= STAYS if share is not None else same
+        from doctor.replay import replay
+        self.say("verify: replay in float64 (forward only)")
+        r64 = replay(self.run_dir, S, "float64", checkpoint=cps[S - 1])
+        r32 = replay(self.run_dir, S, "float32", checkpoint=cps[S - 1])
+        rel = abs(r64.loss - r32.loss) / max(abs(r32.loss), 1e-30) if math.isfinite(r64.loss + r32.loss) else math.nan
+        if reproduced and same:
+            verdict = ("reproduced bit for bit in FP32 from the state before it: deterministic — the data, the "
+                       "state or the computation, not a transient event")
+        elif reproduced:
+            verdict = f"reproduced in FP32, not bit for bit (first difference: {diff}): deterministic in its size"
+        else:
+            verdict = ("not reproduced from the state and the batch: transient (outside the recorded run: a device, "
+                       "a non-deterministic kernel or an injected event; on a CPU every kernel here is deterministic)")
+        if r32.first_nonfinite and not r64.first_nonfinite:
+            numerics = f"FP64 removes it (FP32's first non-finite layer {r32.first_nonfinite} is finite in FP64): numerics"
+        elif math.isfinite(rel):
+            numerics = (f"the FP64 forward agrees with FP32 to {rel:.1e} relative (loss {r64.loss:.8g} vs "
+                        f"{r32.loss:.8g}): precision does not explain it")
+        else:
+            numerics = f"non-finite in FP64 too ({r64.first_nonfinite or 'the loss'}): not a precision effect"
+        return {"verdict": verdict, "bit_identical": same, "reproduced": reproduced,
+                "deviation_share": share, "fp64": numerics,
+                "fp64_loss": r64.loss, "fp32_loss": r32.loss, "rebuilt": self.rebuilt,
+                "replay_loss": rec.get("loss"), "logged_loss": orig.get("loss")}
+
+    def counterfactual(self, run: Run, target: Diagnosis, kind: str, cps: dict[int, Path]) -> dict:
+        S, b = target.step, self.path[target.step]["batch"]
+        nxt = self.path.get(S + 1, {}).get("batch") or {"first": b["first"] + b["size"]}
+        if kind == "state":  # the incident's batch one step earlier, on the state of step S − 2
+            over, at = [f"resume.path={cps[S - 2].resolve()}", f"checkpoint.stop_after={S - 1}",
+                        "intervene.kind=batch", f"intervene.step={S - 1}", f"intervene.first_id={b['first']}"], S - 1
+        elif kind == "batch":
+            over, at = [f"resume.path={cps[S - 1].resolve()}", f"checkpoint.stop_after={S}", "intervene.kind=batch",
+                        f"intervene.step={S}", f"intervene.first_id={nxt['first']}"], S
+        elif kind == "moments":  # the moments step T's update wrote: T = S for the state S recorded, else S − 1
+            T = moments_step(target)
+            over, at = [f"resume.path={cps[T - 1].resolve()}", f"checkpoint.stop_after={S}", "intervene.kind=moments",
+                        f"intervene.step={T}"], S
+        else:
+            over, at = [f"resume.path={cps[S - 1].resolve()}", f"checkpoint.stop_after={S}", "intervene.kind=lr",
+                        f"intervene.step={S}"], S
+        first = S - 2 if kind == "state" else moments_step(target) - 1 if kind == "moments" else S - 1  # resumed at
+        out = self.launch(f"cf-{kind}", [*over, "checkpoint.every=0"], at - first)
+        rec = first_record(out, at)
+        share = self.share(target, rec, at)
+        if share is None:
+            verdict = "inconclusive: the quantity is not in the replayed record"
+        elif share <= GOES:
+            verdict = "supported: the deviation goes"
+        elif share >= STAYS:
+            verdict = "refuted: the deviation stays"
+        else:
+            verdict = "inconclusive: the deviation shrinks only in part"
+        return {"hypothesis": kind, "tests": HYPOTHESES[kind], "verdict": verdict, "deviation_share": share,
+                "value": value_in(self.path, rec, at, target.anomaly.quantity, self.config),
+                "logged": target.anomaly.value, "baseline": target.anomaly.baseline,
+                "loss": rec.get("loss"), "grad_norm": rec.get("grad_norm"), "command": self.launches[-1].command}
+
+    def share(self, target: Diagnosis, rec: dict, at: int) -> float | None:
+        """How much of the incident's deviation a replayed record keeps: (f(v) − f(base)) / (f(logged) − f(base)),
+        f = log for a log-scored signal; a non-finite value keeps all of a non-finite deviation."""
+        a = target.anomaly
+        v = value_in(self.path, rec, at, a.quantity, self.config)
+        if v is None:
+            return None
+        if not math.isfinite(a.value):
+            return 1.0 if not math.isfinite(v) else 0.0
+        if not math.isfinite(v):
+            return math.inf
+        if a.baseline is None:
+            return None
+        sig = family(a.quantity)
+        f = (lambda x: math.log(max(x, 1e-30))) if sig and sig.log else (lambda x: x)
+        d = f(a.value) - f(a.baseline)
+        return (f(v) - f(a.baseline)) / d if d else None
+
+    def fix(self, run: Run, diag: Diagnosis, target: Diagnosis, cps: dict[int, Path]) -> dict:
+        from doctor.cli import checkpoint_before
+        from doctor.fixes import fix_for
+        S = target.step
+        fx = fix_for(target, run, checkpoint_before(run, S))
+        over = (fx.get("override") or "").split()
+        if not over:
+            return {"ran": False, "fix": fx, "why": "the fix is not a config change (" + fx["change"] + ")"}
+        window = int((((self.config.get("guard") or {}).get("detector") or {}).get("window")) or 30)
+        # capped at the run's own last step: the window is compared with what the run did without the fix
+        end = min(S + 2 * window, int(self.config["train"]["steps"]), max(r["step"] for r in run.records))
+        at = [int(o.split("=", 1)[1]) for o in over if o.startswith("intervene.step=")]
+        start = min([S - 1, *(t - 1 for t in at)])  # an intervention acts from its own step on
+        if start not in cps:
+            return {"ran": False, "fix": fx, "why": f"the fix acts at step {start + 1}, before the rebuilt state"}
+        left = self.budget - sum(x.steps for x in self.launches)
+        end = min(end, start + left)
+        if end <= S:
+            return {"ran": False, "fix": fx, "why": f"--budget={self.budget} leaves no step past {S} for the fix"}
+        keys = [o.split("=", 1)[0].lstrip("+") for o in over]
+        defining = [k for k in keys if _under(k, MUST_MATCH)]  # a resume must be told of these
+        allow = [f"resume.allow_config_change=[{','.join(defining)}]"] if defining else []
+        seed = [r for t, r in sorted(self.path.items()) if t <= start]
+        out = self.launch("fix", [f"resume.path={cps[start].resolve()}", f"checkpoint.stop_after={end}",
+                                  "checkpoint.every=0", *allow, *over], end - start, seed_records=seed)
+        _, fdiag, _ = diagnose(out)
+        faults = [i for i in fdiag.incidents if i.judgement and i.judgement.verdict == "fault" and i.step >= S - 1]
+        # NOTE: the run's other faults in the window are not the fix's to remove: only a fault the run without
+        # the fix did not have (within 2 steps) counts against it
+        theirs = [i for i in diag.incidents if i is not target and i.judgement and i.judgement.verdict == "fault"]
+        again = [i for i in faults if i.fault_class == target.fault_class and abs(i.step - S) <= 2]
+        new = [i for i in faults if i not in again and not any(
+            o.fault_class == i.fault_class and abs(o.step - i.step) <= 2 for o in theirs)]
+        # "nothing else moved": the window's floor gap by source against the clean run before the incident
+        # (a learning run's gap falls, so the fix must not leave it above where it was), two means of different
+        # batches, each with the per-step spread / √n
+        after = gap_by_source(read_records(out / "metrics.jsonl"), S + (end - S) // 2, end)
+        before = gap_by_source(list(self.path.values()), S - max((end - S) // 2, 1) - 1, S - 1)
+        without = gap_by_source(list(self.path.values()) + self.tail(S, end), S + (end - S) // 2, end)
+        noise = noise_by_source(self.path, S, window)
+        worse = {s: (after[s][0], before[s][0]) for s in after if s in before and after[s][0] > before[s][0]
+                 + 3 * noise.get(s, 0.0) * math.sqrt(1 / after[s][1] + 1 / before[s][1])}
+        if not again and not new and not worse:
+            verdict = (f"worked: {target.fault_class} gone, no new fault from step {S} to {end}, and no source's "
+                       f"floor gap above the run's before the incident")
+        elif again:
+            verdict = f"did not work: {target.fault_class} again at step {again[0].step}"
+        elif new:
+            verdict = f"did not work: {new[0].fault_class} at step {new[0].step} instead"
+        else:
+            verdict = "did not work: the floor gap grew for " + ", ".join(sorted(worse))
+        left_faults = faults
+        return {"ran": True, "fix": fx, "overrides": over, "window": [S, end], "verdict": verdict,
+                "faults_left": [{"step": i.step, "class": i.fault_class, "also_without_fix": i not in again + new}
+                                for i in left_faults],
+                "floor_gap": {"fix": {s: m for s, (m, _) in after.items()},
+                              "before": {s: m for s, (m, _) in before.items()},
+                              "without_fix": {s: m for s, (m, _) in without.items()}}, "noise_per_step": noise,
+                "command": self.launches[-1].command}
+
+    def tail(self, S: int, end: int) -> list[dict]:
+        """The run's own records after the incident on the path (the comparison's "without the fix")."""
+        recs = read_records(self.run_dir / "metrics.jsonl")
+        last = {}
+        for r in recs:
+            if S <= r["step"] <= end:
+                last.setdefault(r["step"], r)  # the first execution of each step: what happened without a fix
+        return [last[t] for t in sorted(last) if t not in self.path]
+
+    def recovered(self, target: Diagnosis) -> dict:
+        j = target.judgement
+        return {"ran": False, "why": f"a natural incident is not fixed: the run recovers without intervention "
+                                     f"({j.reason if j else 'judged natural'})"}
+
+
+def moments_step(target: Diagnosis) -> int:
+    """The step whose update wrote the moments in question: the incident's own when its quantity is the
+    optimizer state it recorded after that update, else the step before (its update used them)."""
+    q = target.anomaly.quantity
+    return target.step if q.startswith("state.") else target.step - 1
