@@ -15,10 +15,8 @@ same side (e.g. telemetry every step against telemetry off).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -26,6 +24,9 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from bench.report import Report  # noqa: E402
+
 QUIET = ["threads=1", "logging.progress=false", "logging.wandb=disabled", "logging.plot=false"]
 
 
@@ -54,6 +55,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", type=Path, help="also write the tables as markdown here")
     a = ap.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
     sides = ["ref", "now"]
     got = {(arm, side): [] for arm in a.arms for side in sides}  # (cpu ms, wall ms) per run
     with tempfile.TemporaryDirectory(prefix="ab-step-") as tmp:
@@ -69,33 +71,24 @@ def main(argv=None) -> int:
                           flush=True)
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(base)], cwd=ROOT, check=False)
-    commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip()
     ref = subprocess.run(["git", "rev-parse", "--short=12", a.ref], cwd=ROOT, capture_output=True,
                          text=True).stdout.strip()
-    head = (f"{datetime.date.today()}, {a.ref} ({ref}) vs the working tree ({commit} + edits), "
-            f"{platform.machine()}, {os.cpu_count()} CPUs, threads=1; {a.rounds} rounds of {a.steps}-step runs, "
-            f"median of steps 3..{a.steps - 1} per run")
-    lines = ["# Step time, working tree vs ref (`python -m bench.ab_step`)", "", head, "",
-             "| arm | ref CPU ms/step | now CPU ms/step | now / ref CPU | ref wall ms | now wall ms |",
-             "|---|---|---|---|---|---|"]
-    for arm in a.arms:
-        ref_r, now_r = got[arm, "ref"], got[arm, "now"]
-        lines.append(f"| {arm or 'default'} | {statistics.median(x[0] for x in ref_r):.0f} | "
-                     f"{statistics.median(x[0] for x in now_r):.0f} | "
-                     f"{spread([n[0] / r[0] - 1 for r, n in zip(ref_r, now_r)])} | "
-                     f"{statistics.median(x[1] for x in ref_r):.0f} | {statistics.median(x[1] for x in now_r):.0f} |")
+    rep = Report("Step time, working tree vs ref", "python -m bench.ab_step", argv)
+    rep.add(f"{a.ref} ({ref}) against the working tree, threads=1; {a.rounds} rounds of {a.steps}-step runs, the "
+            f"median of steps 3..{a.steps - 1} per run; the ratio is per round (median, range).", "")
+    rep.table(["arm", "ref CPU ms/step", "now CPU ms/step", "now / ref CPU", "ref wall ms", "now wall ms"],
+              [(arm or "default", f"{statistics.median(x[0] for x in got[arm, 'ref']):.0f}",
+                f"{statistics.median(x[0] for x in got[arm, 'now']):.0f}",
+                spread([n[0] / r[0] - 1 for r, n in zip(got[arm, "ref"], got[arm, "now"])]),
+                f"{statistics.median(x[1] for x in got[arm, 'ref']):.0f}",
+                f"{statistics.median(x[1] for x in got[arm, 'now']):.0f}") for arm in a.arms])
     if len(a.arms) > 1:
         first = a.arms[0]
-        lines += ["", f"Each arm against `{first or 'default'}` on the same side (CPU time, per round):", "",
-                  "| arm | ref | now |", "|---|---|---|"]
-        for arm in a.arms[1:]:
-            cells = [spread([x[0] / y[0] - 1 for x, y in zip(got[arm, side], got[first, side])]) for side in sides]
-            lines.append(f"| {arm or 'default'} | {cells[0]} | {cells[1]} |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if a.out:
-        a.out.write_text(text)
+        rep.add(f"Each arm against `{first or 'default'}` on the same side (CPU time, per round):", "")
+        rep.table(["arm", "ref", "now"],
+                  [(arm or "default", *(spread([x[0] / y[0] - 1 for x, y in zip(got[arm, side], got[first, side])])
+                                        for side in sides)) for arm in a.arms[1:]])
+    rep.write(a.out)
     return 0
 
 

@@ -17,16 +17,17 @@ from __future__ import annotations
 
 import argparse
 import collections
-import datetime
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from bench.report import Report  # noqa: E402
+
 READS = ("item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__")
 QUIET = ["threads=1", "logging.progress=false", "logging.wandb=disabled", "logging.plot=false"]
 # name: (overrides, processes). The default job is the quickstart as `python train.py` runs it (its guard
@@ -163,6 +164,7 @@ def main(argv=None) -> int:
     ap.add_argument("--sites", action="store_true", help="print each step's call sites")
     ap.add_argument("--out", type=Path, help="also write the tables as markdown here")
     a = ap.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
     kinds = ("step 1", "plain", "telemetry", "evaluation", "telemetry + evaluation")
     rows, default_sites = [], {}
     for name in a.only or CONFIGS:
@@ -179,24 +181,17 @@ def main(argv=None) -> int:
             for e in steps:
                 default_sites.setdefault(kind(e), e["sites"])
         print(f"{name}: " + " ".join(f"{s}:{n}" for s, n in per_step(book).items()), flush=True)
-    commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip()
-    head = (f"{datetime.date.today()}, commit {commit}, {platform.machine()}, torch CPU; each configuration "
-            f"is the default job with one change, {a.steps} steps (checkpoint.stop_after: the last one evaluates), "
-            f"rank 0's count of the calls a GPU would wait at")
-    lines = ["# Device-to-host reads per step (`python -m bench.host_syncs`)", "", head, "",
-             "| configuration | processes | " + " | ".join(kinds) + " |", "|---|---|" + "---|" * len(kinds)]
-    lines += [f"| {name} | {nproc} | " + " | ".join(span(got[k]) for k in kinds) + " |" for name, nproc, got in rows]
+    rep = Report("Device-to-host reads per step", "python -m bench.host_syncs", argv)
+    rep.add(f"Each configuration is the default job with one change, {a.steps} steps (checkpoint.stop_after: the "
+            "last one evaluates); rank 0's count of the calls a GPU would wait at, by kind of step.", "")
+    rep.table(["configuration", "processes", *kinds],
+              [(name, nproc, *(span(got[k]) for k in kinds)) for name, nproc, got in rows])
     if default_sites:
-        lines += ["", "The default job's reads by call site:", "", "| call site | " + " | ".join(kinds) + " |",
-                  "|---|" + "---|" * len(kinds)]
+        rep.add("The default job's reads by call site:", "")
         where = sorted({s for sites in default_sites.values() for s in sites})
-        lines += [f"| `{s}` | " + " | ".join(str(default_sites.get(k, []).count(s) or "") for k in kinds) + " |"
-                  for s in where]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if a.out:
-        a.out.write_text(text)
+        rep.table(["call site", *kinds],
+                  [(f"`{s}`", *(default_sites.get(k, []).count(s) or "" for k in kinds)) for s in where])
+    rep.write(a.out)
     return 0
 
 
