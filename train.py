@@ -8,7 +8,8 @@ One optimizer step: count the global valid tokens → forward/backward every mic
 (loss_sum + z·z_sum)/N_valid (+ aux) → unscale → global norm → finite check → clip → the guard may veto
 → step → schedule → one StepRecord → the guard may roll back (stability/guard.py). Drills, anticipatory
 routing and per-layer telemetry act at the step's named points (stability/callbacks.py); run/build.py
-assembles everything from the config.
+assembles everything from the config. The numbers a step needs on the host stay on the device until one
+transfer (parallel/host_scalars.py; two when the guard can veto: docs/host_reads.md).
 """
 from __future__ import annotations
 
@@ -25,9 +26,9 @@ from omegaconf import DictConfig
 
 from checkpoint import FinalCheckpointWithheld, RunComplete
 
-from optim.accumulate import count_valid_tokens, forward_backward, reduce_step_sums
-from parallel import Dist, all_reduce_sum, destroy, init_distributed, release
-from precision import optimizer_step
+from optim.accumulate import count_valid_tokens, forward_backward, reduce_sums
+from parallel import Dist, HostScalars, all_reduce_sum, destroy, init_distributed, release
+from precision.step import apply_update, prepare_update
 from run.build import Run, build_run
 from run.argv import normalise
 from run.config import preflight, register
@@ -35,11 +36,12 @@ from run.lifecycle import CannotStart, Exit, Interrupted, Interrupts, RunDir, Ru
 from run.config_errors import ConfigError
 from stability.callbacks import StepState
 from stability.guard import GuardAbort
-from stability.inputs import InputBaseline, input_stats
+from stability.inputs import InputBaseline, input_tensors
 from stability.plots import plot_losses
-from stability.record import config_fingerprint, loss_by_source, read_records, step_record
-from stability.resume_fields import cpu_clock, rank_inputs, state_nonfinite, state_summary
-from stability.telemetry import moe_summary, nonfinite_flags
+from stability.record import config_fingerprint, read_records, step_record
+from stability.resume_fields import cpu_clock, rank_tensors, state_nonfinite, state_tensors, state_values
+from stability.step_numbers import judge
+from stability.telemetry import moe_summary
 
 register()  # the typed schema conf/config.yaml's defaults list starts with (run/config.py)
 
@@ -95,6 +97,9 @@ def train(run: Run, stop: Interrupts) -> None:
     step, tokens_seen = ckpt.state.step, ckpt.state.tokens  # 0 unless resumed
     in_base = InputBaseline(run.dataset)  # the running unigram histogram each batch's inputs are judged by
     cfg_fp = config_fingerprint(run.cfg)  # per group: a resume that changed the config shows in the records
+    # the guard judges a step before its update when it may veto it (or a drill reads its verdict after the
+    # update): the step's numbers are read then; under guard=log, once, after the update (docs/host_reads.md)
+    first = guard.vetoes or cb.reads_verdict
     while step < ckpt.last_step:  # last_step < train.steps under checkpoint.stop_after
         if stop.agreed():  # the step boundary: an interrupt saves this state and ends the run here
             saved = ckpt.save_interrupted(step, tokens_seen, guard.healthy())
@@ -105,61 +110,63 @@ def train(run: Run, stop: Interrupts) -> None:
             raise stopped
         step += 1  # NOTE: a while loop, because a guard rollback moves the step back
         s = StepState(step, max_grad_norm=tc.max_grad_norm)
+        host = HostScalars()  # every number the step needs on the host, as device tensors until read
         t0, c0 = time.perf_counter(), cpu_clock()
         cb.before_batch(s)
         s.first_id = loader.samples_consumed  # the global batch is sample ids [first_id, first_id + batch_size)
         s.batch = loader.next()
         cb.on_batch(s)  # a data drill may replace the batch; anticipatory routing sets s.routes
-        s.micro = micro = [mb.to(dev) for mb in s.batch.micro_batches(tc.micro_batches)]
+        s.micro = micro = [mb.to(dev, non_blocking=True) for mb in s.batch.micro_batches(tc.micro_batches)]
         n_valid = count_valid_tokens(micro, dev)  # global, before any forward
-        s.n_valid = int(n_valid.item())
-        s.inputs = input_stats(micro, dev, run.dataset.vocab_size, getattr(run.dataset, "bos_ids", None), in_base)
+        inputs = input_tensors(micro, dev, run.dataset.vocab_size, getattr(run.dataset, "bos_ids", None), in_base)
+        host.put(n_valid=n_valid, **inputs)
         t1 = time.perf_counter()
 
         cb.before_forward(s)
         sums = forward_backward(run.wrapped, micro, n_valid, tc.z_loss, run.dist.world, len(names), routes=s.routes,
                                 autocast=run.recipe.autocast, loss_scale=run.scaler.scale if run.scaler else None)
-        # the global loss before the update: the guard judges the step before it is applied
-        s.stats = reduce_step_sums(sums, n_valid.item())
-        s.ranks = rank_inputs(s.batch, sums, run.dist.world, run.dist.rank, dev)  # each rank's ids, hash, loss
-        s.loss_by_source = loss_by_source(s.stats, names)
+        reduced = reduce_sums(sums)  # the global loss (by source) and MoE sums, all-reduced, still on the device
+        host.put(**reduced.tensors(), **rank_tensors(micro, sums, run.dist.world, run.dist.rank, dev))
         t2 = time.perf_counter()
 
         cb.before_update(s)
         s.lr = optimizer.param_groups[0]["lr"] / optimizer.param_groups[0].get("lr_scale", 1.0)
-
-        def veto(norm, overflow):  # the guard's pre-update checkpoint: loss (by source), grad norm, finite flags
-            s.flags = nonfinite_flags(s.stats["loss"], s.stats["logit_max"], norm.item())
-            by_src = dict(zip(names, s.stats["tokens_by_source"]))
-            # the rest of what the step knows before its update, for signals the config adds to the guard's watch
-            extra = {"inputs": s.inputs, "logit_max": s.stats["logit_max"], "z_loss": s.stats["z_loss"],
-                     "nonfinite": s.flags, "tokens_by_source": by_src, "loss_by_source": s.loss_by_source,
-                     "ranks": s.ranks} if guard.watches_more else None
-            return guard.before_update(step, s.stats["loss"], norm.item(), s.flags, scaled=run.scaler is not None,
-                                       fingerprint=loader.dataset.fingerprint, loss_by_source=s.loss_by_source,
-                                       tokens_by_source=by_src, extra=extra)
-
-        # unscale → global norm → finite check agreed by all ranks → clip → guard veto → step, or a counted skip
-        s.result = res = optimizer_step(model.parameters(), optimizer, run.scaler, s.max_grad_norm, veto=veto,
-                                        clip=run.clip)  # clip: None (fixed threshold) or the adaptive z-score policy
+        # unscale → global norm → finite check agreed by all ranks → clip (the adaptive z-score policy, or None)
+        params, fingerprint = list(model.parameters()), loader.dataset.fingerprint
+        upd = prepare_update(params, run.scaler, s.max_grad_norm, clip=run.clip)
+        host.put(grad_norm=upd.norm, clip_coef=upd.coef, overflow=upd.overflow)
+        if first:
+            host.read()
+        # → guard veto → step, or a counted skip (decided on the device when nothing is read yet)
+        vetoed = first and judge(s, host, reduced, guard, names, scaled=run.scaler is not None, fingerprint=fingerprint)
+        s.result = res = apply_update(params, optimizer, run.scaler, upd, bool(host["overflow"]) if first else None,
+                                      vetoed)
         cb.after_update(s)  # QK-clip; telemetry reads the gradients and Δθ into s.post
-        if res.skipped and not res.vetoed:  # NOTE: a non-finite gradient would poison the weights and moments
-            s.events.append(f"non-finite grad norm ({res.norm.item()}) at loss scale {res.loss_scale}: optimizer "
-                            f"step skipped ({res.skipped_total if res.skipped_total is not None else 1} so far)")
         run.scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         t3 = time.perf_counter()
 
-        for layer, moe in model.moe_layers() if not res.skipped else ():  # a vetoed step moves no state
-            moe.update_bias(s.stats["moe_load"][layer].to(dev))  # aux-loss-free balancing, global loads
+        loads = reduced.loads_E()
+        for layer, moe in model.moe_layers():  # aux-loss-free balancing, global loads; a skipped step moves no state
+            moe.update_bias(loads[layer], skipped=res.skipped)
+        host.put(**state_tensors(optimizer, model), **stop.tensors())  # ‖m‖, ‖v‖ per group, MoE bias norms
+        host.read()  # from here the step reads only the host's copy
+        if not first:
+            judge(s, host, reduced, guard, names, scaled=run.scaler is not None, fingerprint=fingerprint)  # no veto
+        s.result = res = res._replace(norm=host["grad_norm"], coef=host["clip_coef"],
+                                      skipped=bool(host["overflow"]) if torch.is_tensor(res.skipped) else res.skipped)
+        if res.skipped and not res.vetoed:  # NOTE: a non-finite gradient would poison the weights and moments
+            s.events.append(f"non-finite grad norm ({res.norm}) at loss scale {res.loss_scale}: optimizer "
+                            f"step skipped ({res.skipped_total if res.skipped_total is not None else 1} so far)")
         s.moe = moe_summary(s.stats["moe_load"], s.stats["moe_out_sq"])
-        s.opt_state = state_summary(optimizer, model)  # ‖m‖, ‖v‖ per group, MoE bias norms (collective)
+        s.opt_state = state_values(host, optimizer, model)
+        stop.heard(host)
         # from those norms, every step: the optimizer state holds no inf/NaN (the guard's post-update check);
         # state beside the moments (Muon's momentum) on telemetry steps only (s.post is theirs)
         s.post = {**s.post, "nonfinite": {**s.post.get("nonfinite", {}),
                                           "optim_state": state_nonfinite(optimizer, s.opt_state, bool(s.post))}}
         worst = max((m["max_violation"] for m in s.moe.values()), default=None)
-        after = {"moe": s.moe, "state": s.opt_state, "clip_coef": res.coef.item(), "grad_norm": res.norm.item(),
+        after = {"moe": s.moe, "state": s.opt_state, "clip_coef": res.coef, "grad_norm": res.norm,
                  "skipped": res.skipped} if guard.watches_more else None
         verdict = guard.after_update(step, s.first_id, s.n_valid, s.post, s.stats["loss"], worst, extra=after)
         tokens_seen += s.n_valid
@@ -192,19 +199,19 @@ def train(run: Run, stop: Interrupts) -> None:
 def evaluate(model, batches, names, device) -> dict:
     """Loss per valid token on the fixed validation samples, by source, beside the exact floor."""
     S = len(names)
-    # loss, tokens, floor, loss by source, tokens by source, floor by source
-    acc = torch.zeros(3 + 3 * S, dtype=torch.float64)
+    # loss, tokens, floor, loss by source, tokens by source, floor by source: summed on the device, read once
+    acc = torch.zeros(3 + 3 * S, dtype=torch.float64, device=device)
     for b in batches:
         b = b.to(device)
         out = model(b.tokens, b.labels)
-        acc[0] += out.loss_sum.item()
-        acc[1] += out.n_valid.item()
+        acc[0] += out.loss_sum
+        acc[1] += out.n_valid
         if b.floor is not None:
-            acc[2] += b.floor.double().sum().item()
-            acc[3 + 2 * S:].index_add_(0, b.sources.cpu(), b.floor.double().sum(-1).cpu())
-        acc[3:3 + S].index_add_(0, b.sources.cpu(), out.loss_sum_B.double().cpu())
-        acc[3 + S:3 + 2 * S].index_add_(0, b.sources.cpu(), out.n_valid_B.double().cpu())
-    acc = all_reduce_sum(acc.to(device)).cpu().tolist()
+            acc[2] += b.floor.double().sum()
+            acc[3 + 2 * S:].index_add_(0, b.sources, b.floor.double().sum(-1))
+        acc[3:3 + S].index_add_(0, b.sources, out.loss_sum_B.double())
+        acc[3 + S:3 + 2 * S].index_add_(0, b.sources, out.n_valid_B.double())
+    acc = all_reduce_sum(acc).tolist()
     has_floor = bool(batches) and batches[0].floor is not None
     result = {"loss": acc[0] / acc[1], "tokens": int(acc[1]), "floor": acc[2] / acc[1] if has_floor else None}
     result["by_source"] = {n: acc[3 + i] / acc[3 + S + i] for i, n in enumerate(names) if acc[3 + S + i]}

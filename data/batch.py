@@ -17,9 +17,14 @@ def content_hash(tokens: torch.Tensor) -> int:
     """A position-weighted hash of the tokens in row-major order, in [0, HASH_MOD): the per-rank hash of
     StepRecord.ranks, so a reader can recompute it from the sample ids a record names
     (dataset.samples(range(first, first + n), "train").tokens)."""
-    tok = tokens.detach().cpu().long().flatten()
-    w = torch.arange(1, tok.numel() + 1, dtype=torch.int64) * 2 + 1
-    return int(((tok + 1) * w % HASH_MOD).sum() % HASH_MOD)
+    return int(content_hash_t(tokens))
+
+
+def content_hash_t(tokens: torch.Tensor) -> torch.Tensor:
+    """content_hash as a 0-d int64 tensor on the tokens' device (the step reads it with its other numbers)."""
+    tok = tokens.detach().long().flatten()
+    w = torch.arange(1, tok.numel() + 1, dtype=torch.int64, device=tok.device) * 2 + 1
+    return ((tok + 1) * w % HASH_MOD).sum() % HASH_MOD
 
 
 @dataclass
@@ -74,9 +79,12 @@ class Batch:
     def batch_id(self) -> dict:
         return {"samples": self.sample_ids.tolist(), "sources": self.sources.tolist()}
 
-    def to(self, device) -> "Batch":
-        return Batch(**{f.name: None if (t := getattr(self, f.name)) is None else t.to(device)
-                        for f in fields(self)})
+    def to(self, device, non_blocking: bool = False) -> "Batch":
+        """The batch on `device`. non_blocking, to a CUDA device: each tensor pinned and copied asynchronously,
+        so the host does not wait for the kernels queued before the copy (a pageable copy waits for them)."""
+        pin = non_blocking and torch.device(device).type == "cuda"
+        return Batch(**{f.name: None if (t := getattr(self, f.name)) is None else
+                        (t.pin_memory() if pin else t).to(device, non_blocking=pin) for f in fields(self)})
 
     def _select(self, idx) -> "Batch":
         return Batch(**{f.name: None if (t := getattr(self, f.name)) is None else t[idx]

@@ -251,14 +251,17 @@ class MoE(nn.Module):
         return torch.zeros(self.n_experts, dtype=acc, device=out_MD.device).index_add_(0, ids_M, ms_M)
 
     @torch.no_grad()
-    def update_bias(self, load_E: Tensor) -> None:
+    def update_bias(self, load_E: Tensor, skipped: bool | Tensor = False) -> None:
         """DeepSeek-V3: bias_e += gamma · sign(mean(load) - load_e).
 
         The caller passes the load summed over micro-batches and all-reduced across ranks, so every
-        rank applies the same update and the buffers never diverge.
+        rank applies the same update and the buffers never diverge. `skipped`: the optimizer step was
+        skipped, so the bias stays too; a 0-d device flag is obeyed on the device (nothing read).
         """
         gamma = self.cfg.bias_update_speed
-        if gamma == 0:
+        if gamma == 0 or (isinstance(skipped, bool) and skipped):
             return
         load_E = load_E.to(self.bias_E)
-        self.bias_E += gamma * torch.sign(load_E.mean() - load_E)
+        moved_E = self.bias_E + gamma * torch.sign(load_E.mean() - load_E)
+        # NOTE: a select, not a multiply by the flag: a kept bias keeps its bits (-0 + 0·d is +0)
+        self.bias_E.copy_(torch.where(skipped.bool(), self.bias_E, moved_E) if torch.is_tensor(skipped) else moved_E)

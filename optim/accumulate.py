@@ -21,6 +21,7 @@ import torch
 
 from data.batch import IGNORE_INDEX
 from parallel.dist import all_reduce_max, all_reduce_sum
+from parallel.host_scalars import HostScalars
 from parallel.wrap import no_sync
 
 
@@ -42,9 +43,10 @@ class StepSums:
 
 
 def count_valid_tokens(micro_batches, device) -> torch.Tensor:
-    """Global number of valid label tokens of this step, agreed by all ranks before any forward."""
-    n = torch.tensor([float(sum(mb.n_valid for mb in micro_batches))], dtype=torch.float64, device=device)
-    return all_reduce_sum(n)
+    """Global number of valid label tokens of this step, agreed by all ranks before any forward: a (1,)
+    float64 tensor, counted on the micro-batches' device (nothing is read back to the host)."""
+    n = torch.stack([(mb.labels != IGNORE_INDEX).sum() for mb in micro_batches]).sum()
+    return all_reduce_sum(n.to(device, torch.float64).reshape(1))
 
 
 def forward_backward(wrapped, micro_batches, n_valid_global: torch.Tensor, z_coef: float,
@@ -58,7 +60,10 @@ def forward_backward(wrapped, micro_batches, n_valid_global: torch.Tensor, z_coe
     `loss_scale` S, when given, back-propagates S·objective (FP16): the .grads come out S times too
     large and must be unscaled before anything reads them (precision/step.py). The sums are unscaled.
     """
-    scale = world / n_valid_global.item()
+    # NOTE: the scale stays on the device (reading N_valid would stall the host before the first forward),
+    # rounded to FP32 as a Python float multiplier is: the objective and its gradients are bit for bit the same
+    scale = (torch.full_like(n_valid_global, float(world)) / n_valid_global).reshape(()).to(torch.float32) \
+        if torch.is_tensor(n_valid_global) else world / n_valid_global
     device = micro_batches[0].tokens.device
     sums = StepSums(
         loss_sum=torch.zeros((), device=device), z_sum=torch.zeros((), device=device),
@@ -99,8 +104,64 @@ def forward_backward(wrapped, micro_batches, n_valid_global: torch.Tensor, z_coe
 
 
 
-def reduce_step_sums(sums: StepSums, n_valid_global: float) -> dict:
-    """Every rank's sums → global step statistics, in one SUM all-reduce (+ one MAX when distributed).
+@dataclass
+class ReducedSums:
+    """The step's sums all-reduced, still on the device: one packed (K,) vector, laid out as below, and the
+    global logit max. tensors() names what the host needs (train.py reads it with the step's other
+    numbers: parallel/host_scalars.py); stats() turns those numbers into the step's statistics."""
+
+    packed_K: torch.Tensor
+    logit_max: torch.Tensor
+    n_sources: int
+    experts: dict[int, int]  # MoE layer -> E, in packing order
+    out_layers: list[int]    # the layers whose expert output squares follow the floor
+
+    def loads_E(self) -> dict[int, torch.Tensor]:
+        """layer -> (E,) global assignment counts, on the device (the balancing-bias update reads them there)."""
+        out, at = {}, 3 + 3 * self.n_sources
+        for layer, E in self.experts.items():
+            out[layer] = self.packed_K[at:at + E]
+            at += E
+        return out
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        loads = self.loads_E()
+        # NOTE: each layer's load shares divided here, in FP32, as StepRecord.expert_load has them
+        return {"sums_K": self.packed_K, "logit_max": self.logit_max,
+                **{f"expert_share/{l}": load / load.sum() for l, load in loads.items()}}
+
+    def stats(self, host, n_valid_global: float) -> dict:
+        """The global step statistics from the host's copy of tensors() (a mapping name -> numbers)."""
+        packed, S = host["sums_K"], self.n_sources
+        by_src = packed[3:3 + 3 * S]
+        loads, at = {}, 3 + 3 * S
+        for layer, E in self.experts.items():
+            loads[layer] = packed[at:at + E]
+            at += E
+        floor_by_source, floorless = packed[at:at + S], packed[at + S]
+        at += S + 1
+        out_sq = {}
+        for layer in self.out_layers:
+            E = self.experts[layer]
+            out_sq[layer] = packed[at:at + E]
+            at += E
+        return {
+            "loss": packed[0] / n_valid_global,
+            "z_loss": packed[1] / n_valid_global,
+            "aux_loss": packed[2] / n_valid_global,
+            "loss_sum_by_source": by_src[:S],
+            "tokens_by_source": by_src[S:2 * S],
+            "samples_by_source": by_src[2 * S:],
+            "logit_max": host["logit_max"],
+            "moe_load": loads,
+            "expert_load": {layer: host[f"expert_share/{layer}"] for layer in self.experts},
+            "floor_sum_by_source": floor_by_source if floorless == 0 else None,
+            "moe_out_sq": out_sq,
+        }
+
+
+def reduce_sums(sums: StepSums) -> ReducedSums:
+    """Every rank's sums -> global sums on the device, in one SUM all-reduce (+ one MAX when distributed).
 
     The MoE loads ride in the same collective because the balancing-bias update needs them global on
     every rank anyway (each rank must move its bias copy identically). The floor sums and the expert
@@ -117,32 +178,18 @@ def reduce_step_sums(sums: StepSums, n_valid_global: float) -> dict:
     packed = torch.cat([torch.stack([sums.loss_sum, sums.z_sum, sums.aux_weighted]).float(),
                         sums.loss_by_source, sums.tokens_by_source, sums.samples_by_source,
                         *[sums.moe_load[l].float() for l in layers],
-                        floor_S.float(), torch.tensor([0.0 if has_floor else 1.0], device=dev),
+                        floor_S.float(), torch.full((1,), 0.0 if has_floor else 1.0, device=dev),
                         *[sums.moe_out_sq[l].float() for l in out_layers]])
-    packed = all_reduce_sum(packed).tolist()
-    logit_max = all_reduce_max(sums.logit_max.detach().clone().float()).item()
-    by_src = packed[3:3 + 3 * S]
-    loads, at = {}, 3 + 3 * S
-    for l in layers:
-        E = sums.moe_load[l].numel()
-        loads[l] = torch.tensor(packed[at:at + E])
-        at += E
-    floor_by_source, floorless = packed[at:at + S], packed[at + S]
-    at += S + 1
-    out_sq = {}
-    for l in out_layers:
-        E = sums.moe_out_sq[l].numel()
-        out_sq[l] = packed[at:at + E]
-        at += E
-    return {
-        "loss": packed[0] / n_valid_global,
-        "z_loss": packed[1] / n_valid_global,
-        "aux_loss": packed[2] / n_valid_global,
-        "loss_sum_by_source": by_src[:S],
-        "tokens_by_source": by_src[S:2 * S],
-        "samples_by_source": by_src[2 * S:],
-        "logit_max": logit_max,
-        "moe_load": loads,
-        "floor_sum_by_source": floor_by_source if floorless == 0 else None,
-        "moe_out_sq": out_sq,
-    }
+    return ReducedSums(all_reduce_sum(packed), all_reduce_max(sums.logit_max.detach().clone().float()), S,
+                       {l: sums.moe_load[l].numel() for l in layers}, out_layers)
+
+
+def reduce_step_sums(sums: StepSums, n_valid_global: float) -> dict:
+    """reduce_sums, read to the host at once (one caller's step, not train.py's: it reads with the rest of
+    the step). "moe_load" holds (E,) host tensors here, for a caller that updates the balancing bias."""
+    reduced, host = reduce_sums(sums), HostScalars()
+    host.put(**reduced.tensors())
+    host.read()
+    stats = reduced.stats(host, n_valid_global)
+    stats["moe_load"] = {layer: torch.tensor(v) for layer, v in stats["moe_load"].items()}
+    return stats

@@ -12,6 +12,7 @@ A mix of both is handled by reducing only the sharded partial sum.
 """
 
 from collections.abc import Iterable
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -44,18 +45,40 @@ def _sum_of_squares(tensors: list[torch.Tensor], device: torch.device) -> torch.
     return torch.stack([n.to(device) for n in norms]).square().sum()
 
 
+class Clipped(NamedTuple):
+    norm: torch.Tensor       # 0-d FP32 global norm before the clip (inf past FP32 max, see below)
+    coef: torch.Tensor       # 0-d FP32 coefficient applied (1: below the threshold, measure only, non-finite)
+    nonfinite: torch.Tensor  # 0-d bool: some gradient element is inf/NaN (on this rank's view of the norm)
+
+
 @torch.no_grad()
 def clip_grad_norm(
     params: Iterable[torch.Tensor], max_norm: float | None, eps: float = 1e-6,
     group: dist.ProcessGroup | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Clip the gradients of `params` in place to global norm `max_norm`; return (pre-clip norm, coef).
+    clip_global_norm's first two results (it says how)."""
+    norm, coef, _ = clip_global_norm(params, max_norm, eps, group)
+    return norm, coef
+
+
+@torch.no_grad()
+def clip_global_norm(
+    params: Iterable[torch.Tensor], max_norm: float | None, eps: float = 1e-6,
+    group: dist.ProcessGroup | None = None,
+) -> Clipped:
+    """Clip the gradients of `params` in place to global norm `max_norm`: (pre-clip norm, coef, nonfinite).
 
     g ← g · min(1, c / (‖g‖ + ε)), with ‖g‖ over every shard on every rank of `group` (default: the
     1-D device mesh the sharded gradients live on).
     max_norm None or <= 0: only measure (coef = 1). A non-finite norm is returned as is and the grads are
-    left untouched (coef = 1): the caller decides to skip the step. Both results are 0-d FP32 tensors on
+    left untouched (coef = 1): the caller decides to skip the step. All three results are 0-d tensors on
     the grads' device; nothing here syncs with the host.
+
+    `nonfinite` is exact: the FP64 Σg² of FP32 / BF16 / FP16 elements (each < 3.4e38) is finite unless an
+    element is inf or NaN, so it tells an overflow from large finite gradients whose norm only the FP32
+    report rounds to inf. Under FSDP the sharded squares are summed over ranks first, so every rank agrees;
+    DDP replicas each judge their own copy (precision/step.py agrees them).
 
     WARN: every rank of `group` must call this with the same set of sharded gradients (the all_reduce
     is collective). With a 2-D mesh (HSDP: replicate × shard) pass the shard group, or replicas add up.
@@ -80,12 +103,13 @@ def clip_grad_norm(
     if sharded:
         dist.all_reduce(sq_sharded, op=dist.ReduceOp.SUM, group=group)
     norm64 = (sq_sharded + _sum_of_squares(replicated, device)).sqrt()
-    # NOTE: reported in FP32 (inf past 3.4e38, where only the element check tells overflow from large)
+    # NOTE: reported in FP32 (inf past 3.4e38, where only `nonfinite` tells overflow from large)
     norm = norm64.float()
+    nonfinite = ~norm64.isfinite()
 
     one = torch.ones((), dtype=torch.float32, device=device)
     if max_norm is None or max_norm <= 0:
-        return norm, one
+        return Clipped(norm, one, nonfinite)
     # NOTE: torch.where instead of `if norm.isfinite()` keeps the host out of it; × 1.0 is exact,
     # so non-finite and below-threshold norms leave every grad bit-identical.
     coef = torch.where(norm64.isfinite(), (max_norm / (norm64 + eps)).clamp(max=1.0), one.double()).float()
@@ -94,7 +118,7 @@ def clip_grad_norm(
         by_device.setdefault(g.device, []).append(g)
     for dev, gs in by_device.items():
         torch._foreach_mul_(gs, coef.to(dev))
-    return norm, coef
+    return Clipped(norm, coef, nonfinite)
 
 
 @torch.no_grad()

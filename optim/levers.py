@@ -21,9 +21,10 @@ class Levers(Callback):
     def __init__(self, clip: ZScoreClip | None, qk_clip: QKClip | None):
         self.clip, self.qk_clip = clip, qk_clip
 
-    def qk_clip_after(self, micro_batches, skipped: bool = False) -> dict:
+    def qk_clip_after(self, micro_batches, skipped=False) -> dict:
         # NOTE: not on a skipped step: a guard skip promises parameters untouched (the weights are the
-        # previous step's, already clipped on its batch).
+        # previous step's, already clipped on its batch). `skipped` may be the device's flag
+        # (precision/step.py apply_update): with QK-clip on, it is read here.
         if self.qk_clip is None or skipped:
             return {}
         return self.qk_clip.after_update([mb.tokens for mb in micro_batches])

@@ -180,6 +180,7 @@ class Interrupts:
     def __init__(self, dist: Dist):
         self.dist = dist
         self.signum = 0
+        self._heard: int | None = None  # the signal the last step agreed on (a launch)
         self._old: dict = {}
 
     def __enter__(self) -> "Interrupts":
@@ -212,12 +213,31 @@ class Interrupts:
 
     def agreed(self) -> bool:
         """Has any rank been asked to stop? Every rank answers the same at the same boundary: the save is a
-        collective. One process: the flag alone; a launch: one max-reduce of it."""
+        collective. One process: the flag alone; a launch: the flag as the step before agreed it (tensors(),
+        heard()), or one max-reduce of it where no step did (the first boundary)."""
         if self.dist.world == 1:
             return bool(self.signum)
-        flag = torch.tensor([float(self.signum)], device=self.dist.device)
-        self.signum = int(all_reduce_max(flag).item())
-        return bool(self.signum)
+        agreed = self._heard
+        if agreed is None:
+            flag = torch.tensor([float(self.signum)], device=self.dist.device)
+            agreed = int(all_reduce_max(flag).item())
+        self._heard = None
+        # NOTE: a signal that came after the step's reduction is this rank's alone so far: kept, it rides the
+        # next step's reduction and stops the run at the boundary after that step
+        self.signum = agreed or self.signum
+        return bool(agreed)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The step's share of the interrupt check (a launch only): this rank's signal, MAX-reduced over the
+        ranks on the device; the step reads it with its other numbers and passes them to heard()."""
+        if self.dist.world == 1:
+            return {}
+        return {"signal": all_reduce_max(torch.full((), float(self.signum), device=self.dist.device))}
+
+    def heard(self, host) -> None:
+        """The agreed signal from the host's copy of tensors() (a mapping name -> numbers)."""
+        if "signal" in host:
+            self._heard = int(host["signal"])
 
 
 def _main_thread() -> bool:

@@ -33,7 +33,11 @@ from typing import Any, ClassVar
 class StepState:
     """What one step has computed so far, in the order the step fills it: each section names the phase
     that writes its fields and who writes them there; a later phase only reads an earlier one's (a drill
-    at its point may rewrite its own phase's inputs). stability/record.py turns it into the StepRecord."""
+    at its point may rewrite its own phase's inputs). stability/record.py turns it into the StepRecord.
+
+    NOTE: the numbers (n_valid, inputs, stats, ranks, loss_by_source, flags) are filled from the host's copy
+    of the step's device tensors (parallel/host_scalars.py), read before the update only when the guard
+    judges first (train.py); no callback point sees them, so no callback makes the step wait for them."""
     step: int                         # the loop
     # --- batch: train.py (loader.next, micro-batches, global valid count, input statistics) and the
     # on_batch callbacks (a data drill replaces the batch; anticipatory routing sets routes, routing) ---
@@ -74,8 +78,13 @@ POINTS = ("before_batch", "on_batch", "before_forward", "before_update", "after_
 class Callback:
     """Base: every point is a no-op. A subclass overrides the points it acts at and declares its
     `order` at each of them (lower runs first): the order is stated with the callback, not by where
-    it happens to be attached."""
+    it happens to be attached.
+
+    `reads_verdict`: True for a callback that, after the update, reads what the guard judged before it
+    (FaultDrill's quiet-before-injection check). The step then reads its numbers before the update, as a
+    vetoing guard makes it do; otherwise, under guard=log, the guard judges after the update."""
     order: ClassVar[dict[str, int]] = {}
+    reads_verdict: bool = False
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
@@ -107,6 +116,7 @@ class Callbacks:
                     raise ValueError(f"callbacks {type(a).__name__} and {type(b).__name__} both declare order "
                                      f"{a.order[point]} at {point}: the order between them would be unstated")
             self.at[point] = acting
+        self.reads_verdict = any(c.reads_verdict for c in self.at["after_update"])
 
     def before_batch(self, s: StepState) -> None:
         for c in self.at["before_batch"]:

@@ -112,6 +112,9 @@ class FaultDrill(Callback):
     def __init__(self, injector: FaultInjector, optimizer, events, guard=None):
         self.inj, self.optimizer, self.events, self.guard = injector, optimizer, events, guard
         self._checked = False  # the quiet-before-injection check is made at the first fault event
+        # NOTE: a drill that acts after the update may raise its first event there, and the check then reads
+        # the guard's verdict on this very step (Callback.reads_verdict)
+        self.reads_verdict = injector.drill is not None and "after_update" in injector.drill.points
 
     def before_batch(self, s: StepState) -> None:
         self.inj.at("before_batch", s)

@@ -72,6 +72,8 @@ class Guard:
         self._others = [n for n in d.metrics if n not in ("loss", "loss_by_source", "grad_norm", "update_ratio_max")]
         self.watches_more = bool(self._others)  # the step then hands the guard its partial record (extra)
         self.action, self.replica_tol = cfg.action, float(cfg.replica_tol)
+        # its verdict before the update can stop the update: the step must then read its numbers first
+        self.vetoes = self.action in ("skip", "rollback")
         self.rb, self.an = cfg.rollback, cfg.anticipatory
         self.state, self.ckpt, self.events = state, ckpt, events
         # NOTE: anticipatory routing exists only on MoE models; on a dense model a rollback is a rollback.

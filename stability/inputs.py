@@ -19,6 +19,10 @@ Exact, cheap counts over the global batch (one small SUM all-reduce):
 The last two need the run's history: pass an InputBaseline (one per run, rank-identical since it is
 fed the all-reduced histogram). It is NOT restored by a rollback or resume: a baseline of what the run
 has read, which a replayed batch only sharpens.
+
+Two halves, so that train.py reads these with the step's other numbers (parallel/host_scalars.py):
+input_tensors() counts on the micro-batches' device and leaves every number there; input_fractions()
+makes the dict above from the host's copy. input_stats() is both, reading at once.
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ import torch
 
 from data.batch import IGNORE_INDEX
 from parallel.dist import all_reduce_sum
+from parallel.host_scalars import HostScalars
 
 
 class InputBaseline:
@@ -45,61 +50,99 @@ class InputBaseline:
             for k, r in enumerate(ranges):
                 self.owner_V[r.start:r.stop] = k
 
-    def foreign(self, tokens, valid) -> tuple[float, float]:
-        """(valid inputs outside their row's block, valid inputs) of one micro-batch."""
+    def foreign(self, tokens, valid) -> torch.Tensor:
+        """Valid inputs outside their row's block, of one micro-batch: a 0-d count on tokens' device."""
+        self.owner_V = self.owner_V.to(tokens.device)  # NOTE: moved once: the step's batches stay on one device
         own_BT = self.owner_V[tokens.clamp(0, len(self.owner_V) - 1)]
-        bad = valid & (own_BT != own_BT[:, :1])
-        return float(bad.sum()), float(valid.sum())
+        return (valid & (own_BT != own_BT[:, :1])).sum()
 
-    def compare(self, hist_V: torch.Tensor) -> dict[str, float]:
-        """kl_running and rare_frac of a batch histogram against the baseline, then absorb it."""
-        out = {}
-        n, seen = hist_V.sum().item(), self.hist_V.sum().item()
-        if n and seen:
-            V = hist_V.numel()
-            p_V = hist_V / n
-            q_V = (self.hist_V + 1.0) / (seen + V)
-            nz = p_V > 0
-            out["kl_running"] = (p_V[nz] * (p_V[nz] / q_V[nz]).log()).sum().item()
-            rare = self.hist_V < seen / (100.0 * V)
-            out["rare_frac"] = (hist_V[rare].sum() / n).item()
+    def compare(self, hist_V: torch.Tensor, seen_N: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """kl_running and rare_frac of a batch histogram against the baseline (0-d tensors, meaningful when
+        both "n" and "seen" are > 0), then absorb it. `seen_N`: the ids with a count, if known."""
+        self.hist_V = self.hist_V.to(hist_V.device)
+        n, seen = hist_V.sum(), self.hist_V.sum()
+        V = hist_V.numel()
+        nz_N = (hist_V > 0).nonzero().squeeze(1) if seen_N is None else seen_N  # where p > 0 (when n > 0)
+        p_N = hist_V[nz_N] / n
+        q_N = (self.hist_V[nz_N] + 1.0) / (seen + V)
+        out = {"n": n, "seen": seen, "kl_running": (p_N * (p_N / q_N).log()).sum()}
+        # NOTE: a select, not a compaction: the counts are integers, summed exactly in any order
+        rare = self.hist_V < seen / (100.0 * V)
+        out["rare_frac"] = torch.where(rare, hist_V, 0.0).sum() / n
         self.hist_V += hist_V
         return out
 
 
-def input_stats(micro_batches, device, vocab_size: int, doc_start_ids: list[int] | None = None,
-                baseline: InputBaseline | None = None) -> dict[str, float]:
-    """The fractions above over every micro-batch on every rank."""
-    counts = torch.zeros(7 + vocab_size, dtype=torch.float64)  # 7 counters, then a token histogram
+def input_tensors(micro_batches, device, vocab_size: int, doc_start_ids: list[int] | None = None,
+                  baseline: InputBaseline | None = None) -> dict[str, torch.Tensor]:
+    """The fractions above over every micro-batch on every rank, as "inputs/<name>" 0-d tensors on `device`
+    (one SUM all-reduce, nothing read), and the counts that decide which of them input_fractions keeps."""
+    counts = torch.zeros(7 + vocab_size, dtype=torch.float64, device=device)  # 7 counters, then a histogram
     structured = baseline is not None and baseline.owner_V is not None
     for mb in micro_batches:
-        tokens, labels = mb.tokens.cpu(), mb.labels.cpu()
+        tokens, labels = mb.tokens, mb.labels
         valid = labels != IGNORE_INDEX
         counts[0] += valid.sum()
         counts[1] += labels.numel()
         # labels[t] should be tokens[t+1] wherever both positions are real
         both = valid[:, :-1] & valid[:, 1:]
-        counts[2] += (labels[:, :-1] == tokens[:, 1:])[both].sum()
+        counts[2] += ((labels[:, :-1] == tokens[:, 1:]) & both).sum()
         counts[3] += both.sum()
-        counts[7:] += torch.bincount(tokens[valid], minlength=vocab_size)[:vocab_size].double()
+        # NOTE: a scatter of ones, not bincount(tokens[valid]): the same integer counts, without the two
+        # data-dependent shapes that make a GPU wait
+        keep = valid & (tokens < vocab_size)
+        counts[7:].index_add_(0, tokens.clamp(max=vocab_size - 1).flatten(), keep.flatten().to(torch.float64))
         if doc_start_ids:
-            counts[4] += torch.isin(tokens[:, 0], torch.tensor(doc_start_ids)).sum()
+            starts = torch.zeros_like(valid[:, 0])
+            for i in doc_start_ids:
+                starts |= tokens[:, 0] == i
+            counts[4] += starts.sum()
         counts[5] += tokens.shape[0]
         if structured:
-            counts[6] += baseline.foreign(tokens, valid)[0]
-    counts = all_reduce_sum(counts.to(device)).cpu()
+            counts[6] += baseline.foreign(tokens, valid)
+    counts = all_reduce_sum(counts)
     hist = counts[7:]
-    total = hist.sum().item()
-    out = {"valid_frac": (counts[0] / counts[1]).item(),
-           "label_alignment": (counts[2] / counts[3]).item() if counts[3] else 1.0,
-           "top_token_frac": (hist.max() / hist.sum()).item() if total else 0.0}
+    total = hist.sum()
+    out = {"counts": counts[:7], "total": total, "valid_frac": counts[0] / counts[1],
+           "label_alignment": counts[2] / counts[3], "top_token_frac": hist.max() / hist.sum()}
     if doc_start_ids:
-        out["doc_start_frac"] = (counts[4] / counts[5]).item()
-    if total:
-        p = hist[hist > 0] / total
-        out["entropy"] = -(p * p.log()).sum().item() if p.numel() > 1 else 0.0
+        out["doc_start_frac"] = counts[4] / counts[5]
+    # NOTE: the one data-dependent shape of the step (a GPU waits for it, before the forward, with little
+    # queued): the ids the batch holds, for the entropy and the KL, each summed over them as before
+    seen_N = (hist > 0).nonzero().squeeze(1)
+    p = hist[seen_N] / total
+    out["entropy"] = -(p * p.log()).sum() if p.numel() > 1 else torch.zeros((), dtype=torch.float64, device=device)
     if structured:
-        out["foreign_frac"] = (counts[6] / counts[0]).item() if counts[0] else 0.0
+        out["foreign_frac"] = counts[6] / counts[0]
     if baseline is not None:
-        out.update(baseline.compare(hist))
+        out.update(baseline.compare(hist, seen_N))
+    return {f"inputs/{k}": v for k, v in out.items()}
+
+
+def input_fractions(host) -> dict[str, float]:
+    """The StepRecord's `inputs` from the host's copy of input_tensors() (a mapping name -> numbers); a ratio
+    whose denominator is 0 takes its neutral value, a statistic without its data is left out."""
+    def get(k):
+        return host[f"inputs/{k}"] if f"inputs/{k}" in host else None
+
+    c, total = get("counts"), get("total")
+    out = {"valid_frac": get("valid_frac"), "label_alignment": get("label_alignment") if c[3] else 1.0,
+           "top_token_frac": get("top_token_frac") if total else 0.0}
+    if get("doc_start_frac") is not None:
+        out["doc_start_frac"] = get("doc_start_frac")
+    if total:
+        out["entropy"] = get("entropy")
+    if get("foreign_frac") is not None:
+        out["foreign_frac"] = get("foreign_frac") if c[0] else 0.0
+    if get("n") and get("seen"):
+        out["kl_running"], out["rare_frac"] = get("kl_running"), get("rare_frac")
     return out
+
+
+def input_stats(micro_batches, device, vocab_size: int, doc_start_ids: list[int] | None = None,
+                baseline: InputBaseline | None = None) -> dict[str, float]:
+    """input_tensors, read to the host at once (a caller outside train.py's step)."""
+    host = HostScalars()
+    host.put(**input_tensors(micro_batches, device, vocab_size, doc_start_ids, baseline))
+    host.read()
+    return input_fractions(host)

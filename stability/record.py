@@ -101,7 +101,8 @@ class StepRecord:
 
 def step_record(s: StepState, *, tokens: int, world: int, batch_size: int, seq_len: int, names: list[str],
                 guard: dict, ckpt_id: str | None, device, fingerprint: dict | None = None) -> StepRecord:
-    """The StepRecord of one finished step, from the step's state (stability/callbacks.py)."""
+    """The StepRecord of one finished step, from the step's state (stability/callbacks.py), its numbers
+    already on the host (train.py reads them in one transfer: s.result holds floats by then)."""
     st, res, post = s.stats, s.result, s.post
     return StepRecord(
         step=s.step, tokens=tokens, world=world,
@@ -111,9 +112,9 @@ def step_record(s: StepState, *, tokens: int, world: int, batch_size: int, seq_l
         tokens_by_source={n: int(c) for n, c in zip(names, st["tokens_by_source"])}, inputs=s.inputs,
         loss=st["loss"], z_loss=st["z_loss"], aux_loss=st["aux_loss"], logit_max=st["logit_max"],
         loss_by_source=s.loss_by_source,
-        expert_load={str(l): (load / load.sum()).tolist() for l, load in st["moe_load"].items()},
-        lr=s.lr, grad_norm=res.norm.item(), clip_coef=res.coef.item(), clip=s.clip, qk_clip=s.qk_clip,
-        skipped=res.skipped, loss_scale=res.loss_scale,
+        expert_load={str(l): share for l, share in st["expert_load"].items()},
+        lr=s.lr, grad_norm=float(res.norm), clip_coef=float(res.coef), clip=s.clip, qk_clip=s.qk_clip,
+        skipped=bool(res.skipped), loss_scale=res.loss_scale,
         layers=post.get("layers", {}), moe=s.moe, update_ratio_max=post.get("update_ratio_max"),
         nonfinite={**s.flags, **post.get("nonfinite", {})}, replica=post.get("replica", {}), guard=guard,
         routing=s.routing, time_s=s.time_s, tokens_per_s=batch_size * seq_len / s.time_s["total"],

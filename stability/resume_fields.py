@@ -2,7 +2,7 @@
 CPU time (record version 2; stability/record.py). Each is cheap enough for every step.
 
     state = state_summary(optimizer, model)     # ‖m‖, ‖v‖, ‖θ‖ per param group; ‖bias‖ per MoE layer
-    ranks = rank_inputs(local_batch, sums, world, rank)   # per-rank sample ids, content hash, local loss
+    ranks = rank_inputs(local_batch, sums, world, rank, device)   # per-rank sample ids, content hash, local loss
     resume = resume_marker(events_now)          # stability/record.py: {"from": checkpoint, "step": s} on a resume's first step
     cpu = cpu_clock()                           # process CPU seconds (all threads)
 
@@ -17,15 +17,44 @@ import time
 
 import torch
 
-from data.batch import content_hash
+from data.batch import content_hash_t
 from parallel.dist import all_reduce_max, all_reduce_sum
-from stability.telemetry_layers import is_sharded, local, norms
+from parallel.host_scalars import HostScalars
+from stability.telemetry_layers import is_sharded, local, norms, norms_fp32, to_redo
 
 
 def state_summary(optimizer: torch.optim.Optimizer, model) -> dict[str, float]:
     """{"m/<group>": ‖exp_avg‖, "v/<group>": ‖exp_avg_sq‖, "w/<group>": ‖θ‖, "moe_bias/<layer>": ‖bias_E‖}.
     Global norms (one SUM all-reduce of squares: FSDP shards add up; DDP replicas are divided by the world)."""
-    keys, sq = [], []
+    keys, vals = _summary(optimizer, model, exact=True)
+    return {k: math.sqrt(v) for k, v in zip(keys, vals.tolist())} if keys else {}
+
+
+def state_tensors(optimizer: torch.optim.Optimizer, model) -> dict[str, torch.Tensor]:
+    """state_summary's squares on the device, nothing read: {"state/<key>": Σ‖t‖², "state/redo": n}, where n
+    counts the tensors, on every rank, whose FP32 norm came out 0 or non-finite (state_values then takes
+    the exact pass: rare, and the only case in which this half differs from state_summary's)."""
+    keys, vals = _summary(optimizer, model, exact=False)
+    return {**{f"state/{k}": v for k, v in zip(keys, vals[:-1])}, "state/redo": vals[-1]} if keys else {}
+
+
+def state_values(host, optimizer: torch.optim.Optimizer, model) -> dict[str, float]:
+    """state_summary from the host's copy of state_tensors() (a mapping name -> numbers)."""
+    if "state/redo" not in host:
+        return {}
+    if host["state/redo"]:  # every rank sees the same global count, so all enter the exact pass's collective
+        return state_summary(optimizer, model)
+    return {k.removeprefix("state/"): math.sqrt(v) for k, v in _items(host) if k != "state/redo"}
+
+
+def _items(host):
+    return [(k, host[k]) for k in host.names() if k.startswith("state/")]
+
+
+def _summary(optimizer: torch.optim.Optimizer, model, exact: bool) -> tuple[list[str], torch.Tensor]:
+    """keys and their global Σ‖t‖² (K,) in FP64; not exact: one more entry, the count of tensors whose FP32
+    norm norms() would compute again in FP64 (summed over ranks with the squares)."""
+    keys, sq, redo = [], [], []
     for i, g in enumerate(optimizer.param_groups):
         name = str(g.get("name", f"group{i}"))
         for slot, short in (("exp_avg", "m"), ("exp_avg_sq", "v")):
@@ -39,31 +68,41 @@ def state_summary(optimizer: torch.optim.Optimizer, model) -> dict[str, float]:
             # resume's first step needs the steps before it. It reads them on a log
             # scale with a 15 % floor (doctor/timeline.py FLOOR_STATE): FP32's ~1e-7 is nothing. A finite
             # norm proves every element finite: state_nonfinite() reads the flag from these same norms.
-            sq.append(_sq_norm(ts))
+            sq.append(_sq_norm(ts, exact, redo))
         # the weights the moments belong to, read the same way (a parameter's storage, never its .grad)
         keys.append(f"w/{name}")
-        sq.append(_sq_norm([t for t in (local(p.detach()) for p in g["params"]) if t.numel()]))
+        sq.append(_sq_norm([t for t in (local(p.detach()) for p in g["params"]) if t.numel()], exact, redo))
     n_param = len(keys)  # entries of parameters and their moments; the MoE biases after them are buffers
     moe = model.moe_layers() if hasattr(model, "moe_layers") else []
     for layer, m in moe:
         keys.append(f"moe_bias/{layer}")
         sq.append(m.bias_E.detach().double().square().sum())
     if not keys:
-        return {}
+        return [], torch.zeros(0, dtype=torch.float64)
     dev = sq[0].device
+    if not exact:
+        sq.append(torch.stack([r.to(dev) for r in redo]).sum().double() if redo
+                  else torch.zeros((), dtype=torch.float64, device=dev))
     vals = torch.stack([s.to(dev) for s in sq])
     world, sharded = _world_and_sharding(model)
     if world > 1:
         vals = all_reduce_sum(vals)
         # replicas hold the same state: the sum counted it `world` times. FSDP shards the parameters (and so
         # their moments) but no buffer: the MoE biases are whole on every rank under FSDP too
-        vals[n_param if sharded else 0:] /= world
-    return {k: math.sqrt(v) for k, v in zip(keys, vals.tolist())}
+        vals[n_param if sharded else 0:len(keys)] /= world
+    return keys, vals
 
 
-def _sq_norm(ts: list[torch.Tensor]) -> torch.Tensor:
-    """Σ‖t‖² in FP64 (0 for no tensor) from one fused norm per tensor (telemetry_layers.norms)."""
-    return norms(ts, ts[0].device).square().sum() if ts else torch.zeros((), dtype=torch.float64)
+def _sq_norm(ts: list[torch.Tensor], exact: bool = True, redo: list | None = None) -> torch.Tensor:
+    """Σ‖t‖² in FP64 (0 for no tensor) from one fused norm per tensor (telemetry_layers.norms); not exact:
+    the FP32 norms only, the count of those norms() would redo appended to `redo`."""
+    if not ts:
+        return torch.zeros((), dtype=torch.float64)
+    if exact:
+        return norms(ts, ts[0].device).square().sum()
+    n = norms_fp32(ts, ts[0].device)
+    redo.append(to_redo(n).sum())
+    return n.square().sum()
 
 
 def state_nonfinite(optimizer: torch.optim.Optimizer, summary: dict[str, float], others: bool = True) -> bool:
@@ -98,16 +137,32 @@ def _world_and_sharding(model) -> tuple[int, bool]:
 
 def rank_inputs(local_batch, sums, world: int, rank: int, device) -> dict[str, list]:
     """Per rank: first sample id, sample count, a content hash of its tokens, its local loss per valid
-    token. One SUM all-reduce of a (4, world) table in which each rank fills its own column."""
-    ids = local_batch.sample_ids
-    h = content_hash(local_batch.tokens)
-    n_valid = float(sums.tokens_by_source.sum())
-    loss = float(sums.loss_sum) / n_valid if n_valid else math.nan
-    table = torch.zeros(4, world, dtype=torch.float64)
-    table[:, rank] = torch.tensor([float(ids.min()) if len(ids) else -1.0, float(len(ids)), float(h), loss],
-                                  dtype=torch.float64)
-    table = all_reduce_sum(table.to(device)).cpu() if world > 1 else table
-    first, n, hsh, lo = table.tolist()
+    token. One SUM all-reduce of a (4, world) table in which each rank fills its own column. `local_batch`:
+    this rank's Batch, or its micro-batches in order."""
+    host = HostScalars()
+    host.put(**rank_tensors(local_batch, sums, world, rank, device))
+    host.read()
+    return rank_values(host)
+
+
+def rank_tensors(local_batch, sums, world: int, rank: int, device) -> dict[str, torch.Tensor]:
+    """rank_inputs' table on the device, nothing read: {"ranks_4W": (4, world) float64}."""
+    micro_batches = [local_batch] if hasattr(local_batch, "sample_ids") else list(local_batch)
+    ids = torch.cat([mb.sample_ids for mb in micro_batches])
+    h = content_hash_t(torch.cat([mb.tokens for mb in micro_batches]))  # this rank's batch, row-major
+    n_valid = sums.tokens_by_source.sum().double()
+    loss = torch.where(n_valid > 0, sums.loss_sum.double() / n_valid, math.nan)
+    first = ids.min().double() if len(ids) else torch.full((), -1.0, dtype=torch.float64, device=ids.device)
+    col = torch.stack([first.to(device), torch.full((), float(len(ids)), dtype=torch.float64, device=device),
+                       h.to(device, torch.float64), loss.to(device)])
+    table = torch.zeros(4, world, dtype=torch.float64, device=device)
+    table[:, rank] = col
+    return {"ranks_4W": all_reduce_sum(table) if world > 1 else table}
+
+
+def rank_values(host) -> dict[str, list]:
+    """rank_inputs from the host's copy of rank_tensors() (a mapping name -> numbers)."""
+    first, n, hsh, lo = host["ranks_4W"]
     return {"first": [int(x) for x in first], "n": [int(x) for x in n], "hash": [int(x) for x in hsh], "loss": lo}
 
 

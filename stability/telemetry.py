@@ -15,14 +15,15 @@ Attached to the step by StepTelemetry (below) at train.py's callback points (eve
 returning {} on a step that telemetry skips; all ranks call them):
 
     cb.before_forward(s)      → telemetry.start(step)            # hooks on, before the first forward
-    sums = forward_backward(...); s.stats = reduce_step_sums(...)
+    sums = forward_backward(...); reduced = reduce_sums(sums)    # on the device, read with the step's numbers
     cb.before_update(s)       → telemetry.before_update()        # snapshot θ (one foreach copy, reused buffers)
-    s.result = optimizer_step(..., veto=veto)                    # unscale → finite check → clip → veto → step
+    s.result = apply_update(...)                                 # unscale → finite check → clip → [veto] → step
     cb.after_update(s)        → s.post = telemetry.finish(s.result.coef)   # before zero_grad: grads read here
-    s.moe = moe_summary(s.stats["moe_load"], s.stats["moe_out_sq"])   # every step, telemetry or not
+    s.moe = moe_summary(s.stats["moe_load"], s.stats["moe_out_sq"])   # every step, telemetry or not, on the host
     rec = step_record(s, ...)   # stability/record.py: layers, replica from s.post; nonfinite = s.flags | s.post's
 
-s.flags are nonfinite_flags(loss, logit_max, ‖g‖), set in the guard's veto before the update.
+s.flags are nonfinite_flags(loss, logit_max, ‖g‖), set where the guard judges the step (stability/step_numbers.py).
+telemetry.finish reads its own numbers in one transfer of its own (on its steps only).
 """
 from __future__ import annotations
 
@@ -136,13 +137,18 @@ class Telemetry:
         # ONE all-reduce for every layer's numbers: sharded param sums, activations, clamp counts.
         L, A = len(lay.keys), len(act_keys)
         packed = all_reduce_sum(torch.cat([sharded_3L.flatten(), act_sq_A, act_n_A, clamp_C2.flatten()]))
+        coef_t = torch.as_tensor(coef, dtype=torch.float64, device=dev).reshape(1)  # FP32 → FP64: exact
+        logits = [b.attn.logit_max_H for b in self.model.blocks]
+        maxed, replicated = self._collective_max(grad_sq_P, coef_t, logits)
         # one host sync for all of it
-        flat = torch.cat([(packed[:3 * L].view(3, L) + replicated_3L).flatten(), packed[3 * L:]]).tolist()
+        n_max = maxed.numel()
+        flat = torch.cat([(packed[:3 * L].view(3, L) + replicated_3L).flatten(), packed[3 * L:], maxed,
+                          coef_t]).tolist()
+        flat, maxed, coef = flat[:-1 - n_max], flat[-1 - n_max:-1], flat[-1]
         sums = [flat[:L], flat[L:2 * L], flat[2 * L:3 * L]]  # grad², Δθ², θ² per layer
         act_sq_r, act_n_r = flat[3 * L:3 * L + A], flat[3 * L + A:3 * L + 2 * A]
         clamp_r = flat[3 * L + 2 * A:]
         clamp_r = list(zip(clamp_r[0::2], clamp_r[1::2]))  # (hits, total) per SwiGLU layer
-        coef = float(coef)
 
         layers: dict[str, dict[str, float]] = {k: {} for k in self.order}
         for k, sq, n in zip(act_keys, act_sq_r, act_n_r):
@@ -158,8 +164,10 @@ class Telemetry:
         # NOTE: a NaN ratio must surface, and Python's max() drops or keeps NaN depending on order.
         ratio_max = math.nan if any(math.isnan(r) for r in ratios) else max(ratios)
         grads_bad = not all(math.isfinite(s) for s in sums[0])
-        attn_logits = [b.attn.logit_max_H for b in self.model.blocks]
-        replica, logit_L = self._collective_max(grad_sq_P, coef, attn_logits)
+        n_logit = len(self.model.blocks)
+        logit_L = [None if v == -math.inf else v for v in maxed[:n_logit]]
+        out = maxed[n_logit:]
+        replica = {"param_sum_spread": out[0] + out[1], "grad_norm_spread": out[2] + out[3]} if replicated else {}
         for i, v in enumerate(logit_L):
             if v is not None:  # NOTE: the probe's max over the first sequence of each micro-batch, all ranks
                 layers[f"block{i}.attn"]["attn_logit_max"] = v
@@ -199,15 +207,14 @@ class Telemetry:
             block.attn.probe_logits = False
         self.active = False
 
-    def _collective_max(self, grad_sq_P: Tensor, coef: float,
-                        attn_logits: list[Tensor | None]) -> tuple[dict, list[float | None]]:
-        """One MAX all-reduce: each layer's largest probed attention logit (attn_logit_max; None where no
-        forward was probed), and under DDP the spread (max − min over ranks, as max(x) + max(−x)) of a
-        float64 parameter checksum Σθ and of the local pre-clip grad norm. Both are exactly 0 on healthy
-        DDP: every rank holds the same bits."""
+    def _collective_max(self, grad_sq_P: Tensor, coef_1: Tensor,
+                        attn_logits: list[Tensor | None]) -> tuple[Tensor, bool]:
+        """One MAX all-reduce, still on the device: each layer's largest probed attention logit (attn_logit_max;
+        -inf where no forward was probed), and under DDP (the bool) the spread (max − min over ranks, as
+        max(x) + max(−x)) of a float64 parameter checksum Σθ and of the local pre-clip grad norm. Both are
+        exactly 0 on healthy DDP: every rank holds the same bits."""
         dev = self.layout.device
-        n_logit = len(attn_logits)
-        vals = [torch.tensor(-math.inf, dtype=torch.float64, device=dev) if m is None
+        vals = [torch.full((), -math.inf, dtype=torch.float64, device=dev) if m is None
                 else m.max().to(dev, torch.float64) for m in attn_logits]
         world = tdist.get_world_size() if tdist.is_initialized() else 1
         # NOTE: under FSDP each rank holds a different shard, so a spread means nothing there.
@@ -215,13 +222,10 @@ class Telemetry:
         if replicated:
             params = self.layout.local_params()
             psum = torch.stack([p.sum(dtype=torch.float64) for p in params]).sum()
-            gnorm = grad_sq_P.sum().sqrt() / coef
+            gnorm = grad_sq_P.sum().sqrt() / coef_1[0]
             vals += [psum, -psum, gnorm, -gnorm]
-        out = all_reduce_max(torch.stack(vals)).tolist() if vals else []
-        logit_L = [None if v == -math.inf else v for v in out[:n_logit]]
-        out = out[n_logit:]
-        replica = {"param_sum_spread": out[0] + out[1], "grad_norm_spread": out[2] + out[3]} if replicated else {}
-        return replica, logit_L
+        maxed = all_reduce_max(torch.stack(vals)) if vals else torch.zeros(0, dtype=torch.float64, device=dev)
+        return maxed, replicated
 
 
 class StepTelemetry(Callback):
@@ -260,28 +264,39 @@ def _mlp_out(out):
     return out if isinstance(out, Tensor) else out.y  # an MoE returns MoEOutput
 
 
-def moe_summary(loads: dict[int, Tensor], out_sq: dict[int, list[float]] | None = None) -> dict[str, dict]:
+def moe_summary(loads: dict[int, Tensor | list[float]],
+                out_sq: dict[int, Tensor | list[float]] | None = None) -> dict[str, dict]:
     """{layer: {"load": tokens per expert, "max_violation": max_e load_e/mean(load) − 1, "dead": #zero,
     "out_rms": per expert the RMS of its output before the gate (None for an expert with no token)}} from
-    the global (all-reduced) assignment counts and output squares; cheap enough for every step.
+    the global (all-reduced) assignment counts and output squares, as (E,) tensors or the host's lists of
+    them (train.py: plain Python then, nothing read); cheap enough for every step.
 
     out_rms tells an expert that still receives tokens but outputs nothing (a zeroed or collapsed expert:
     load unchanged, out_rms → 0) from one that receives none (dead)."""
     out = {}
     for layer in sorted(loads):
-        load_E = torch.as_tensor(loads[layer]).detach().to("cpu", torch.float64)
-        if load_E.ndim != 1 or not load_E.numel():
-            raise ValueError(f"moe_summary: layer {layer} load has shape {tuple(load_E.shape)}, expected (E,)")
-        mean = load_E.mean().item()
+        load_E = _floats(loads[layer], layer)
+        # NOTE: the loads are counts (integers below 2^53): their float64 sum is exact in any order, so this
+        # mean is torch's to the bit
+        mean = sum(load_E) / len(load_E)
         # NOTE: no assignment at all has no balance to violate: 0, and every expert counts as dead.
-        violation = load_E.max().item() / mean - 1.0 if mean > 0 else 0.0
-        out[str(layer)] = {"load": [round(v) for v in load_E.tolist()], "max_violation": violation,
-                           "dead": int((load_E == 0).sum())}
+        violation = max(load_E) / mean - 1.0 if mean > 0 else 0.0
+        out[str(layer)] = {"load": [round(v) for v in load_E], "max_violation": violation,
+                           "dead": sum(v == 0 for v in load_E)}
         if out_sq and layer in out_sq:
-            sq_E = torch.as_tensor(out_sq[layer]).detach().to("cpu", torch.float64).tolist()
-            out[str(layer)]["out_rms"] = [math.sqrt(sq / n) if n > 0 else None
-                                          for sq, n in zip(sq_E, load_E.tolist())]
+            sq_E = _floats(out_sq[layer], layer)
+            out[str(layer)]["out_rms"] = [math.sqrt(sq / n) if n > 0 else None for sq, n in zip(sq_E, load_E)]
     return out
+
+
+def _floats(x: Tensor | list[float], layer) -> list[float]:
+    if torch.is_tensor(x):
+        if x.ndim != 1 or not x.numel():
+            raise ValueError(f"moe_summary: layer {layer} load has shape {tuple(x.shape)}, expected (E,)")
+        return x.detach().to("cpu", torch.float64).tolist()
+    if not x or not all(isinstance(v, (int, float)) for v in x):
+        raise ValueError(f"moe_summary: layer {layer} load is {x!r}, expected (E,) numbers")
+    return [float(v) for v in x]
 
 
 def nonfinite_flags(loss: float, logit_max: float, grad_norm: float) -> dict[str, bool]:

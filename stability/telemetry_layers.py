@@ -75,16 +75,26 @@ def norms(tensors: list[Tensor], device: torch.device) -> Tensor:
     squares overflows for large *finite* values (|t| ≳ 1e19), which must not read as a non-finite
     tensor; FP64 everywhere costs 4× on a CPU. A finite norm proves every element finite, so this is
     also the cheap non-finite test (an inf-norm is ~6× slower than the 2-norm on a CPU).
-    NOTE: one host sync, to pick the tensors to redo.
+    NOTE: one host sync, to pick the tensors to redo (norms_fp32 and to_redo are the sync-free half).
     """
-    out = torch.stack([n.to(device) for n in torch._foreach_norm(tensors, 2, dtype=torch.float32)]).double()
-    # NOTE: 0 is redone too: after an extreme clip (coef ~1e-25, a gradient past 1e19 elsewhere) the clipped
-    # g·coef of a normal layer squares below FP32's smallest value, and telemetry divides by coef again.
-    redo = ((~torch.isfinite(out)) | (out == 0)).nonzero().flatten().tolist()
+    out = norms_fp32(tensors, device)
+    redo = to_redo(out).nonzero().flatten().tolist()
     if redo:
         again = torch._foreach_norm([tensors[i] for i in redo], 2, dtype=torch.float64)
         out[redo] = torch.stack([n.to(device) for n in again])
     return out
+
+
+def norms_fp32(tensors: list[Tensor], device: torch.device) -> Tensor:
+    """(N,) float64 of each tensor's FP32 ‖t‖₂: norms() where to_redo() is all False."""
+    return torch.stack([n.to(device) for n in torch._foreach_norm(tensors, 2, dtype=torch.float32)]).double()
+
+
+def to_redo(norms_N: Tensor) -> Tensor:
+    """(N,) bool: the FP32 norms norms() computes again in FP64."""
+    # NOTE: 0 is redone too: after an extreme clip (coef ~1e-25, a gradient past 1e19 elsewhere) the clipped
+    # g·coef of a normal layer squares below FP32's smallest value, and telemetry divides by coef again.
+    return (~torch.isfinite(norms_N)) | (norms_N == 0)
 
 
 class ParamLayout:

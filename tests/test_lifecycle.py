@@ -154,7 +154,10 @@ for case in json.loads(sys.argv[1]):
                 os.write(w, f"{name}>{stop.name}>{stop.agreed()} ".encode())
         os._exit(0)
     os.close(w)
-    seen = os.read(r, 4096).decode().split()
+    seen = b""
+    while chunk := os.read(r, 4096):  # NOTE: to EOF (the child's exit): one read may return the first write only
+        seen += chunk
+    seen = seen.decode().split()
     print(json.dumps([case, os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), seen]), flush=True)
 """
 CASES = {  # signals sent: (exit status, what the loop sees after each)
@@ -173,6 +176,32 @@ def test_the_first_signal_asks_and_a_second_exits_at_once():
     got = {tuple(case): (code, seen) for case, code, seen in map(json.loads, r.stdout.splitlines())}
     assert got == CASES
     assert r.stderr.count("again: exiting now") == 2 and r.stderr.count("stopping at the end of this step") == 5
+
+
+def test_a_launch_agrees_on_the_signal_its_last_step_read():
+    """Under a launch the interrupt's max-reduce rides in the step's one read (Interrupts.tensors / heard): the
+    boundary answers what the last step agreed; a signal that came after that step's reduction is kept and
+    agreed at the next one; the first boundary, before any step, reduces on its own. (No process group
+    here: the reductions are the identity, the bookkeeping is what is tested.)"""
+    import torch
+
+    from parallel import Dist, HostScalars
+    from run.lifecycle import Interrupts
+
+    stop = Interrupts(Dist(0, 2, 0, torch.device("cpu"), None))
+
+    def step() -> None:
+        host = HostScalars()
+        host.put(**stop.tensors())
+        host.read()
+        stop.heard(host)
+
+    assert stop.agreed() is False  # the first boundary: its own reduction
+    step()
+    stop.signum = signal.SIGINT  # arrives after the step's reduction
+    assert stop.agreed() is False and stop.signum == signal.SIGINT  # not agreed yet, and not forgotten
+    step()
+    assert stop.agreed() is True and stop.name == "SIGINT"
 
 
 @pytest.mark.parametrize("case", ["empty directory", "resume=latest in a new directory", "run dir under a file"])

@@ -155,32 +155,56 @@ def test_empty_gradient_shards_are_ignored_by_the_finite_check():
     assert not res.skipped and torch.equal(w.detach(), torch.full((3,), 0.75))  # g/S = 0.5, step 0.5·0.5
 
 
-def test_finite_check_runs_only_after_a_nonfinite_norm_and_tells_overflow_from_large_grads():
-    """A finite ‖g‖ proves every element finite, so the inf-norm pass is skipped; after a non-finite norm it
-    decides: a norm past FP32 max from large *finite* gradients (‖g‖ = 6e38; the FP64 sum of squares
-    holds it, the reported FP32 norm is inf) is no overflow and still gets clipped, an inf is."""
-    from unittest import mock
-
-    import precision.step as step_mod
-
+def test_finite_check_is_the_fp64_norms_and_tells_overflow_from_large_grads():
+    """The finite check needs no pass of its own: the FP64 Σg² is finite unless an element is inf/NaN. A norm
+    past FP32 max from large *finite* gradients (‖g‖ = 6e38; the reported FP32 norm is inf) is no overflow
+    and still gets clipped; an inf is an overflow, and the step is skipped."""
     w = torch.nn.Parameter(torch.zeros(4))
     opt = torch.optim.SGD([w], lr=1.0)
-    calls = []
-    real = step_mod.found_nonfinite
+    w.grad = torch.full((4,), 0.5)
+    assert not optimizer_step([w], opt, None, 1.0).skipped
+    w.grad = torch.full((4,), 3e38)
+    before = w.detach().clone()
+    res = optimizer_step([w], opt, None, 1.0)
+    assert not torch.isfinite(res.norm) and not res.skipped
+    assert torch.linalg.vector_norm(w.detach() - before).item() == pytest.approx(1.0, rel=1e-5)  # clipped
+    w.grad = torch.tensor([1.0, float("inf"), 0.0, 0.0])
+    before = w.detach().clone()
+    assert optimizer_step([w], opt, None, 1.0).skipped
+    assert torch.equal(w.detach(), before)
 
-    def spy(params):
-        calls.append(1)
-        return real(params)
 
-    with mock.patch.object(step_mod, "found_nonfinite", spy):
-        w.grad = torch.full((4,), 0.5)
-        assert not optimizer_step([w], opt, None, 1.0).skipped and calls == []
-        w.grad = torch.full((4,), 3e38)
-        before = w.detach().clone()
-        res = optimizer_step([w], opt, None, 1.0)
-        assert not torch.isfinite(res.norm) and not res.skipped and calls == [1]
-        assert torch.linalg.vector_norm(w.detach() - before).item() == pytest.approx(1.0, rel=1e-5)  # clipped
-        w.grad = torch.tensor([1.0, float("inf"), 0.0, 0.0])
-        before = w.detach().clone()
-        assert optimizer_step([w], opt, None, 1.0).skipped and calls == [1, 1]
-        assert torch.equal(w.detach(), before)
+def test_fused_adamw_skips_on_the_device_leaving_its_state_as_a_skip_does():
+    """apply_update without the overflow read: fused AdamW takes the agreed flag as found_inf. A skipped step
+    leaves parameters, moments and step counts bit for bit where the host-decided skip (no optimizer.step())
+    leaves them, and a finite one moves them exactly as optimizer_step does; skipped is then the 0-d flag.
+    Before the first step (no moments yet) the skip is the host's: found_inf would create the moments."""
+    from precision.step import apply_update, prepare_update, skips_on_device
+
+    def make():
+        torch.manual_seed(0)
+        ps = [torch.nn.Parameter(torch.randn(6, 5)), torch.nn.Parameter(torch.randn(5))]
+        return ps, torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, fused=True)
+
+    host, dev = make(), make()
+    g = torch.Generator().manual_seed(1)
+    for t in range(6):
+        grads = [torch.randn(p.shape, generator=g) for p in host[0]]
+        if t in (0, 3):
+            grads[0][2, 1] = float("nan")
+        for (ps, _), gs in ((host, grads), (dev, grads)):
+            for p, gr in zip(ps, gs):
+                p.grad = gr.clone()
+        ref = optimizer_step(host[0], host[1], None, 1.0)
+        # step 0 is skipped, step 1 creates the moments: from step 2 on the device decides
+        assert skips_on_device(dev[1], dev[0]) == (t > 1)
+        res = apply_update(dev[0], dev[1], None, prepare_update(dev[0], None, 1.0))
+        assert torch.is_tensor(res.skipped) == (t > 1) and bool(res.skipped) == ref.skipped == (t in (0, 3))
+        for a, b in zip(host[0], dev[0]):
+            assert torch.equal(a, b)
+            sa, sb = host[1].state.get(a, {}), dev[1].state.get(b, {})
+            assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+    hook = dev[1].register_step_post_hook(lambda *_: None)  # it would see a step that a skip never makes
+    assert not skips_on_device(dev[1], dev[0])
+    hook.remove()
+    assert skips_on_device(dev[1], dev[0])
