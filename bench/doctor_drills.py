@@ -233,10 +233,12 @@ def patch(name: str) -> None:
             self.blocks[1].attn.register_forward_hook(hn)
     tr.Transformer.__init__ = init
 
-    import precision
-    orig_step = precision.optimizer_step
+    # NOTE: train.py's step is precision.step's prepare_update (unscale, norm, clip) then apply_update (the
+    # optimizer step): gradients are scaled before the norm, Adam's v before the update, as a bug would
+    import precision.step as pstep
+    orig_prepare, orig_apply = pstep.prepare_update, pstep.apply_update
 
-    def optimizer_step(params, optimizer, *a, **k):
+    def prepare_update(params, *a, **k):
         t = Clock.step
         model = _MODEL[0]
         if name in ("grad_x50_layer", "grad_x3_sustained") and (t == S or (name == "grad_x3_sustained" and t > S)):
@@ -244,12 +246,15 @@ def patch(name: str) -> None:
             for p in blk.parameters():
                 if p.grad is not None:
                     p.grad.mul_(50.0 if name == "grad_x50_layer" else 3.0)
-        if name == "adam_v_div16" and t == S:
+        return orig_prepare(params, *a, **k)
+
+    def apply_update(params, optimizer, *a, **k):
+        if name == "adam_v_div16" and Clock.step == S:
             for st in optimizer.state.values():
                 if "exp_avg_sq" in st:
                     st["exp_avg_sq"].div_(16.0)
-        return orig_step(params, optimizer, *a, **k)
-    precision.optimizer_step = optimizer_step
+        return orig_apply(params, optimizer, *a, **k)
+    pstep.prepare_update, pstep.apply_update = prepare_update, apply_update
 
     _MODEL: list = []
     orig_init2 = tr.Transformer.__init__
