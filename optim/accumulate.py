@@ -60,9 +60,12 @@ def forward_backward(wrapped, micro_batches, n_valid_global: torch.Tensor, z_coe
     `loss_scale` S, when given, back-propagates S·objective (FP16): the .grads come out S times too
     large and must be unscaled before anything reads them (precision/step.py). The sums are unscaled.
     """
-    # NOTE: the scale stays on the device (reading N_valid would stall the host before the first forward),
-    # rounded to FP32 as a Python float multiplier is: the objective and its gradients are bit for bit the same
-    scale = (torch.full_like(n_valid_global, float(world)) / n_valid_global).reshape(()).to(torch.float32) \
+    # NOTE: the scale stays on the device (reading N_valid would stall the host before the first forward). It
+    # is world/N in float64 and meets each micro-batch's loss in that loss's dtype (never below it): an FP32
+    # loss gets world/N rounded to FP32, exactly the multiplier a Python float would be, and an FP64 model (the
+    # replay, gradchecks, labs) keeps the course's division exact: Σ over micro-batches and ranks equals the
+    # one-pass gradient of (Σ CE + z·Σ lse²)/N to FP64 rounding (tests/test_accumulate.py)
+    scale = (torch.full_like(n_valid_global, float(world)) / n_valid_global).reshape(()) \
         if torch.is_tensor(n_valid_global) else world / n_valid_global
     device = micro_batches[0].tokens.device
     sums = StepSums(
@@ -80,8 +83,10 @@ def forward_backward(wrapped, micro_batches, n_valid_global: torch.Tensor, z_coe
         with no_sync(wrapped, last):
             with autocast() if autocast is not None else contextlib.nullcontext():
                 out = wrapped(mb.tokens, mb.labels, routes=None if routes is None else routes[i])
-            n_mb = out.n_valid.to(torch.float32)
-            objective = (out.loss_sum + z_coef * out.z_sum) * scale + out.aux_loss * (n_mb * scale)
+            dtype = out.loss_sum.dtype
+            s_mb = scale.to(dtype) if torch.is_tensor(scale) else scale
+            n_mb = out.n_valid.to(dtype)
+            objective = (out.loss_sum + z_coef * out.z_sum) * s_mb + out.aux_loss * (n_mb * s_mb)
             if loss_scale is not None:
                 objective = objective * loss_scale
             objective.backward()

@@ -108,3 +108,36 @@ def test_ddp_parameters_match_single_process(tmp_path):
         assert got["norms"] == pytest.approx(single["norms"], rel=1e-5)
         for k, v in single["params"].items():
             torch.testing.assert_close(got["params"][k], v, rtol=1e-5, atol=1e-6, msg=k)
+
+
+def test_token_normalisation_is_exact_in_float64_across_micro_batches_and_ranks():
+    """The course's division, as train.py drives it (N the global count as the step's float64 device tensor): on
+    a float64 model, 2 micro-batches and 2 ranks (each back-propagating world·L_rank, then averaged as DDP does)
+    give the one-pass gradient of (Σ CE + z·Σ lse²)/N to FP64 rounding. A scale rounded to FP32 on the way
+    (world/N with N = 121 is off by 4e-8) fails this."""
+    ds = build_data(DataConfig.from_dict(DATA))
+    batch = unequal_batch(ds)
+    z = 1e-3
+
+    def model64():
+        return tiny_model(ds.vocab_size, 32).double()
+
+    one = model64()
+    out = one(batch.tokens, batch.labels)
+    ((out.loss_sum + z * out.z_sum) / out.n_valid.double()).backward()
+    g_one = grads(one)
+
+    acc = model64()
+    micro = batch.micro_batches(2)
+    forward_backward(acc, micro, count_valid_tokens(micro, "cpu"), z_coef=z, world=1, n_sources=2)
+    assert ((grads(acc) - g_one).norm() / g_one.norm()).item() < 1e-12
+
+    ranks = [model64() for _ in range(2)]
+    shards = batch.micro_batches(2)  # rank r holds shard r; N is the count over both (the all-reduce's)
+    n_global = count_valid_tokens(shards, "cpu")
+    assert n_global.dtype == torch.float64
+    assert float(torch.tensor(2 / float(n_global), dtype=torch.float32)) != 2 / float(n_global)  # FP32 rounds it
+    for model, shard in zip(ranks, shards):
+        forward_backward(model, shard.micro_batches(2), n_global, z_coef=z, world=2, n_sources=2)
+    g_avg = (grads(ranks[0]) + grads(ranks[1])) / 2
+    assert ((g_avg - g_one).norm() / g_one.norm()).item() < 1e-12
