@@ -63,7 +63,8 @@ class Option:
     """The export's decision on one model option: `how` transformers gets it, and `refuse`, for the values
     it cannot express, why (None: every value exports). `probe`: a non-default value that the export
     test builds a tiny model with (d_model 64, 4 heads, 4 layers; `moe.*` on the `moe` probe) and exports,
-    or sees refused."""
+    or sees refused; the sampling test (tests/test_sample.py) decodes the same probe with and without
+    the KV cache."""
     how: str
     probe: object
     refuse: Callable[[ModelConfig], str | None] | None = None

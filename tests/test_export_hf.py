@@ -114,10 +114,8 @@ def test_each_option_exports_faithfully_or_refuses_in_one_line(tmp_path, key):
     assert not (tmp_path / "hf").exists()
 
 
-def test_an_option_the_export_does_not_know_is_refused_by_its_own_check(tmp_path):
-    """A student's new option that OPTIONS never heard of: a config flag (a Gemma-2 style logit soft-cap) and
-    the forward that reads it. The export loads its conversion in transformers, compares the logits and
-    refuses in one line naming the largest difference; nothing is written."""
+def softcap_model() -> Transformer:
+    """A student's new option: a config flag (a Gemma-2 style logit soft-cap) and the forward that reads it."""
     import torch.nn.functional as F
 
     Student = dataclasses.make_dataclass("ModelConfig", [("logit_softcap", float, dataclasses.field(default=10.0))],
@@ -126,6 +124,21 @@ def test_an_option_the_export_does_not_know_is_refused_by_its_own_check(tmp_path
     model = Transformer(Student(vocab_size=256, seq_len=32, d_model=64, n_layers=2, n_heads=4, init_std=0.1)).eval()
     cap = model.cfg.logit_softcap
     model.head.forward = lambda x_BTD: cap * torch.tanh(F.linear(x_BTD, model.head.weight) / cap)
+    return model
+
+
+@pytest.mark.parametrize("variant", ["softcap", "parallel_block"])
+def test_an_option_the_export_does_not_know_is_refused_by_its_own_check(tmp_path, monkeypatch, variant):
+    """A model option OPTIONS never heard of: a new config flag read by the forward, or a block variant (the
+    parallel block, model/transformer.py's one block forward replaced). The export loads its conversion in
+    transformers, compares the logits and refuses in one line naming the largest difference; nothing is
+    written."""
+    if variant == "parallel_block":
+        from model.transformer import Block
+        from tests.test_sample import parallel_block
+
+        monkeypatch.setattr(Block, "_forward", parallel_block)
+    model = softcap_model() if variant == "softcap" else tiny()
     assert refuse_reason(model) is None  # the option list has no say on it
     with pytest.raises(ValueError) as e:
         export(model, build_tokenizer("byte", ""), tmp_path / "hf")
