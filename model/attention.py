@@ -64,7 +64,7 @@ class Attention(nn.Module):
 
     Logit probe: with `probe_logits = True`, every grad-enabled forward folds the per-head max logit of
     its FIRST sequence into `logit_max_H` (telemetry: one B-th of the QKᵀ matmul, from the q and k the
-    forward computed anyway; bench/attn_logit_probe.py measures it).
+    forward computed anyway; bench/speed/attn_logit_probe.py measures it).
     """
 
     def __init__(self, cfg: ModelConfig):

@@ -156,7 +156,7 @@ class Transformer(nn.Module):
         forward() would choose (the same ops on the same rows; tests/test_model.py).
 
         It stops at the last MoE layer's router: that layer's experts, the blocks after it, the final
-        norm and the LM head decide no route, so they never run (bench/anticipatory_overhead.py).
+        norm and the LM head decide no route, so they never run (bench/speed/anticipatory_overhead.py).
         WARN: on an FSDP2-sharded model call model(tokens, routes_only=True) instead: called directly
         this reads the sharded DTensors (aten.embedding got mixed torch.Tensor and DTensor)."""
         B, T = tokens_BT.shape

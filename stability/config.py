@@ -66,7 +66,7 @@ class DetectorConfig:
     # NOTE: the spread assumed at least for a log metric, in log units: a scale-free quantity (grad norm,
     # update ratio) jitters step to step however steady its history looks, and a MAD measured on a calm
     # stretch says otherwise; at 0.2 and threshold 6 a move smaller than ×e^1.2 ≈ ×3.3 never fires, so a
-    # natural blip of two or three times on a calm plateau is not a spike (bench/drills_quiet.py).
+    # natural blip of two or three times on a calm plateau is not a spike (bench/seeds/drills_quiet.py).
     log_floor: float = 0.2
 
     def __post_init__(self) -> None:
