@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 
 PROBE_BATCH, PROBE_SEED = 2, 0
-# NOTE: inner products per sublayer, in the worst chain: q·k, attention·v, the output projection (attention);
-# gate/up, down, the gate weight (MLP); a constant, not a fit: it states how many roundings one sublayer adds.
+# NOTE: the roundings one sublayer chains: its RMSNorm and at most three products (attention: q·k, the
+# weights·v, the output projection; MLP: gate/up, down, an MoE gate weight). A count, not a fit.
 PRODUCTS = 4
 
 
