@@ -109,15 +109,15 @@ def train(run: Run, stop: Interrupts) -> None:
                 sink.close()
             raise stopped
         step += 1  # NOTE: a while loop, because a guard rollback moves the step back
-        s = StepState(step, max_grad_norm=tc.max_grad_norm)
         host = HostScalars()  # every number the step needs on the host, as device tensors until read
+        s = StepState(step, max_grad_norm=tc.max_grad_norm, host=host)
         t0, c0 = time.perf_counter(), cpu_clock()
         cb.before_batch(s)
         s.first_id = loader.samples_consumed  # the global batch is sample ids [first_id, first_id + batch_size)
         s.batch = loader.next()
         cb.on_batch(s)  # a data drill may replace the batch; anticipatory routing sets s.routes
         s.micro = micro = [mb.to(dev, non_blocking=True) for mb in s.batch.micro_batches(tc.micro_batches)]
-        n_valid = count_valid_tokens(micro, dev)  # global, before any forward
+        s.n_valid_t = n_valid = count_valid_tokens(micro, dev)  # global, before any forward
         inputs = input_tensors(micro, dev, run.dataset.vocab_size, getattr(run.dataset, "bos_ids", None), in_base)
         host.put(n_valid=n_valid, **inputs)
         t1 = time.perf_counter()
@@ -133,12 +133,14 @@ def train(run: Run, stop: Interrupts) -> None:
         s.lr = optimizer.param_groups[0]["lr"] / optimizer.param_groups[0].get("lr_scale", 1.0)
         # unscale → global norm → finite check agreed by all ranks → clip (the adaptive z-score policy, or None)
         params, fingerprint = list(model.parameters()), loader.dataset.fingerprint
-        upd = prepare_update(params, run.scaler, s.max_grad_norm, clip=run.clip)
+        s.update = upd = prepare_update(params, run.scaler, s.max_grad_norm, clip=run.clip)
         host.put(grad_norm=upd.norm, clip_coef=upd.coef, overflow=upd.overflow)
+        cb.after_clip(s)  # the specification checks that can refuse the update measure here (spec/)
         if first:
             host.read()
         # → guard veto → step, or a counted skip (decided on the device when nothing is read yet)
-        vetoed = first and judge(s, host, reduced, guard, names, scaled=run.scaler is not None, fingerprint=fingerprint)
+        s.vetoed = vetoed = first and judge(s, host, reduced, guard, names, scaled=run.scaler is not None,
+                                            fingerprint=fingerprint, spec=run.spec)
         s.result = res = apply_update(params, optimizer, run.scaler, upd, bool(host["overflow"]) if first else None,
                                       vetoed)
         cb.after_update(s)  # QK-clip; telemetry reads the gradients and Δθ into s.post
@@ -146,15 +148,20 @@ def train(run: Run, stop: Interrupts) -> None:
         optimizer.zero_grad(set_to_none=True)
         t3 = time.perf_counter()
 
-        loads = reduced.loads_E()
+        s.loads = loads = reduced.loads_E()
         for layer, moe in model.moe_layers():  # aux-loss-free balancing, global loads; a skipped step moves no state
             moe.update_bias(loads[layer], skipped=res.skipped)
+        cb.end_step(s)  # the state the step leaves: the specification checks of the update measure it (spec/)
         host.put(**state_tensors(optimizer, model), **stop.tensors())  # ‖m‖, ‖v‖ per group, MoE bias norms
         host.read()  # from here the step reads only the host's copy
         if not first:
-            judge(s, host, reduced, guard, names, scaled=run.scaler is not None, fingerprint=fingerprint)  # no veto
+            judge(s, host, reduced, guard, names, scaled=run.scaler is not None, fingerprint=fingerprint,
+                  spec=run.spec)  # no veto
         s.result = res = res._replace(norm=host["grad_norm"], coef=host["clip_coef"],
                                       skipped=bool(host["overflow"]) if torch.is_tensor(res.skipped) else res.skipped)
+        failed = run.spec.read(s, host, "after") if run.spec is not None else []
+        if run.spec is not None:
+            run.spec.after_read(s)
         if res.skipped and not res.vetoed:  # NOTE: a non-finite gradient would poison the weights and moments
             s.events.append(f"non-finite grad norm ({res.norm}) at loss scale {res.loss_scale}: optimizer "
                             f"step skipped ({res.skipped_total if res.skipped_total is not None else 1} so far)")
@@ -168,7 +175,8 @@ def train(run: Run, stop: Interrupts) -> None:
         worst = max((m["max_violation"] for m in s.moe.values()), default=None)
         after = {"moe": s.moe, "state": s.opt_state, "clip_coef": res.coef, "grad_norm": res.norm,
                  "skipped": res.skipped} if guard.watches_more else None
-        verdict = guard.after_update(step, s.first_id, s.n_valid, s.post, s.stats["loss"], worst, extra=after)
+        verdict = guard.after_update(step, s.first_id, s.n_valid, s.post, s.stats["loss"], worst, extra=after,
+                                     spec=failed)
         tokens_seen += s.n_valid
         if step % tc.eval_every == 0 or step == ckpt.last_step:
             s.eval = evaluate(model, run.evals, names, dev)
@@ -190,6 +198,8 @@ def train(run: Run, stop: Interrupts) -> None:
         if verdict.rollback:  # restore a recent good TrainState; the loop continues from its step
             step = guard.rollback(step)
             tokens_seen = ckpt.state.tokens
+            if run.spec is not None:  # the plan continues from the restored state and the guard's data policy
+                run.spec.rolled_back(loader.samples_consumed)
         guard.end_step(step)
     ckpt.close()
     finish(run)

@@ -146,6 +146,8 @@ class TrainState:
         for name, obj in self.extras.items():
             if name in skip_extras:
                 continue
+            if name not in blobs["extras"] and getattr(obj, "optional", False):
+                continue  # saved before this piece existed: it starts from the state as loaded
             if name not in blobs["extras"]:
                 raise ValueError(f"resume: checkpoint {Path(path).name} holds no {name} state (saved: "
                                  f"{sorted(blobs['extras']) or 'none'})")

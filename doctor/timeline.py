@@ -28,7 +28,7 @@ from optim.schedule import factor_fn  # plain arithmetic: the optim package load
 from stability.events import read_events
 from stability.signals import (BACKWARD, FORWARD, GUARD_FLOOR, INPUT, LAYERS, SIGNALS, SYSTEM,  # noqa: F401
                                ReadContext, Signal)  # (the layer names: re-exported for doctor/)
-from stability.record import (RECORD_VERSION, V2_FIELDS, V3_FIELDS, V4_FIELDS, V4_SUBFIELDS,
+from stability.record import (RECORD_VERSION, V2_FIELDS, V3_FIELDS, V4_FIELDS, V4_SUBFIELDS, V5_FIELDS,
                               read_records_partial)
 
 WINDOW = 30       # trailing values in a baseline (the guard's detector window)
@@ -95,7 +95,8 @@ def load_run(run_dir) -> Run:
     old = sorted({r.get("version", 1) for r in records if r.get("version", 1) < RECORD_VERSION})
     if old:
         lacks = (([*V2_FIELDS, "inputs.entropy/kl_running/rare_frac", "time_s.cpu"] if old[0] < 2 else [])
-                 + (list(V3_FIELDS) if old[0] < 3 else []) + [*V4_FIELDS, *V4_SUBFIELDS])
+                 + (list(V3_FIELDS) if old[0] < 3 else [])
+                 + ([*V4_FIELDS, *V4_SUBFIELDS] if old[0] < 4 else []) + list(V5_FIELDS))
         notes.append(f"{path}: record version {old[0]} < {RECORD_VERSION}: no {', '.join(lacks)}; "
                      f"their checks are skipped")
     events = read_events(run_dir / "events.jsonl")
@@ -225,12 +226,15 @@ class Deviation:
     baseline: float | None   # trailing median (None for a non-finite value without history)
     z: float                 # robust z (inf: non-finite or off an exact value; sustained: the least of K)
     layer_name: str | None = None
-    kind: str = "point"      # point | sustained | change | guard | exact | nonfinite | invariant
+    kind: str = "point"      # point | sustained | change | guard | exact | nonfinite | invariant | spec
 
     def describe(self) -> str:
         where = f" ({self.layer_name})" if self.layer_name else ""
         if self.baseline is None:
             return f"{self.quantity}{where} = {self.value:.4g} at step {self.step}"
+        if self.kind == "spec":
+            return (f"{self.quantity}{where} missed its specification at step {self.step}: {self.value:.3g}× the "
+                    f"tolerance its precision recipe allows")
         if self.kind == "bound":
             return (f"{self.quantity}{where} = {self.value:.4g} at step {self.step}, past its bound "
                     f"{self.baseline:.4g}: better than the exact floor allows")

@@ -31,6 +31,7 @@ from parallel import Dist, barrier, wrap_model
 from parallel.wrap import is_sharded
 from precision import build_recipe
 from run.config import TrainConfig, validate
+from spec.monitor import Conformance, build_spec
 from stability.anticipatory import AnticipatoryRouting
 from stability.callbacks import Callbacks
 from stability.events import EventLog
@@ -61,6 +62,7 @@ class Run:
     guard: Guard
     ckpt: Checkpointer
     callbacks: Callbacks    # drills, anticipatory routing, telemetry, levers: attached at the step's named points
+    spec: Conformance | None  # the step's specification checks (also one of the callbacks), or None: spec.enabled=false
     clip: object            # None (train.clip=fixed) or the adaptive z-score clip policy
     sinks: list
 
@@ -110,8 +112,12 @@ def build_run(cfg: DictConfig, dist: Dist) -> Run:
     an = typed.guard.anticipatory
     routing = AnticipatoryRouting(model, loader, typed.train.micro_batches, an, dist.device, recipe.autocast,
                                   forward=wrapped) if is_moe and an.enabled else None
+    spec = build_spec(typed, model=model, wrapped=wrapped, optimizer=optimizer, scheduler=scheduler, loader=loader,
+                      dataset=dataset, dist=dist, recipe=recipe, scaler=scaler, evals=evals, clip_policy=levers.clip,
+                      sharded=is_sharded(model))
     state = TrainState(model, optimizer, scheduler, loader, config, dist.rank, dist.world,
-                       extras={**({"loss_scaler": scaler} if scaler else {}), "faults": faults, **levers.extras()})
+                       extras={**({"loss_scaler": scaler} if scaler else {}), "faults": faults, **levers.extras(),
+                               **({"spec": spec} if spec is not None else {})})
     state.guard = guard = Guard(typed.guard, state=state, ckpt=None, events=events, routing=routing,
                                 is_moe=is_moe)
     ckpt = Checkpointer(typed.checkpoint, typed.resume, typed.train.steps, dist, run_dir, state)
@@ -119,7 +125,7 @@ def build_run(cfg: DictConfig, dist: Dist) -> Run:
     callbacks = Callbacks([FaultDrill(faults, optimizer, events, guard) if faults.kind != "none" else None, routing,
                            StepTelemetry(telemetry) if telemetry.every else None, levers,
                            Intervene(typed.intervene, optimizer, scheduler, loader, events)
-                           if typed.intervene.kind != "none" else None])
+                           if typed.intervene.kind != "none" else None, spec])
 
     if dist.is_main:
         write_header(cfg, typed, dist, run_dir, dataset, model, model_cfg, group_table, recipe)
@@ -131,7 +137,7 @@ def build_run(cfg: DictConfig, dist: Dist) -> Run:
     return Run(cfg=cfg, train=typed.train, dist=dist,
                run_dir=run_dir, dataset=dataset, model=model, wrapped=wrapped, optimizer=optimizer,
                scheduler=scheduler, scaler=scaler, recipe=recipe, loader=loader, evals=evals, events=events,
-               guard=guard, ckpt=ckpt, callbacks=callbacks, clip=levers.clip, sinks=sinks)
+               guard=guard, ckpt=ckpt, callbacks=callbacks, spec=spec, clip=levers.clip, sinks=sinks)
 
 
 def write_header(cfg, typed, dist: Dist, run_dir: Path, dataset, model, model_cfg, group_table, recipe) -> None:

@@ -5,7 +5,7 @@
     conf/<group>/<option>     only the values that option changes
 
 Where a key is defined: run_name, seed, device, threads, resume, train.* here; telemetry.*, logging.*,
-guard.*, fault.* in stability/config.py; model.* in model/config.py; optim.* (and the fp16 loss scale)
+guard.*, fault.* in stability/config.py; spec.* in spec/config.py; model.* in model/config.py; optim.* (and the fp16 loss scale)
 in optim/config.py; data.* in data/config.py; parallel.* in parallel/config.py; precision.* in
 precision/config.py; checkpoint.* and resume.* in checkpoint/config.py.
 
@@ -33,6 +33,7 @@ from parallel.config import ParallelConfig
 from precision.config import PrecisionConfig
 from run.argv import normalise
 from run.config_errors import ConfigError, check, choice, fail, from_mapping, known_keys_only, one_line
+from spec.config import SpecConfig
 from stability.config import FaultConfig, GuardConfig, LoggingConfig, TelemetryConfig, read_saved
 from stability.intervene import InterveneConfig
 
@@ -95,6 +96,7 @@ class Config:
     resume: Any = field(default_factory=_resume_default)
     train: TrainConfig = field(default_factory=TrainConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    spec: SpecConfig = field(default_factory=SpecConfig)  # the step's specification checks (spec/)
     model: ModelConfig = field(default_factory=default_model)
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)

@@ -1,0 +1,112 @@
+"""loss_grad: the gradient the step's backward leaves on the final norm's gain is the gradient of the step's own
+loss on the step's own batch — every step, the whole batch, in closed form.
+
+The final RMSNorm's gain γ meets the loss only through the logits, so from the last block's outputs h (kept
+from the step's forward by a hook on the final norm) its gradient is exact arithmetic, with no model to rerun:
+
+    x̂ = h / √(mean(h²) + ε)    logits = (γ ⊙ x̂)·Wᵀ    p = softmax(logits)    lse = log Σ exp(logits)
+    ∂obj/∂logits = (world / N)·((1 + 2z·lse)·p − onehot(label))   on valid labels (N: the step's global count)
+    ∂obj/∂γ = Σ_tokens (∂obj/∂logits · W) ⊙ x̂,   summed over micro-batches, averaged over ranks
+
+This is the course's token normalisation (Σ loss, Σ count, one division), the z-loss and the labels the step
+used, checked against what the optimizer receives — a hook that scales gradients, a wrong N, a micro-batch
+dropped or counted twice. The tolerance bounds the rounding componentwise: λ·(the stages' unit roundoffs) ×
+Σ_tokens |∂obj/∂logits|·|W| ⊙ |x̂| (the same sum with every term's magnitude), so cancellation between tokens
+cannot make it tight (bounded per token by |∂/∂logits|₁·max|W|·|x̂|). The closed form is computed in FP32, the
+path's own precision, so the tolerance counts the roundings of both sides. Under FP16 loss scaling the gain's
+gradient holds S·g until the unscale: S times both.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from spec.check import BACKWARD, BEFORE, STEP, Check, Kind
+from spec.checks.forward import ForwardCheck
+from spec.reference import F64, IGNORE
+from spec.tolerance import LAMBDA, U32, matmul_dtype, stage, u
+
+
+class LossGradCheck(Check):
+    name, layer, cadence, phase = "loss_grad", BACKWARD, STEP, BEFORE
+    doc = "the final norm gain's gradient against its closed form on the whole batch"
+    kinds = {
+        "mismatch": Kind("optim.gradient_mismatch", "the gradient is not the gradient of the step's loss: its "
+                                                    "normalisation, the z-loss, the labels, a backward hook"),
+        "scaled": Kind("optim.gradient_spike", "every gradient is scaled: a hook or a loss multiplier, the token "
+                                               "count N, or the micro-batch / rank averaging"),
+        "nonfinite": Kind("numerics.nonfinite", "a non-finite gradient from a finite loss"),
+        "rank": Kind("rank.gradient", "one rank's gradient is not its batch's before the reduction"),
+    }
+    rank_kind = "rank"
+
+    @classmethod
+    def applies(cls, ctx) -> bool:
+        # NOTE: a hook inside a compiled graph breaks it (and recompiles on every change of hooks)
+        return not ctx.compiled
+
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        self.h: list[Tensor] = []
+        self._hook = None
+
+    def before_forward(self, s) -> None:
+        self.h = []
+        self._hook = self.ctx.model.norm.register_forward_hook(lambda m, args, out: self.h.append(args[0].detach()))
+
+    def before_update(self, s) -> None:
+        self._hook.remove()
+        if len(self.h) != len(s.micro):  # a forward this hook did not see (a wrapper that bypasses the module)
+            return
+        model, c = self.ctx.model, self.ctx.model.cfg
+        gamma, W = _full(model.norm.weight).detach().float(), _full(model.head.weight).detach().float()
+        z, world = float(self.ctx.cfg.train.z_loss), self.ctx.dist.world
+        scale = world / s.n_valid_t.to(F64).reshape(())
+        if self.ctx.scaler is not None:
+            scale = scale * float(self.ctx.scaler.scale)
+        want = torch.zeros(gamma.shape, dtype=F64, device=gamma.device)
+        mag = torch.zeros_like(want)
+        lmax = torch.zeros((), device=gamma.device)
+        for h, mb in zip(self.h, s.micro):
+            h = h.float()
+            xh = h * torch.rsqrt(h.square().mean(-1, keepdim=True) + c.norm_eps)
+            logits = (xh * gamma) @ W.T
+            lse = torch.logsumexp(logits, -1, keepdim=True)
+            valid = (mb.labels != IGNORE)[..., None]
+            dl = ((1 + 2 * z * lse) * torch.exp(logits - lse)).scatter_add(
+                -1, mb.labels.clamp(min=0)[..., None], -torch.ones_like(lse))
+            dl = torch.where(valid, dl, 0.0)
+            want += ((dl @ W) * xh).sum((0, 1), dtype=F64)
+            # the same sum with every term's magnitude, bounded: |∂/∂logits|₁ · max|W| · |x̂| per token
+            mag += (dl.abs().sum(-1, keepdim=True) * xh.abs()).sum((0, 1), dtype=F64)
+            lmax = torch.maximum(lmax, logits.abs().max())
+        want, mag = want * scale, mag * scale * W.abs().max().double()
+        if world > 1:
+            import torch.distributed as tdist
+            tdist.all_reduce(want)
+            tdist.all_reduce(mag)
+            want, mag = want / world, mag / world
+        got = _full(model.norm.weight.grad).to(F64) if model.norm.weight.grad is not None else torch.zeros_like(want)
+        u_in = u(matmul_dtype(self.ctx.recipe, self.ctx.cfg.parallel.param_dtype))
+        n_tok = sum(m.labels.numel() for m in s.micro)
+        # NOTE: this closed form runs in FP32 too, the same stages as the training path: twice their rounding
+        stages = (stage(c.d_model, U32) + stage(c.d_model, max(u_in, U32)) + stage(W.shape[0], U32) * (1 + lmax.double())
+                  + stage(W.shape[0], max(u_in, U32)) + stage(n_tok, U32) + 4 * U32)
+        rel = 2 * LAMBDA * stages
+        zero = torch.zeros((), dtype=F64, device=want.device)
+        # a non-finite input is upstream's miss, not this one's; a non-finite gradient from a finite one is FP16's
+        # routine overflow under a loss scaler (the step skips), a miss without one
+        nonfinite = torch.tensor(0.0 if self.ctx.scaler is not None else torch.inf, dtype=F64, device=want.device)
+        err = torch.where(~torch.isfinite(want).all(), zero,
+                          torch.where(~torch.isfinite(got).all(), nonfinite, (got - want).norm()))
+        tol = rel * mag.norm() + 1e-300
+        fwd = ForwardCheck(self.ctx)
+        kind = fwd.kind(got, want, err, tol)
+        own = {list(fwd.kinds).index(k): list(self.kinds).index(k) for k in ("scaled", "nonfinite")}
+        kind = sum((torch.where(kind == i, float(j), 0.0) for i, j in own.items()), torch.zeros_like(kind))
+        self.measure(err, tol, kind, where=["norm.weight"])
+        self.h = []
+
+
+def _full(t: Tensor) -> Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
