@@ -66,7 +66,6 @@ declare_class("numerics.mismatch", "a layer computes another function than its s
 declare_class("numerics.precision", "a layer rounds coarser than its precision recipe says (a cast, a kernel)")
 declare_class("optim.gradient_mismatch", "the gradient is not the gradient of the step's own loss (its backward, a "
               "hook, the token normalisation)")
-declare_class("rank.gradient", "one rank's gradient is not its batch's gradient before the reduction")
 declare_class("moe.routing", "an MoE layer's experts or gates are not its router's definition")
 declare_class("moe.balancing", "an MoE layer's balancing bias or loss did not follow its rule")
 declare_class("state.continuity", "a step started from another state than the previous step left")

@@ -171,7 +171,7 @@ def _numerics_activation_outlier(diag: Diagnosis, run: Run, ckpt, t, b, action, 
 
 
 @fix("numerics.mismatch", "numerics.precision", "optim.gradient_mismatch", "moe.routing", "moe.balancing",
-     "rank.gradient", "state.continuity")
+     "state.continuity")
 def spec_fix(diag: Diagnosis, run: Run, ckpt, t, b, action, ck) -> dict:
     """A failed specification check: the code that broke it is the fix, not a setting (its check names where)."""
     ev = (diag.judgement.evidence if diag.judgement else {}) or {}

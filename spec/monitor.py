@@ -10,7 +10,7 @@ Cheap checks run every step; the reference checks (the probe through the FP64 re
 the step's first read when the guard can veto, so a step that broke them never reaches the weights; the rest
 (the optimizer's algebra, the balancing bias, the replicas, the probe) are read after the update, where
 guard=rollback undoes the step. Every rank runs every check on its own share; the worst rank's result is kept,
-and a failure on some ranks only takes the check's rank class (rank.data, rank.gradient).
+and a failure on some ranks only takes the check's rank class (rank.data; the ranks disagreeing after a reduction: system.rank_divergence).
 
 The monitor's state (each check's: the data cursor of the plan, the fingerprint the state ended with, the
 update count) rides in the checkpoint as a TrainState extra, so a resume and a rollback are checked against

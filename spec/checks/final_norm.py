@@ -1,5 +1,5 @@
 """loss_grad: the gradient the step's backward leaves on the final norm's gain is the gradient of the step's own
-loss on the step's own batch — every step, the whole batch, in closed form.
+loss on the step's own batch — every step, the whole batch, in closed form; and every layer's output is finite.
 
 The final RMSNorm's gain γ meets the loss only through the logits, so from the last block's outputs h (kept
 from the step's forward by a hook on the final norm) its gradient is exact arithmetic, with no model to rerun:
@@ -36,8 +36,9 @@ class LossGradCheck(Check):
                                                     "normalisation, the z-loss, the labels, a backward hook"),
         "scaled": Kind("optim.gradient_spike", "every gradient is scaled: a hook or a loss multiplier, the token "
                                                "count N, or the micro-batch / rank averaging"),
-        "nonfinite": Kind("numerics.nonfinite", "a non-finite gradient from a finite loss"),
-        "rank": Kind("rank.gradient", "one rank's gradient is not its batch's before the reduction"),
+        "nonfinite": Kind("numerics.nonfinite", "a non-finite value from finite weights and inputs: the named "
+                                                "layer's output (the first non-finite one) or the gradient"),
+        "rank": Kind("system.rank_divergence", "the ranks hold different gradients after the reduction"),
     }
     rank_kind = "rank"
 
@@ -52,13 +53,28 @@ class LossGradCheck(Check):
         self._hook = None
 
     def before_forward(self, s) -> None:
-        self.h = []
-        self._hook = self.ctx.model.norm.register_forward_hook(lambda m, args, out: self.h.append(args[0].detach()))
+        model = self.ctx.model
+        self.h, self.finite = [], {name: [] for name in self.layers()}
+        self._hooks = [model.norm.register_forward_hook(lambda m, args, out: self.h.append(args[0].detach()))]
+        for name, module in zip(self.layers(), [model.tok_emb, *model.blocks]):
+            self._hooks.append(module.register_forward_hook(
+                lambda m, args, out, name=name: self.finite[name].append(
+                    torch.isfinite(out[0] if isinstance(out, tuple) else out).all())))
+
+    def layers(self) -> list[str]:
+        return ["emb", *(f"block{i}" for i in range(len(self.ctx.model.blocks)))]
 
     def before_update(self, s) -> None:
-        self._hook.remove()
+        for h in self._hooks:
+            h.remove()
         if len(self.h) != len(s.micro):  # a forward this hook did not see (a wrapper that bypasses the module)
             return
+        # NOTE: every layer's output finite: the weights and the batch are (the continuity and data checks), so a
+        # non-finite activation is the layer's fault. Not under FP16, whose range (6.5e4) a healthy forward can
+        # exceed: its loss scaler skips that step.
+        fp16 = getattr(self.ctx.recipe, "name", "") == "fp16"
+        bad = torch.stack([~torch.stack(f).all() if f and not fp16 else torch.tensor(False)
+                           for f in self.finite.values()])
         model, c = self.ctx.model, self.ctx.model.cfg
         gamma, W = _full(model.norm.weight).detach().float(), _full(model.head.weight).detach().float()
         z, world = float(self.ctx.cfg.train.z_loss), self.ctx.dist.world
@@ -97,10 +113,17 @@ class LossGradCheck(Check):
                           torch.where(~torch.isfinite(got).all(), nonfinite, (got - want).norm()))
         tol = rel * mag.norm() + 1e-300
         self.place = (got, want, tol)
-        self.measure(err, tol, where=["norm.weight"])
+        layers = torch.where(bad.to(err.device), torch.inf, 0.0).double()
+        names = list(self.kinds)
+        kinds = torch.tensor([float(names.index("nonfinite"))] * len(layers) + [0.0], dtype=F64)
+        self.measure(torch.cat([layers, err.reshape(1)]), torch.cat([torch.full_like(layers, 0.5), tol.reshape(1)]),
+                     kinds, where=[*self.finite, "norm.weight"])
+        self.n_layers = len(layers)
         self.h = []
 
     def classify(self, i: int) -> str:
+        if i < self.n_layers:
+            return "nonfinite"
         kind = kind_of(*self.place)
         return kind if kind in self.kinds else "mismatch"
 
