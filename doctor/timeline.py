@@ -54,6 +54,12 @@ DETREND = False  # NOTE: on clean runs extrapolating the window's slope over-sho
                  # quantities (ρ, ‖v‖ decaying) and raised the clean maxima; a flat median did better
 
 
+# what a resume says of a change it was told of (checkpoint/resume.py, optim/schedule.py continued(),
+# checkpoint/checkpointer.py): the config and data changes declared, and the schedule's answer to them
+DECLARED = ("resume: config changed", "resume: data changed", "resume: train.steps", "resume: the LR schedule",
+            "resume: the base LRs")
+
+
 @dataclass
 class Run:
     dir: Path
@@ -64,6 +70,13 @@ class Run:
     config: dict                  # resolved config.yaml ({} when absent)
     superseded: list[dict]        # metrics.superseded.jsonl (records a resume replaced)
     notes: list[str] = field(default_factory=list)  # what the records lack (truncated, older version)
+
+    @cached_property
+    def declared(self) -> list[str]:
+        """The changes a resume declared (resume.allow_*_change) and what it did with them (the LR schedule),
+        as the run said them, with their step: the report names them, so a change is never read as a fault."""
+        return [f"step {r['step']}: {e}" for r in self.records for e in r.get("events", [])
+                if str(e).startswith(DECLARED)]
 
     @property
     def first(self) -> list[dict]:
