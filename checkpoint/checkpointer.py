@@ -336,6 +336,8 @@ class Checkpointer:
                            (f", training stalled {stall:.3f} s)" if stall < seconds else ")"))
             elif self._failed is None:
                 self._failed = (name, error)
+                if self.dist.world > 1:  # every rank stops at the same step: the next save (module docstring)
+                    self._note(f"checkpoint {name} was not saved: {error.line}; the run stops at its next save")
 
     def _raise_failed(self) -> None:
         """A save that did not publish ends the run, once: CheckpointFailed naming it, its cause, and the last

@@ -2,12 +2,15 @@
 (tests/test_write_failures.py): the fault is injected where the write happens, everything else is train.py.
 
     python tests/inject_train.py PHASE AT [train.py overrides...]
+    torchrun --nproc_per_node=2 tests/inject_train.py PHASE AT ...   # INJECT_RANKS=1: rank 1's writes only
 
 PHASE   the write that fails, from its AT-th call on (1-based; a full disk stays full):
   lock       the run.lock record (os.pwrite), at the start
   header     config.yaml (its fsync in checkpoint.publish.write_atomic), at the start
-  save       a checkpoint's tensor files (Saver._write: half a file, then ENOSPC)
-  save_base  the same, as DCP reports a rank's failure: a BaseException whose cause is an I/O error
+  save       a checkpoint's tensor files, inside DCP's writer (half a tensor, then ENOSPC; DCP re-raises it on
+             every rank as its CheckpointException, a BaseException)
+  save_io    the same with EIO (an I/O error, not a full disk)
+  save_base  a save that raises a BaseException of its own before DCP (Saver._write), its cause an I/O error
   marker     a checkpoint's marker.json (publish.write_marker), after its files were written
   records    a line of metrics.jsonl
 """
@@ -27,9 +30,12 @@ sys.argv = ["train.py", *sys.argv[3:]]
 calls = [0]
 
 
+RANKS = os.environ.get("INJECT_RANKS")  # e.g. "1": only rank 1's writes fail (under torchrun); unset: every rank
+
+
 def failing() -> bool:
     calls[0] += 1
-    return calls[0] >= AT
+    return calls[0] >= AT and (RANKS is None or os.environ.get("RANK", "0") in RANKS.split(","))
 
 
 def full(path="") -> OSError:
@@ -63,7 +69,24 @@ elif PHASE == "header":
         return real_fsync(fd)
 
     os.fsync = fsync
-elif PHASE in ("save", "save_base"):
+elif PHASE in ("save", "save_io"):
+    import torch.distributed.checkpoint.filesystem as dcp_files
+
+    real_item, saves, failed = dcp_files._write_item, set(), set()
+
+    def _write_item(transforms, stream, *args, **kwargs):  # NOTE: inside DCP, which wraps what it raises
+        save = Path(getattr(stream, "name", "")).parent.name  # .tmp-step_000004: one save, several items
+        if save not in saves:
+            saves.add(save)
+            if failing():  # counts saves, not items
+                failed.add(save)
+        if save in failed:
+            stream.write(b"half a tensor")
+            raise full(stream.name) if PHASE == "save" else OSError(errno.EIO, os.strerror(errno.EIO), stream.name)
+        return real_item(transforms, stream, *args, **kwargs)
+
+    dcp_files._write_item = _write_item
+elif PHASE == "save_base":
     from checkpoint.saver import Saver
 
     real_write = Saver._write
@@ -72,8 +95,6 @@ elif PHASE in ("save", "save_base"):
         if not failing():
             return real_write(self, tmp, state_dict)
         (Path(tmp) / "__0_0.distcp").write_bytes(b"half a shard")
-        if PHASE == "save":
-            raise full(Path(tmp) / "__0_0.distcp")
         raise CheckpointException(OSError(errno.EIO, os.strerror(errno.EIO)))
 
     Saver._write = _write

@@ -22,10 +22,13 @@ from stability.record import read_records
 RUN = [*TINY, "checkpoint.every=2", "logging.plot=false"]  # 6 steps, saves at 2, 4, 6
 
 
-def injected(run_dir: Path, phase: str, at: int, *overrides: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "tests" / "inject_train.py"), phase, str(at),
-                           f"hydra.run.dir={run_dir}", *RUN, *overrides], cwd=ROOT, env=env(), capture_output=True,
-                          text=True, timeout=HANG_S)
+def injected(run_dir: Path, phase: str, at: int, *overrides: str, nproc: int = 1,
+             ranks: str | None = None) -> subprocess.CompletedProcess:
+    lead = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                f"--nproc_per_node={nproc}"]
+    return subprocess.run([*lead, str(ROOT / "tests" / "inject_train.py"), phase, str(at), f"hydra.run.dir={run_dir}",
+                           *RUN, *overrides], cwd=ROOT, env={**env(), **({"INJECT_RANKS": ranks} if ranks else {})},
+                          capture_output=True, text=True, timeout=HANG_S)
 
 
 def one_line(r: subprocess.CompletedProcess) -> str:
@@ -49,8 +52,9 @@ def resumes(run_dir: Path, good: str) -> None:
 
 
 @pytest.mark.parametrize("phase, code, cause", [
-    ("save", Exit.NO_SPACE, "disk full"),
-    ("save_base", Exit.IO, "OSError: [Errno 5]"),  # DCP's CheckpointException: a BaseException
+    ("save", Exit.NO_SPACE, "disk full"),  # inside DCP, which raises its CheckpointException: a BaseException
+    ("save_base", Exit.IO, "OSError: [Errno 5]"),  # a BaseException subclass raised by the save itself
+    pytest.param("save_io", Exit.IO, "OSError: [Errno 5]", marks=pytest.mark.slow),
     pytest.param("marker", Exit.NO_SPACE, "disk full", marks=pytest.mark.slow),
 ])
 def test_a_checkpoint_that_cannot_be_written_stops_the_run_in_one_line(tmp_path, phase, code, cause):
@@ -103,3 +107,21 @@ def test_a_resume_on_a_full_disk_is_one_line_and_leaves_no_lock(tmp_path, phase)
     assert (run / "config.yaml").read_bytes() == config
     nothing_left(run)
     resumes(run, "step_000004")
+
+
+@pytest.mark.distributed
+def test_one_rank_failing_a_save_stops_every_rank_at_the_next_save(tmp_path):
+    """Two processes, rank 1's shard of step 4 cannot be written (EIO): the ranks agree that step_000004 did not
+    publish, train on in step until the next save (step 6: the saves are collectives, so every rank stops at
+    the same one), and stop there non-zero; rank 0 says it once; a resume=auto on 2 processes finishes."""
+    run = tmp_path / "run"
+    r = injected(run, "save_io", 2, "train.batch_size=8", "train.micro_batches=1", nproc=2, ranks="1")
+    said = [ln for ln in r.stderr.splitlines() if ln.startswith("ballast: ")]
+    assert r.returncode != 0 and len(said) == 1, r.stderr[-3000:]
+    assert "checkpoint step_000004 was not saved" in said[0] and "step_000002 is intact" in said[0], said[0]
+    assert "final eval loss" not in r.stdout, r.stdout[-3000:]
+    nothing_left(run)
+    assert publish.read_latest(run / "checkpoints") == "step_000002"
+    again = run_train(run, *RUN, "train.batch_size=8", "train.micro_batches=1", "resume=auto", nproc=2)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert [x["step"] for x in read_records(run / "metrics.jsonl")] == list(range(1, 7))
