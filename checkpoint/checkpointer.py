@@ -2,6 +2,7 @@
 
     ckpt = Checkpointer(cfg.checkpoint, cfg.resume, cfg.train.steps, dist, run_dir, state)
     ckpt.resume()                                      # no-op unless resume=... is set
+    ckpt.begin(console.say)                            # what the start did, said once
     for step in range(ckpt.state.step + 1, ckpt.last_step + 1):
         ...optimizer step...
         stall_s = ckpt.maybe_save(step, tokens)       # the snapshot point: after the update
@@ -30,7 +31,7 @@ from checkpoint.failure import SaveError
 from checkpoint.resume import check_config, check_data, check_model, check_progress, check_versions
 from checkpoint.saver import Saver
 from checkpoint.state import TrainState, read_blobs, versions
-from optim.schedule import Schedule, continued, follow, peak_lr, schedule_of
+from optim.schedule import follow, resumed, schedule_of
 from parallel.dist import broadcast_object
 from stability.record import read_records_partial
 
@@ -182,7 +183,10 @@ class Checkpointer:
         sched = self.state.scheduler
         configured, base = copy.copy(schedule_of(sched)), list(sched.base_lrs)  # the load overwrites both
         self.state.load(path, meta["world"], self.allow_data_change)
-        notes += self._continue_schedule(configured, base, notes)
+        # the checkpoint's LR schedule, unless a declared change moves it (check_config refused any other)
+        lines, self._schedule = resumed(sched, configured, base, self.state.step,
+                                        declared=any(": optim.schedule." in n for n in notes))
+        notes += lines
         if self.dist.is_main:
             moved = supersede_records(self.run_dir / "metrics.jsonl", self.state.step)
             if moved:
@@ -192,21 +196,6 @@ class Checkpointer:
         self._note(f"resumed from {path} (step {self.state.step}, {self.state.tokens} tokens)")
         for line in notes:
             self._note(line)
-
-    def _continue_schedule(self, configured: Schedule, base: list[float], notes: list[str]) -> list[str]:
-        """The LR schedule after a resume (optim/schedule.py continued()): the checkpoint's, unless a declared
-        change moves it; lines that say what it does. base: the config's base LRs (optim.lr × lr_scale)."""
-        sched, step = self.state.scheduler, self.state.step
-        declared = any(": optim.schedule." in n for n in notes)  # check_config refused an undeclared change
-        schedule, line = continued(schedule_of(sched), configured, step, declared, peak_lr(sched))
-        out = [line] if line else []
-        if base != list(sched.base_lrs):  # a declared optim.lr (or lr_scale): the new peak from here on
-            out.append(f"resume: the base LRs change at step {step + 1} (declared): "
-                       f"{', '.join(f'{b:g}' for b in sched.base_lrs)} -> {', '.join(f'{b:g}' for b in base)}")
-        if out:
-            follow(sched, schedule, base)
-            self._schedule = (schedule, base)
-        return out
 
     def _auto(self) -> str | None:
         """resume=auto (a scheduler restarts a preempted job with the same command): the newest complete

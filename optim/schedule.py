@@ -156,3 +156,19 @@ def continued(saved: Schedule, configured: Schedule, step: int, declared: bool,
     return saved, (f"resume: train.steps {last} -> {configured.steps}: the LR schedule keeps its {last}-step "
                    f"horizon, so the LR goes on where it was; {rest} (a schedule over {configured.steps} steps "
                    f"would change the LR of steps already trained)")
+
+
+def resumed(scheduler, configured: Schedule, base: list[float], step: int,
+            declared: bool) -> tuple[list[str], tuple | None]:
+    """After a resume loaded the checkpoint's schedule and base LRs into `scheduler`: continue on what
+    continued() decides, with the config's base LRs (optim.lr × lr_scale: a declared optim.lr applies from
+    here). Returns the lines that say so, and (schedule, base) when they moved from the checkpoint's (None)."""
+    schedule, line = continued(schedule_of(scheduler), configured, step, declared, peak_lr(scheduler))
+    lines = [line] if line else []
+    if base != list(scheduler.base_lrs):
+        lines.append(f"resume: the base LRs change at step {step + 1} (declared): "
+                     f"{', '.join(f'{b:g}' for b in scheduler.base_lrs)} -> {', '.join(f'{b:g}' for b in base)}")
+    if not lines:
+        return [], None
+    follow(scheduler, schedule, base)
+    return lines, (schedule, base)
