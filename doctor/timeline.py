@@ -110,7 +110,7 @@ def load_run(run_dir) -> Run:
                  + (list(V3_FIELDS) if old[0] < 3 else []) + ([*V4_FIELDS, *V4_SUBFIELDS] if old[0] < 4 else [])
                  + list(V5_FIELDS))
         notes.append(f"{path}: record version {old[0]} < {RECORD_VERSION}: no {', '.join(lacks)}; "
-                     f"their checks are skipped")
+                     f"their checks are skipped (the LR is judged against config.yaml's schedule)")
     events = read_events(run_dir / "events.jsonl")
     cfg_path = run_dir / "config.yaml"
     config = yaml.safe_load(cfg_path.read_text()) if cfg_path.is_file() else {}

@@ -46,7 +46,7 @@ class Exit(IntEnum):
     NO_SPACE = 5      # the disk filled (ENOSPC, EDQUOT): at the start, in a save, writing the records; free space, resume
     IO = 74           # EX_IOERR: a checkpoint or a record could not be written for another reason (permission, I/O)
     INTERRUPTED = 75  # EX_TEMPFAIL: stopped by SIGINT/SIGTERM at a step boundary and saved; resume=auto goes on
-    ABORTED = 130     # a second interrupt: out at once (128 + SIGINT); the atomic publish keeps checkpoints whole
+    ABORTED = 130     # a second interrupt, or one before the run began (run/startup.py): out at once (128 + SIGINT)
 
 
 class RunDirBusy(RuntimeError):

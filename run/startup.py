@@ -19,7 +19,7 @@ def _interrupted(signum, frame) -> None:
             pass
     if os.environ.get("RANK", "0") == "0":  # under torchrun every rank gets the Ctrl-C: one line
         os.write(2, b"ballast: SIGINT outside the training loop: exiting (no run in progress, nothing to save)\n")
-    os._exit(128 + signal.SIGINT)
+    os._exit(128 + signal.SIGINT)  # run/lifecycle.py Exit.ABORTED (not imported: torch may be loading)
 
 
 def _is_program() -> bool:
