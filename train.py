@@ -13,7 +13,8 @@ transfer (parallel/host_scalars.py; two when the guard can veto: docs/host_reads
 """
 from __future__ import annotations
 
-from run import omp_wait  # noqa: F401  (first: how OpenMP threads wait is fixed when torch loads)
+from run import startup  # noqa: F401  (first: a Ctrl-C while the imports run is one line, not a traceback)
+from run import omp_wait  # noqa: F401  (before torch: how OpenMP threads wait is fixed when torch loads)
 
 import sys
 import time
@@ -24,16 +25,17 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from checkpoint import FinalCheckpointWithheld, RunComplete
+from checkpoint import CheckpointFailed, FinalCheckpointWithheld, RunComplete
 
 from optim.accumulate import count_valid_tokens, forward_backward, reduce_sums
+from optim.schedule import record as lr_record
 from parallel import Dist, HostScalars, all_reduce_sum, destroy, init_distributed, release
 from precision.step import apply_update, prepare_update
 from run.build import Run, build_run
 from run.argv import normalise
-from run.config import preflight, register
-from run.lifecycle import CannotStart, Exit, Interrupted, Interrupts, RunDir, RunDirBusy, note_new_dirs, say
-from run.config_errors import ConfigError
+from run.config import register
+from run.lifecycle import (CannotStart, Exit, Interrupted, Interrupts, RunDir, RunDirBusy, before_hydra, say,
+                           start_failed, write_failed)
 from stability.callbacks import StepState
 from stability.guard import GuardAbort
 from stability.inputs import InputBaseline, input_tensors
@@ -68,12 +70,12 @@ def job(cfg: DictConfig, dist: Dist) -> int:
                 return say(dist, f"ballast: {e}", Exit.OK)
             except ValueError as e:  # every config, data or resume problem: one line naming the key or file
                 return say(dist, f"ballast: config error: {e}", Exit.START)
-            except OSError as e:  # e.g. a run directory that cannot be written
-                return say(dist, f"ballast: cannot start: {e}", Exit.START)
+            except OSError as e:  # e.g. a run directory that cannot be written, a full disk
+                return say(dist, *start_failed(e))
             owner.started()
             return train_and_close(run, stop)
     except (RunDirBusy, CannotStart) as e:
-        return say(dist, f"ballast: {e}", Exit.BUSY if isinstance(e, RunDirBusy) else Exit.START)
+        return say(dist, f"ballast: {e}", Exit.BUSY if isinstance(e, RunDirBusy) else e.exit)
 
 
 def train_and_close(run: Run, stop: Interrupts) -> int:
@@ -85,6 +87,8 @@ def train_and_close(run: Run, stop: Interrupts) -> int:
         return say(run.dist, f"ballast: {e}", Exit.GUARD)
     except Interrupted as e:
         return say(run.dist, f"ballast: {e}", Exit.INTERRUPTED)
+    except (CheckpointFailed, OSError) as e:  # a save that did not publish, a full disk: the job is not done
+        return say(run.dist, *write_failed(e, run.ckpt))
     finally:
         run.close()
         release(run.wrapped)  # DDP's reducer first, in case a cycle outlives the run: parallel.dist.release
@@ -192,7 +196,8 @@ def train(run: Run, stop: Interrupts) -> None:
         s.events += run.events.pop() + ckpt.pop_events()
         rec = step_record(s, tokens=tokens_seen, world=run.dist.world, batch_size=tc.batch_size,
                           seq_len=run.dataset.seq_len, names=names, guard=guard.record(), ckpt_id=ckpt.ckpt_id,
-                          device=dev, fingerprint={**cfg_fp, "data": loader.dataset.fingerprint[:12]})
+                          device=dev, fingerprint={**cfg_fp, "data": loader.dataset.fingerprint[:12]},
+                          schedule=lr_record(run.scheduler))
         for sink in run.sinks:
             sink.write(rec)
         if verdict.rollback:  # restore a recent good TrainState; the loop continues from its step
@@ -249,9 +254,6 @@ def finish(run: Run) -> None:
 
 if __name__ == "__main__":
     sys.argv[1:] = normalise(sys.argv[1:])  # resume=X → resume.path=X, for Hydra too
-    try:  # one line for a bad key or value, before Hydra's multi-line message or any file is written
-        note_new_dirs(preflight(sys.argv[1:], str(Path(__file__).resolve().parent / "conf")))
-    except ConfigError as e:
-        print(f"ballast: config error: {e}", file=sys.stderr)
-        sys.exit(Exit.START)
+    # one line for a bad key or value, before Hydra's multi-line message or any file is written
+    before_hydra(sys.argv[1:], str(Path(__file__).resolve().parent / "conf"))
     main()

@@ -141,7 +141,8 @@ class OptimizerCheck(Check):
         eps, t = float(cfg.optim.eps), self.updates + 1
         coef = self.ctx.coef_spec.double()
         skipped = ~self.ctx.norm_finite | torch.tensor(bool(s.vetoed), device=coef.device)
-        lr = torch.repeat_interleave(torch.tensor([lr_at(cfg, g, s.step) for g in self.groups], dtype=F64,
+        lr = torch.repeat_interleave(torch.tensor([lr_at(cfg, g, s.step, self.ctx.schedule) for g in self.groups],
+                                                  dtype=F64,
                                                   device=coef.device), torch.tensor(self.sizes, device=coef.device))
         lr, wd = lr.to(a["w"].device), self.wd.to(a["w"].device)
         has_g = ~self.g0.isnan()
