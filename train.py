@@ -39,8 +39,7 @@ from run.lifecycle import (CannotStart, Exit, Interrupted, Interrupts, RunDir, R
 from stability.callbacks import StepState
 from stability.guard import GuardAbort
 from stability.inputs import InputBaseline, input_tensors
-from stability.plots import plot_losses
-from stability.record import config_fingerprint, read_records, step_record
+from stability.record import config_fingerprint, step_record
 from stability.resume_fields import cpu_clock, rank_tensors, state_nonfinite, state_tensors, state_values
 from stability.step_numbers import judge
 from stability.telemetry import moe_summary
@@ -163,9 +162,7 @@ def train(run: Run, stop: Interrupts) -> None:
                   spec=run.spec)  # no veto
         s.result = res = res._replace(norm=host["grad_norm"], coef=host["clip_coef"],
                                       skipped=bool(host["overflow"]) if torch.is_tensor(res.skipped) else res.skipped)
-        failed = run.spec.read(s, host, "after") if run.spec is not None else []
-        if run.spec is not None:
-            run.spec.after_read(s)
+        failed = run.spec.read(s, host, "after") if run.spec is not None else []  # the checks read after it
         if res.skipped and not res.vetoed:  # NOTE: a non-finite gradient would poison the weights and moments
             s.events.append(f"non-finite grad norm ({res.norm}) at loss scale {res.loss_scale}: optimizer "
                             f"step skipped ({res.skipped_total if res.skipped_total is not None else 1} so far)")
@@ -203,11 +200,9 @@ def train(run: Run, stop: Interrupts) -> None:
         if verdict.rollback:  # restore a recent good TrainState; the loop continues from its step
             step = guard.rollback(step)
             tokens_seen = ckpt.state.tokens
-            if run.spec is not None:  # the plan continues from the restored state and the guard's data policy
-                run.spec.rolled_back(loader.samples_consumed)
         guard.end_step(step)
     ckpt.close()
-    finish(run)
+    run.finish()
 
 
 @torch.no_grad()
@@ -234,22 +229,6 @@ def evaluate(model, batches, names, device) -> dict:
     result["floor_by_source"] = ({n: acc[3 + 2 * S + i] / acc[3 + S + i] for i, n in enumerate(names)
                                   if acc[3 + S + i]} if has_floor else {})
     return result
-
-
-def finish(run: Run) -> None:
-    for sink in run.sinks:
-        sink.close()
-    if not run.sinks:
-        return
-    records = read_records(run.run_dir / "metrics.jsonl")
-    last = next(r["eval"] for r in reversed(records) if r.get("eval"))
-    if run.cfg.logging.plot:
-        plot_losses(records, run.run_dir / "loss.png", last["floor"])
-    floor = (f" | exact floor {last['floor']:.4f} | gap {last['loss'] - last['floor']:+.4f} nats"
-             if last["floor"] is not None else "")
-    by_src = "  ".join(f"{n} {v:.4f}" for n, v in last["by_source"].items())
-    print(f"final eval loss {last['loss']:.4f}{floor}\n  by source: {by_src}\n"
-          f"  metrics: {run.run_dir / 'metrics.jsonl'}")
 
 
 if __name__ == "__main__":

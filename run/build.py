@@ -39,6 +39,8 @@ from stability.events import EventLog
 from stability.faults import FaultDrill, FaultInjector
 from stability.guard import Guard
 from stability.intervene import Intervene
+from stability.plots import plot_losses
+from stability.record import read_records
 from stability.sinks import ConsoleSink, build_sinks
 from stability.telemetry import StepTelemetry, Telemetry
 
@@ -78,6 +80,22 @@ class Run:
                 f.close()
             except OSError:  # NOTE: a full disk fails the flush of a record the error was already about
                 pass
+
+    def finish(self) -> None:
+        """After the last step: the sinks closed, loss.png, and the final evaluation beside the exact floor."""
+        for sink in self.sinks:
+            sink.close()
+        if not self.sinks:
+            return
+        records = read_records(self.run_dir / "metrics.jsonl")
+        last = next(r["eval"] for r in reversed(records) if r.get("eval"))
+        if self.cfg.logging.plot:
+            plot_losses(records, self.run_dir / "loss.png", last["floor"])
+        floor = (f" | exact floor {last['floor']:.4f} | gap {last['loss'] - last['floor']:+.4f} nats"
+                 if last["floor"] is not None else "")
+        by_src = "  ".join(f"{n} {v:.4f}" for n, v in last["by_source"].items())
+        print(f"final eval loss {last['loss']:.4f}{floor}\n  by source: {by_src}\n"
+              f"  metrics: {self.run_dir / 'metrics.jsonl'}")
 
 
 def build_run(cfg: DictConfig, dist: Dist) -> Run:
@@ -140,6 +158,8 @@ def build_run(cfg: DictConfig, dist: Dist) -> Run:
         write_header(cfg, typed, dist, run_dir, dataset, model, model_cfg, group_table, recipe)
     sinks = build_sinks(typed.logging, run_dir, typed.train.steps, floor, typed.run_name, config) if dist.is_main else []
     guard.ckpt = ckpt
+    if spec is not None:  # a rollback's restored state and its data policy are the plan the checks go on from
+        guard.restored.append(spec.rolled_back)
     ckpt.resume()  # last: restores every RNG stream just before the first step
     console = next((s for s in sinks if isinstance(s, ConsoleSink)), None)
     ckpt.begin(console.say if console else print)  # what the start did, said once (not again on step 1's line)

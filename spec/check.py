@@ -32,9 +32,12 @@ BEFORE, AFTER = "before", "after"      # verdict known before the update (the gu
 
 @dataclass(frozen=True)
 class Kind:
-    """One way a check can fail: the doctor class it implies and what to look at."""
+    """One way a check can fail: the doctor class it implies and what to look at; `layer`, when this way of
+    failing belongs to another timeline layer than the check's (a non-finite activation found by a gradient
+    check is the forward's)."""
     cls: str
     fix: str
+    layer: str | None = None
 
 
 @dataclass

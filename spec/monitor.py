@@ -140,22 +140,20 @@ class Conformance(Callback):
             if 1 < len(per_rank) and failing < len(per_rank) and getattr(c, "rank_kind", None):
                 kname = c.rank_kind  # one rank (not all of them) broke it: that rank's inputs or gradient
             k = c.kinds[kname]
-            fails.append({"check": c.name, "kind": kname, "class": k.cls, "layer": TIMELINE[c.layer],
+            fails.append({"check": c.name, "kind": kname, "class": k.cls, "layer": TIMELINE[k.layer or c.layer],
                           "where": c.where[int(where)] if int(where) < len(c.where) else None, "rank": rank,
                           "err": err, "tol": tol, "miss": miss, "fix": k.fix})
         # in the registry's order across both reads: the first failure listed is the one that broke first
         s.spec["fail"] = sorted(s.spec.get("fail", []) + fails, key=lambda f: self.rank[f["check"]])
+        if phase == AFTER:  # the step's outcome is on the host now: the checks that count updates go on from it
+            for c in checks:
+                if c.out is not None and hasattr(c, "after_read"):
+                    c.after_read(s)
         for c in checks:
             for k, (names, _) in c.extra.items():
                 if f"spec/{k}" in host:
                     s.spec[k] = dict(zip(names, host[f"spec/{k}"]))
         return fails
-
-    def after_read(self, s: StepState) -> None:
-        for c in self.checks:
-            hook = getattr(c, "after_read", None)
-            if hook is not None and c.out is not None:
-                hook(s)
 
     def rolled_back(self, cursor: int) -> None:
         """The guard restored an earlier state (its snapshot brought the checks' state back with it) and put the

@@ -13,14 +13,15 @@ from helpers import DRILL, S, SMALL, TINY, run_train
 from stability.events import read_events
 from stability.record import read_records
 
-# drill -> (trigger metric family expected, action the guard takes)
+# drill -> (trigger metric family expected, action the guard takes): a signal's, or a specification check's
+# (spec.<check>) where the check finds the fault before any statistic moves
 DRILLS = {
     "nan_activation": ("loss", "rollback"),
     "labels_shuffle": ("loss_by_source", "rollback"),
     "repeat_token": ("grad_norm", "skip"),
     "overlong_doc": ("loss", "skip"),
-    "lr_spike": ("update_ratio_max", "rollback"),
-    "optim_state": ("update_ratio_max", "rollback"),
+    "lr_spike": ("spec.lr", "rollback"),            # the LR off its schedule, before the update
+    "optim_state": ("spec.optimizer", "rollback"),  # the moments off the optimizer's algebra
     "mixture_switch": ("input.data_fingerprint", None),
 }
 

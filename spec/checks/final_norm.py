@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from spec.check import BACKWARD, BEFORE, STEP, Check, Kind
+from spec.check import BACKWARD, BEFORE, FORWARD, STEP, Check, Kind
 from spec.checks.forward import kind_of
 from spec.reference import F64, IGNORE
 from spec.tolerance import LAMBDA, U32, matmul_dtype, stage, u
@@ -37,7 +37,8 @@ class LossGradCheck(Check):
         "scaled": Kind("optim.gradient_spike", "every gradient is scaled: a hook or a loss multiplier, the token "
                                                "count N, or the micro-batch / rank averaging"),
         "nonfinite": Kind("numerics.nonfinite", "a non-finite value from finite weights and inputs: the named "
-                                                "layer's output (the first non-finite one) or the gradient"),
+                                                "layer's output (the first non-finite one) or the gradient",
+                          layer=FORWARD),
         "rank": Kind("system.rank_divergence", "the ranks hold different gradients after the reduction"),
     }
     rank_kind = "rank"
@@ -54,15 +55,18 @@ class LossGradCheck(Check):
 
     def before_forward(self, s) -> None:
         model = self.ctx.model
-        self.h, self.finite = [], {name: [] for name in self.layers()}
+        self.h, self.finite = [], {name: [] for name, _ in self.layers()}
         self._hooks = [model.norm.register_forward_hook(lambda m, args, out: self.h.append(args[0].detach()))]
-        for name, module in zip(self.layers(), [model.tok_emb, *model.blocks]):
+        for name, module in self.layers():
             self._hooks.append(module.register_forward_hook(
-                lambda m, args, out, name=name: self.finite[name].append(
-                    torch.isfinite(out[0] if isinstance(out, tuple) else out).all())))
+                lambda m, args, out, name=name: self.finite[name].append(torch.isfinite(_tensor(out)).all())))
 
-    def layers(self) -> list[str]:
-        return ["emb", *(f"block{i}" for i in range(len(self.ctx.model.blocks)))]
+    def layers(self) -> list[tuple[str, torch.nn.Module]]:
+        """The layers whose outputs are checked finite, in forward order (telemetry's names)."""
+        out = [("emb", self.ctx.model.tok_emb)]
+        for i, b in enumerate(self.ctx.model.blocks):
+            out += [(f"block{i}.attn", b.attn), (f"block{i}.mlp", b.mlp), (f"block{i}", b)]
+        return out
 
     def before_update(self, s) -> None:
         for h in self._hooks:
@@ -130,3 +134,8 @@ class LossGradCheck(Check):
 
 def _full(t: Tensor) -> Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _tensor(out) -> Tensor:
+    """A layer's output tensor: a block returns (x, moe), an MoE layer its MoEOutput (y first)."""
+    return out[0] if isinstance(out, tuple) else out
