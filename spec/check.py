@@ -107,7 +107,11 @@ class Check:
         if where is not None:
             self.where = where
         err, tol = torch.atleast_1d(err).double(), torch.atleast_1d(tol).double().to(err.device)
-        miss = torch.where(err.isnan(), torch.inf, err / tol.clamp(min=1e-300))
+        # NOTE: a tolerance that came out NaN (its scale is non-finite: upstream's miss) judges nothing; a NaN or
+        # infinite error is a miss whatever the tolerance
+        tol = torch.where(tol.isnan(), torch.inf, tol)
+        miss = err / tol.clamp(min=1e-300)
+        miss = torch.where(err.isnan() | miss.isnan(), torch.inf, miss)
         at = miss.argmax()
         names = list(self.kinds)
         k = (torch.atleast_1d(kind).to(err.device)[at].double() if torch.is_tensor(kind)

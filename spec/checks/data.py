@@ -78,7 +78,8 @@ class DataCheck(Check):
         return first
 
     def before_forward(self, s) -> None:
-        plan = self.served(0) if self.next_first is None else self.next_first
+        # NOTE: served() again: a resume may declare more quarantined batches (the doctor's fix does)
+        plan = self.served(0 if self.next_first is None else self.next_first)
         if self.intervene is not None and s.step == self.intervene[0]:
             plan = self.intervene[1]  # declared: this step trains on that batch (stability/intervene.py)
         self.next_first = self.served(plan + self.batch)
