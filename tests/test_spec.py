@@ -33,10 +33,32 @@ def first_failure(rec: dict) -> dict | None:
     return fails[0] if fails else None
 
 
-@pytest.mark.parametrize("fault", [f for f in FAULTS if f != "reduce_rank1"])
-def test_a_planted_bug_fails_its_check_at_its_step(tmp_path, fault):
+SINGLE = [f for f in FAULTS if f != "reduce_rank1"]
+
+
+@pytest.fixture(scope="module")
+def planted(tmp_path_factory) -> dict:
+    """Every single-process plant trained once, two at a time (each process runs on one thread: 2 cores);
+    a plant that crashed is that plant's test failure, not its neighbours'."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    root = tmp_path_factory.mktemp("planted")
+
+    def one(fault: str):
+        try:
+            return plant(root, fault)
+        except AssertionError as e:
+            return e
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return dict(zip(SINGLE, pool.map(one, SINGLE)))
+
+
+@pytest.mark.parametrize("fault", SINGLE)
+def test_a_planted_bug_fails_its_check_at_its_step(planted, fault):
     check, where, kind = FAULTS[fault]
-    recs = plant(tmp_path, fault)
+    recs = planted[fault]
+    if isinstance(recs, AssertionError):
+        raise recs
     for rec in recs[:S - 1]:
         assert not rec["spec"].get("fail"), (rec["step"], rec["spec"]["fail"])
     got = first_failure(recs[S - 1])
