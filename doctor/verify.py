@@ -311,15 +311,22 @@ class Verifier:
         # "nothing else moved": the window's floor gap by source against the clean run before the incident
         # (a learning run's gap falls, so the fix must not leave it above where it was), two means of different
         # batches, each with the per-step spread / √n
-        after = gap_by_source(read_records(out / "metrics.jsonl"), S + (end - S) // 2, end)
+        fixed = read_records(out / "metrics.jsonl")
+        after = gap_by_source(fixed, S + (end - S) // 2, end)
         before = gap_by_source(list(self.path.values()), S - max((end - S) // 2, 1) - 1, S - 1)
         without = gap_by_source(list(self.path.values()) + self.tail(S, end), S + (end - S) // 2, end)
         noise = noise_by_source(self.path, S, window)
         worse = {s: (after[s][0], before[s][0]) for s in after if s in before and after[s][0] > before[s][0]
                  + 3 * noise.get(s, 0.0) * math.sqrt(1 / after[s][1] + 1 / before[s][1])}
-        if not again and not new and not worse:
-            verdict = (f"worked: {target.fault_class} gone, no new fault from step {S} to {end}, and no source's "
-                       f"floor gap above the run's before the incident")
+        # a failed specification check is its own oracle: the fix worked only where that check passes again
+        recheck = spec_again(target, fixed, S, end)
+        if recheck:
+            verdict = f"did not work: check {recheck[0]} failed again at step {recheck[1]}"
+        elif not again and not new and not worse:
+            held = (f", check {target.anomaly.quantity.removeprefix('spec.')} passing at every step"
+                    if target.anomaly is not None and target.anomaly.kind == "spec" else "")
+            verdict = (f"worked: {target.fault_class} gone{held}, no new fault from step {S} to {end}, and no "
+                       f"source's floor gap above the run's before the incident")
         elif again:
             verdict = f"did not work: {target.fault_class} again at step {again[0].step}"
         elif new:
@@ -348,6 +355,18 @@ class Verifier:
         j = target.judgement
         return {"ran": False, "why": f"a natural incident is not fixed: the run recovers without intervention "
                                      f"({j.reason if j else 'judged natural'})"}
+
+
+def spec_again(target: Diagnosis, records: list[dict], S: int, end: int) -> tuple[str, int] | None:
+    """(check, step) where the specification check that headlined `target` fails again in [S, end]; None when
+    the target was not a check's failure or the check held."""
+    if target.anomaly is None or target.anomaly.kind != "spec":
+        return None
+    check = target.anomaly.quantity.removeprefix("spec.")
+    for r in records:
+        if S <= r["step"] <= end and any(f["check"] == check for f in (r.get("spec") or {}).get("fail") or []):
+            return check, r["step"]
+    return None
 
 
 def moments_step(target: Diagnosis) -> int:

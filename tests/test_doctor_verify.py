@@ -122,3 +122,21 @@ def test_a_natural_incident_is_not_fixed(tmp_path):
     assert v["judgement"] == "natural" and v["attribution"]["bit_identical"]
     assert not v["fix"]["ran"] and "recovers without intervention" in v["fix"]["why"]
     assert [c["hypothesis"] for c in v["counterfactuals"]] == ["batch", "state"]
+
+
+def test_a_failed_check_is_the_fixs_oracle():
+    """The fix of a specification failure worked only where that check passes again in the fix's window."""
+    from doctor.timeline import Deviation
+    from doctor.rules import Diagnosis
+    from doctor.verify import spec_again
+
+    dev = Deviation("spec.lr", "optimizer", 0, 80, 3.0, 1.0, float("inf"), "no_decay", kind="spec")
+    target = Diagnosis("optim.lr_switch", "", dev, 80, None, None, None)
+    fail = {"check": "lr", "kind": "lr", "where": "no_decay"}
+    recs = [{"step": t, "spec": {"fail": [fail] if t == 83 else []}} for t in range(79, 90)]
+    assert spec_again(target, recs, 80, 89) == ("lr", 83)
+    assert spec_again(target, recs, 84, 89) is None  # held over the window
+    other = {"step": 85, "spec": {"fail": [{**fail, "check": "clip"}]}}
+    assert spec_again(target, [other], 80, 89) is None  # another check is not this one's oracle
+    target.anomaly = Deviation("loss", "forward", 0, 80, 3.0, 1.0, 9.0)
+    assert spec_again(target, recs, 80, 89) is None  # not a check's failure: the doctor's own judgement decides
