@@ -72,13 +72,15 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """N(0, init_std) everywhere; projections into the residual stream get init_std/sqrt(2·n_layers).
+        """N(0, init_std) everywhere; projections into the residual stream get init_std/sqrt(2·n_layers), or 0
+        under model.init_residual=zero.
 
         GPT-2 scaling: the residual stream sums 2·n_layers such outputs, so each one is shrunk to keep
-        the variance of the final residual independent of depth.
+        the variance of the final residual independent of depth. Zero: every block starts as the identity
+        (its output projections get a gradient at once; the weights before them once those have moved).
         """
         std = self.cfg.init_std
-        resid_std = std / math.sqrt(2 * self.cfg.n_layers)
+        resid_std = std / math.sqrt(2 * self.cfg.n_layers) if self.cfg.init_residual == "scaled" else 0.0
         nn.init.normal_(self.tok_emb.weight, std=std)
         if not self.cfg.tie_embeddings:
             nn.init.normal_(self.head.weight, std=std)
