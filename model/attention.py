@@ -8,7 +8,6 @@ from einops import rearrange
 from torch import Tensor, nn
 
 from model.config import ModelConfig
-from model.norm import RMSNorm, rms_norm
 from model.rope import apply_rope
 
 
@@ -72,8 +71,8 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_dim
         self.qkv = nn.Linear(cfg.d_model, (self.n_heads + 2 * self.n_kv_heads) * self.head_dim, bias=False)
         self.proj_out = nn.Linear(self.n_heads * self.head_dim, cfg.d_model, bias=False)
-        self.q_norm = RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
+        self.q_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
         self.probe_logits = False
         self.causal = True  # False lets every position attend to the future (a fault drill: causal_leak)
         self._logit_parts: list[Tensor] = []  # one (H,) max per probed forward
@@ -99,10 +98,8 @@ class Attention(nn.Module):
         # the whole input and the slices' buffers are then added; split's backward is one concatenation.
         qk_BTHd, v_BTKd = qkv_BTX.split([H + K, K], dim=2)
         if self.q_norm is not None:
-            # NOTE: q's and k's heads in one call, each head normalised on its own as in two: q's gain on q's
-            # heads, k's on k's (no split of the projection, no concatenation after)
-            gain_Xd = torch.cat([self.q_norm.weight.expand(H, -1), self.k_norm.weight.expand(K, -1)])
-            qk_BTHd = rms_norm(qk_BTHd, gain_Xd, self.q_norm.eps)
+            q_BTHd, k_BTKd = qk_BTHd.split([H, K], dim=2)
+            qk_BTHd = torch.cat([self.q_norm(q_BTHd), self.k_norm(k_BTKd)], dim=2)
         # NOTE: q and k share one RoPE call (their heads are adjacent in the fused projection).
         q_BTHd, k_BTKd = apply_rope(qk_BTHd, cos_TF, sin_TF).split([H, K], dim=2)
         q_BHTd = rearrange(q_BTHd, "b t h d -> b h t d")

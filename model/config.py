@@ -54,9 +54,6 @@ class MoEConfig:
             _non_negative(f"{p}.{key}", getattr(self, key))
 
 
-INIT_RESIDUAL = ("scaled", "zero")
-
-
 @dataclass
 class ModelConfig:
     vocab_size: int | None = None   # from the data (dataset.vocab_size): never a user setting
@@ -71,9 +68,6 @@ class ModelConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = True
     init_std: float = 0.02
-    # the matrices that write into the residual stream (attention out, MLP down): scaled = init_std/√(2·n_layers)
-    # (GPT-2) | zero = each block starts as the identity and learns what to add (modded-nanogpt's speedrun)
-    init_residual: str = "scaled"
     swiglu_clamp: float | None = None   # L; None = off
     qk_norm: bool = False           # RMSNorm on each q and k head before RoPE (model/attention.py)
     moe: MoEConfig | None = None
@@ -110,8 +104,6 @@ class ModelConfig:
             _positive_int(f"model.{key}", getattr(self, key))
         for key in ("rope_theta", "norm_eps", "init_std"):
             _positive(f"model.{key}", getattr(self, key))
-        check(self.init_residual in INIT_RESIDUAL, "model.init_residual", repr(self.init_residual),
-              f"expected one of {', '.join(INIT_RESIDUAL)}")
         if self.swiglu_clamp is not None:
             _positive("model.swiglu_clamp", self.swiglu_clamp)
         if self.d_model % self.n_heads:

@@ -9,7 +9,6 @@ from torch import Tensor, nn
 
 from model import checkpointing
 from model.config import ModelConfig
-from model.norm import RMSNorm
 from model.attention import Attention
 from model.rope import rope_tables
 from model.loss import IGNORE_INDEX, ModelOutput, token_losses
@@ -20,9 +19,9 @@ from model.swiglu import SwiGLU
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int):
         super().__init__()
-        self.attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.attn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.attn = Attention(cfg)
-        self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.mlp_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         if cfg.is_moe_layer(index):
             self.mlp = MoE(cfg.moe, cfg.d_model, cfg.swiglu_clamp)
         else:
@@ -60,7 +59,7 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.head.weight = self.tok_emb.weight
@@ -72,15 +71,13 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """N(0, init_std) everywhere; projections into the residual stream get init_std/sqrt(2·n_layers), or 0
-        under model.init_residual=zero.
+        """N(0, init_std) everywhere; projections into the residual stream get init_std/sqrt(2·n_layers).
 
         GPT-2 scaling: the residual stream sums 2·n_layers such outputs, so each one is shrunk to keep
-        the variance of the final residual independent of depth. Zero: every block starts as the identity
-        (its output projections get a gradient at once; the weights before them once those have moved).
+        the variance of the final residual independent of depth.
         """
         std = self.cfg.init_std
-        resid_std = std / math.sqrt(2 * self.cfg.n_layers) if self.cfg.init_residual == "scaled" else 0.0
+        resid_std = std / math.sqrt(2 * self.cfg.n_layers)
         nn.init.normal_(self.tok_emb.weight, std=std)
         if not self.cfg.tie_embeddings:
             nn.init.normal_(self.head.weight, std=std)

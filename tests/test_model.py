@@ -1,7 +1,6 @@
 """Transformer, attention/RoPE, SwiGLU clamp, losses, init and config validation."""
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import pytest
@@ -249,25 +248,6 @@ def test_init_std_and_residual_scaling():
         assert w.std().item() == pytest.approx(std, rel=0.05), name
         assert abs(w.mean().item()) < 5 * std / math.sqrt(w.numel()), name
     assert torch.equal(params["blocks.3.mlp_norm.weight"], torch.ones(256))
-    # model.init_residual=zero: the same draws everywhere else, the residual writers start at 0 (blocks = identity)
-    torch.manual_seed(6)
-    zero = dict(Transformer(dataclasses.replace(cfg, init_residual="zero")).named_parameters())
-    for name in expect:
-        if expect[name] == resid:
-            assert not zero[name].any(), name
-        else:
-            assert zero[name].std().item() == pytest.approx(expect[name], rel=0.05), name
-
-
-def test_zero_residual_init_starts_every_block_as_the_identity_and_then_learns():
-    torch.manual_seed(0)
-    model = Transformer(ModelConfig(vocab_size=17, seq_len=8, n_layers=2, init_residual="zero"))
-    tokens = torch.randint(0, 17, (2, 8))
-    x = model.tok_emb(tokens)
-    for block in model.blocks:
-        assert torch.equal(block(x, model.rope_cos, model.rope_sin, None)[0], x)
-    model(tokens, tokens).loss_sum.backward()
-    assert model.blocks[0].attn.proj_out.weight.grad.abs().sum() > 0  # the zeros get a gradient at once
 
 
 # ---------------------------------------------------------------- config
@@ -289,7 +269,6 @@ def test_config_derived_sizes_and_layer_pattern():
     ({"n_layers": 0}, r"model\.n_layers=0"),
     ({"mlp_hidden": 0}, r"model\.mlp_hidden=0"),
     ({"init_std": 0.0}, r"model\.init_std=0\.0"),
-    ({"init_residual": "small"}, r"model\.init_residual='small'"),
     ({"norm_eps": -1e-5}, r"model\.norm_eps"),
     ({"swiglu_clamp": 0.0}, r"model\.swiglu_clamp=0\.0"),
     ({"moe": {"top_k": 9}}, r"model\.moe\.top_k=9 > model\.moe\.n_experts=8"),
