@@ -3,11 +3,10 @@ train.py sees it) and ballast's optimizer step built from it."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from bench import ROOT
 
 
 def compose_config(overrides: list[str]):

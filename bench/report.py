@@ -1,6 +1,6 @@
 """The one markdown writer of bench output: figures under a header that says what measured them.
 
-    rep = Report("MoE step time", "python -m bench.moe_speed", argv)
+    rep = Report("MoE step time", "python -m bench.speed.moe_speed", argv)
     rep.add("one line of prose")                      # printed, and kept for the file
     rep.table(["arm", "ms/step"], rows)               # or rep.columns(...) then rep.row(...) as rows come
     rep.write(args.out)                               # docs/results/<area>.md, when --out is given
@@ -22,7 +22,8 @@ import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from bench import ROOT
+
 HEADER = ("machine", "date", "commit", "load average", "command")  # "- key: value" lines, in this order
 SIMD = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")  # CPU kernels differ in the last bits across these
 

@@ -5,7 +5,12 @@ MoE + QK-norm → Qwen3-MoE.
     python -m checkpoint.export_hf runs/<run> out/hf [--checkpoint PATH]
     # then: transformers.AutoModelForCausalLM.from_pretrained("out/hf"); AutoTokenizer.from_pretrained("out/hf")
 
-Needs the optional extra `pip install -e '.[hf]'` (safetensors to write; transformers only to load).
+Needs the optional extra `pip install -e '.[hf]'` (safetensors to write, transformers to prove it).
+
+The export proves itself before it writes (checkpoint/export_check.py): it stages the files, loads them
+through transformers as a user will, and compares the logits with ballast's on a probe batch; a missing or
+unread weight, or logits apart by more than FP32 rounding allows, refuses in one line naming the largest
+difference, and nothing is written. That holds for an option OPTIONS does not know as for one it maps.
 
 Writes config.json, model.safetensors (fp32) and, for data=text runs, the tokenizer:
 tokenizer.json + tokenizer_config.json for a PreTrainedTokenizerFast whose ids equal the run's ids:
@@ -15,8 +20,8 @@ tokenizer.json + tokenizer_config.json for a PreTrainedTokenizerFast whose ids e
 Synthetic runs have no text; no tokenizer is written (ids are the model's interface).
 
 Every model option (each field of ModelConfig and MoEConfig) is declared once in OPTIONS: how
-transformers gets it, or why a value is refused (one line naming the key); tests/test_export_hf.py
-exports each option's probe value and compares the logits, so a new option without a decision fails there.
+transformers gets it, or why a value is refused (one line naming the key, before any conversion);
+tests/test_export_hf.py exports each option's probe value, so a new option without a decision fails there.
 
 The mapping, ballast → Llama:
   qkv (fused, heads [q | k | v])  → q_proj, k_proj, v_proj, with the q and k rows of every head permuted:
@@ -39,7 +44,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +54,7 @@ from pathlib import Path
 import torch
 from einops import rearrange
 
+from checkpoint.export_check import verify
 from model.config import ModelConfig, MoEConfig
 
 
@@ -55,7 +63,8 @@ class Option:
     """The export's decision on one model option: `how` transformers gets it, and `refuse`, for the values
     it cannot express, why (None: every value exports). `probe`: a non-default value that the export
     test builds a tiny model with (d_model 64, 4 heads, 4 layers; `moe.*` on the `moe` probe) and exports,
-    or sees refused."""
+    or sees refused; the sampling test (tests/test_sample.py) decodes the same probe with and without
+    the KV cache."""
     how: str
     probe: object
     refuse: Callable[[ModelConfig], str | None] | None = None
@@ -272,28 +281,36 @@ def _byte_of(symbol: str) -> int:
 
 
 def export(model, tokenizer, out_dir: Path) -> list[str]:
-    """Write the checkpoint; returns the files written. Raises ValueError for a model transformers cannot
-    express (refuse_reason), before anything is written, and before the `[hf]` extra is needed."""
+    """Write the checkpoint; returns the files written. Raises ValueError, with nothing written, for a model
+    transformers cannot express: a declared refusal (refuse_reason, before the `[hf]` extra is needed), or
+    a converted model whose logits are not ballast's (verify: whatever the cause, OPTIONS knowing it or not)."""
     reason = refuse_reason(model)
     if reason:
         raise ValueError(f"cannot export to transformers: {reason}")
     try:
         from safetensors.torch import save_file
+        import transformers  # noqa: F401  (the export proves itself through it)
     except ImportError:
-        raise ValueError("needs safetensors: pip install -e '.[hf]'") from None
+        raise ValueError("needs safetensors and transformers: pip install -e '.[hf]'") from None
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    config = hf_config(model)
-    (out_dir / "config.json").write_text(json.dumps(config, indent=1) + "\n")
-    save_file(hf_state_dict(model), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    written = ["config.json", "model.safetensors"]
-    tok = hf_tokenizer(tokenizer)
-    if tok is not None:
-        tok.save(str(out_dir / "tokenizer.json"))
-        (out_dir / "tokenizer_config.json").write_text(json.dumps(
-            {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model.cfg.seq_len,
-             "clean_up_tokenization_spaces": False, "ballast_tokenizer": tokenizer.name}, indent=1) + "\n")
-        written += ["tokenizer.json", "tokenizer_config.json"]
+    with tempfile.TemporaryDirectory(prefix="ballast-export-") as tmp:
+        staged = Path(tmp)
+        (staged / "config.json").write_text(json.dumps(hf_config(model), indent=1) + "\n")
+        save_file(hf_state_dict(model), str(staged / "model.safetensors"), metadata={"format": "pt"})
+        written = ["config.json", "model.safetensors"]
+        tok = hf_tokenizer(tokenizer)
+        if tok is not None:
+            tok.save(str(staged / "tokenizer.json"))
+            (staged / "tokenizer_config.json").write_text(json.dumps(
+                {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model.cfg.seq_len,
+                 "clean_up_tokenization_spaces": False, "ballast_tokenizer": tokenizer.name}, indent=1) + "\n")
+            written += ["tokenizer.json", "tokenizer_config.json"]
+        mismatch = verify(model, staged)
+        if mismatch:
+            raise ValueError(f"cannot export to transformers: {mismatch}")
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for name in written:
+            shutil.move(staged / name, out_dir / name)
     return written
 
 

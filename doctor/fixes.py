@@ -213,7 +213,7 @@ def _data_slow_worsening(diag, run, ckpt, t, b, action, ck) -> dict:
 @fix("system.throughput")
 def _system_throughput(diag, run, ckpt, t, b, action, ck) -> dict:
     return {"variable": "shapes, routing load, communication of the slow steps",
-            "change": "profile a slow step against a fast one (bench/profile_step.py)", "override": None,
+            "change": "profile a slow step against a fast one (bench/tools/profile_step.py)", "override": None,
             "expect": "tokens/s of the last third back at the first third's"}
 
 

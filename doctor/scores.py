@@ -13,7 +13,7 @@ Four tests per quantity (its Signal in stability/signals.py: direction, log scal
                whatever the guard would
 A per-source loss is a mean over that source's tokens: its one-step tests scale by √(n / n̄) below n̄. A quantity
 whose Signal names one it needs (a layer's gradient RMS needs grad_norm) counts only at a step where that
-one deviates too. Thresholds: the largest values of each test over clean runs (bench/doctor_calibrate.py;
+one deviates too. Thresholds: the largest values of each test over clean runs (bench/doctor_eval/calibrate.py;
 README); a per-layer quantity's change test: CHANGE_LAYER.
 """
 from __future__ import annotations
@@ -137,7 +137,7 @@ class Scores:
 
 def scores(s: Series, guard: GuardTest | None = None, name: str = "") -> Scores | None:
     """Every test's statistic for one (non-exact) quantity, signed by its direction; thresholds are
-    applied by first_deviation, and bench/doctor_calibrate.py reads the clean runs' maxima from here."""
+    applied by first_deviation, and bench/doctor_eval/calibrate.py reads the clean runs' maxima from here."""
     steps = np.array(sorted(s.values), dtype=np.int64)
     x = np.array([s.values[int(t)] for t in steps], dtype=np.float64)
     spec, fin = s.spec, np.isfinite(x)
@@ -180,7 +180,7 @@ def scores(s: Series, guard: GuardTest | None = None, name: str = "") -> Scores 
     # NOTE: a sustained run of K high values counts only where the two-window statistic says a new level
     # starts (≥ CONFIRM): alone, the K-step test fires on slow drifts of clean runs (an update ratio
     # decaying, an activation RMS climbing), which never open a new level, while a planted shift does at
-    # its first step (bench/doctor_calibrate.py reads both)
+    # its first step (bench/doctor_eval/calibrate.py reads both)
     z["sustained"] = np.where(z["change"] >= CONFIRM, zsus, -np.inf)
     direction = guard.direction(name) if guard else None  # the families the run's guard watched
     if direction and nf > guard.min_history:  # the guard's own test: never less sensitive than the guard

@@ -36,14 +36,15 @@ MIN_HISTORY = 10  # no score before this many baseline values
 THRESHOLD = 8.0   # point test: robust z above which one value deviates. The guard fires at 6 with a
                   # floor of 1e-3·|median|; the doctor's floors are as small (FLOOR_LOG), and 8 instead
                   # of 6 because it reads many quantities at once: calibrated on clean runs
-                  # (bench/doctor_calibrate.py)
+                  # (bench/doctor_eval/calibrate.py)
 SUSTAINED = 3.5   # sustained test: K consecutive values all above this z (chance ~(2e-4)^K per start)
 K = 4             # steps a sustained shift must hold
 CHANGE = 10.0     # two-window test: robust z of (median of the K steps from t − median of the B before t)
-                  # against that statistic's own trailing spread; above the clean maxima (bench/doctor_calibrate.py)
+                  # against that statistic's own trailing spread; above the clean maxima
+                  # (bench/doctor_eval/calibrate.py)
 CHANGE_LAYER = 15.0  # the same for a per-layer quantity: several per layer times several layers, each moving
                     # with the model's own transitions (an induction head forming moves single layers'
-                    # act_rms and update_ratio): above their clean maxima (bench/doctor_calibrate.py)
+                    # act_rms and update_ratio): above their clean maxima (bench/doctor_eval/calibrate.py)
 B = 8             # steps before t in the two-window test
 CONFIRM = 6.0     # the sustained test needs the two-window statistic at its step to be at least this
 HIST_WARM = 10    # steps after a resume before the input histogram's kl / rare share are read again

@@ -40,8 +40,8 @@ STEP_RANGE, STEP_TOL, AFTER = (110, 150), 1, 40  # the doctor scores from step 1
 CATALOGUE = {
     "nan_activation": ("forward", {}),
     "labels_shuffle": ("input", {}),
-    "lr_spike": ("update", {"fault.factor": 50.0, "fault.steps": 3}),
-    "optim_state": ("optimizer_state", {"fault.mode": "zero"}),
+    "lr_spike": ("update", {"fault.lr_spike.factor": 50.0, "fault.lr_spike.steps": 3}),
+    "optim_state": ("optimizer_state", {"fault.optim_state.mode": "zero"}),
 }
 CLASSES = sorted({c for c, _ in CATALOGUE.values()})
 # words a scrubbed directory must not contain (the kinds themselves, and the injector's vocabulary)
@@ -57,7 +57,7 @@ def draw(seed: int) -> dict:
     layer = "-"
     if kind == "nan_activation":
         i, sub = rng.randrange(N_LAYERS), rng.choice(["attn", "mlp"])
-        over.update({"fault.layer": i, "fault.sublayer": sub})
+        over.update({"fault.nan_activation.layer": i, "fault.nan_activation.sublayer": sub})
         layer = f"block{i}.{sub}"
     return {"kind": kind, "class": cls, "layer": layer, "step": step, "overrides": over}
 

@@ -8,6 +8,7 @@ from einops import rearrange
 from torch import Tensor, nn
 
 from model.config import ModelConfig
+from model.kv_cache import LayerKV
 from model.rope import apply_rope
 
 
@@ -63,7 +64,7 @@ class Attention(nn.Module):
 
     Logit probe: with `probe_logits = True`, every grad-enabled forward folds the per-head max logit of
     its FIRST sequence into `logit_max_H` (telemetry: one B-th of the QKᵀ matmul, from the q and k the
-    forward computed anyway; bench/attn_logit_probe.py measures it).
+    forward computed anyway; bench/speed/attn_logit_probe.py measures it).
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -116,7 +117,10 @@ class Attention(nn.Module):
     def logit_max_H(self, value: Tensor | None) -> None:  # None resets the probe
         self._logit_parts = [] if value is None else [value]
 
-    def forward(self, x_BTD: Tensor, cos_TF: Tensor, sin_TF: Tensor) -> Tensor:
+    def forward(self, x_BTD: Tensor, cos_TF: Tensor, sin_TF: Tensor, kv: LayerKV | None = None) -> Tensor:
+        """kv: this layer's KV cache (decoding, model/kv_cache.py): x holds the positions after the cached
+        ones, cos/sin start at the first of them; their keys and values join the cache, and each query
+        attends to the cached prefix and to itself and the new positions before it (a causal model)."""
         H, K = self.n_heads, self.n_kv_heads
         q_BHTd, k_BKTd, v_BKTd = self.qk(x_BTD, cos_TF, sin_TF)
         if self.probe_logits and torch.is_grad_enabled():
@@ -128,5 +132,9 @@ class Attention(nn.Module):
             self._logit_parts.append(m_H)
         # NOTE: enable_gqa lets SDPA share each kv head across n_heads/n_kv_heads query heads
         # without materialising the repeated k, v.
-        y_BHTd = F.scaled_dot_product_attention(q_BHTd, k_BKTd, v_BKTd, is_causal=self.causal, enable_gqa=K != H)
+        if kv is None:
+            y_BHTd = F.scaled_dot_product_attention(q_BHTd, k_BKTd, v_BKTd, is_causal=self.causal, enable_gqa=K != H)
+        else:
+            k_BKSd, v_BKSd, mask_TS = kv.extend(k_BKTd, v_BKTd)
+            y_BHTd = F.scaled_dot_product_attention(q_BHTd, k_BKSd, v_BKSd, attn_mask=mask_TS, enable_gqa=K != H)
         return self.proj_out(rearrange(y_BHTd, "b h t d -> b t (h d)"))

@@ -1,13 +1,10 @@
 """Autoregressive decoding for a trained Transformer: a KV cache, and temperature / top-k / top-p sampling.
 
-The KV cache keeps, per layer, the rotated keys and the values of every position seen so far, so a new
-token costs one attention row instead of a forward over the whole prefix:
-
-    memory per layer = B · T · 2 · n_kv_heads · head_dim · bytes(dtype)   (k and v, T = model.seq_len)
-
-e.g. B=2, T=256, n_kv=4, d_head=32, fp32 → 0.5 MiB a layer. Only attention is cached: the MLP (dense or
-MoE) acts on each token alone, so an MoE layer routes the new token exactly as a full forward would
-(routing is per token; the balancing bias is fixed at inference) and needs no cache of its own.
+The KV cache (model/kv_cache.py) keeps, per layer, the rotated keys and the values of every position seen so
+far, so a new token costs one attention row instead of a forward over the whole prefix. The cached forward is
+the model's own (Transformer.forward(cache=...)): the same blocks, the same attention, so every model option
+decodes as it trains (tests/test_sample.py runs each). An MoE layer routes the new token exactly as a full
+forward would (routing is per token; the balancing bias is fixed at inference) and needs no cache of its own.
 
 Past model.seq_len the RoPE tables end; like nanoGPT the context is cropped to the last seq_len
 tokens. NOTE: a cropped window shifts every position, so the cache cannot be reused: each token past
@@ -16,65 +13,16 @@ cache would need keys re-rotated to new positions; not worth it for a sampling s
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
-import torch.nn.functional as F
-from einops import rearrange
 from torch import Tensor
 
-from model.rope import apply_rope
-from model.moe import MoE
-
-
-@dataclass
-class KVCache:
-    k_LBKTd: list[Tensor]  # per layer (B, n_kv, T_max, d_head), rotated keys
-    v_LBKTd: list[Tensor]
-    length: int = 0        # positions filled
-
-    @classmethod
-    def empty(cls, model, batch: int, dtype: torch.dtype | None = None) -> "KVCache":
-        cfg = model.cfg
-        dev = model.tok_emb.weight.device
-        dtype = dtype or model.tok_emb.weight.dtype
-        shape = (batch, cfg.kv_heads, cfg.seq_len, cfg.head_dim)
-        return cls([torch.zeros(shape, dtype=dtype, device=dev) for _ in range(cfg.n_layers)],
-                   [torch.zeros(shape, dtype=dtype, device=dev) for _ in range(cfg.n_layers)])
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k_LBKTd + self.v_LBKTd)
-
-
-def _attend(attn, x_BTD: Tensor, cos_TF: Tensor, sin_TF: Tensor, cache: KVCache, layer: int) -> Tensor:
-    """Attention of the new positions [cache.length, cache.length + T) over the cached prefix and themselves."""
-    H, K, d = attn.n_heads, attn.n_kv_heads, attn.head_dim
-    p0, T = cache.length, x_BTD.shape[1]
-    qkv_BTX = rearrange(attn.qkv(x_BTD), "b t (h d) -> b t h d", d=d)
-    qk_BTHd = apply_rope(qkv_BTX[:, :, : H + K], cos_TF[p0:p0 + T], sin_TF[p0:p0 + T])
-    q_BHTd = rearrange(qk_BTHd[:, :, :H], "b t h d -> b h t d")
-    cache.k_LBKTd[layer][:, :, p0:p0 + T] = rearrange(qk_BTHd[:, :, H:], "b t h d -> b h t d")
-    cache.v_LBKTd[layer][:, :, p0:p0 + T] = rearrange(qkv_BTX[:, :, H + K:], "b t h d -> b h t d")
-    k_BKSd = cache.k_LBKTd[layer][:, :, :p0 + T]
-    v_BKSd = cache.v_LBKTd[layer][:, :, :p0 + T]
-    # new query t (absolute p0 + t) sees keys s <= p0 + t
-    mask_TS = torch.arange(p0 + T, device=x_BTD.device) <= (p0 + torch.arange(T, device=x_BTD.device))[:, None]
-    y_BHTd = F.scaled_dot_product_attention(q_BHTd, k_BKSd, v_BKSd, attn_mask=mask_TS, enable_gqa=K != H)
-    return attn.proj_out(rearrange(y_BHTd, "b h t d -> b t (h d)"))
+from model.kv_cache import KVCache
 
 
 @torch.no_grad()
 def forward_cached(model, tokens_BT: Tensor, cache: KVCache) -> Tensor:
     """Logits (B, T, V) of `tokens_BT` placed after the cached prefix; appends their keys and values."""
-    if cache.length + tokens_BT.shape[1] > model.cfg.seq_len:
-        raise ValueError(f"KV cache: {cache.length} + {tokens_BT.shape[1]} positions > model.seq_len={model.cfg.seq_len}")
-    x_BTD = model.tok_emb(tokens_BT)
-    for i, block in enumerate(model.blocks):
-        x_BTD = x_BTD + _attend(block.attn, block.attn_norm(x_BTD), model.rope_cos, model.rope_sin, cache, i)
-        h_BTD = block.mlp_norm(x_BTD)
-        x_BTD = x_BTD + (block.mlp(h_BTD).y if isinstance(block.mlp, MoE) else block.mlp(h_BTD))
-    cache.length += tokens_BT.shape[1]
-    return model.head(model.norm(x_BTD))
+    return model(tokens_BT, cache=cache).logits
 
 
 def pick(logits_BV: Tensor, temperature: float, top_k: int | None, top_p: float | None,

@@ -129,7 +129,10 @@ def _probe(key, device, dtype) -> None:
             # forward after a resume), the backward probe failed and the process ran the loop from then on,
             # while the run it resumed had run grouped — a resume that was not bit-identical (1-ulp
             # differences in the expert gradients, then in exp_avg).
-            with torch.inference_mode(False), torch.enable_grad():
+            # NOTE: under the probe's own saved-tensor hooks: first reached inside an activation checkpoint, the
+            # probe's saved tensors would count as the block's, and the recompute (the probe cached) saves fewer
+            with torch.inference_mode(False), torch.enable_grad(), \
+                    torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
                 a = torch.ones(4, 16, device=device, dtype=dtype, requires_grad=True)
                 w = torch.ones(2, 16, 16, device=device, dtype=dtype, requires_grad=True)
                 y = torch._grouped_mm(a, w, offs=torch.tensor([1, 4], device=device, dtype=torch.int32))

@@ -40,7 +40,7 @@ def swiglu_counted(gate: Tensor, up: Tensor, limit: float | None) -> tuple[Tenso
 
     NOTE: on a CPU the sufficient test of clamp_hits reads the clamp's OUTPUTS right after they are written
     (max(min(gate, L)) < L and max|clamp(up)| < L: nothing was clamped), while they are still in
-    cache, where it reads the projection's output from memory (bench/telemetry_overhead.py measures
+    cache, where it reads the projection's output from memory (bench/speed/telemetry_overhead.py measures
     the difference). A max that reaches L (a hit, or an element exactly at L) or a NaN
     leaves the answer to the exact count.
     """
@@ -66,7 +66,7 @@ def clamp_hits(gate: Tensor, up: Tensor, limit: float | None) -> Tensor:
     if limit is None:
         return torch.zeros((), dtype=torch.int64, device=gate.device)
     # NOTE: on a CPU, first the common case of a healthy run: nothing beyond the clamp. Three reductions
-    # write no tensor, so answering 0 is cheaper than counting (bench/telemetry_overhead.py). Not on an
+    # write no tensor, so answering 0 is cheaper than counting (bench/speed/telemetry_overhead.py). Not on an
     # accelerator (the comparison reads a number back: a device sync per MLP), nor under torch.compile
     # (a graph break).
     if gate.numel() == 0:

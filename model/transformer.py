@@ -10,6 +10,7 @@ from torch import Tensor, nn
 from model import checkpointing
 from model.config import ModelConfig
 from model.attention import Attention
+from model.kv_cache import KVCache, LayerKV
 from model.rope import rope_tables
 from model.loss import IGNORE_INDEX, ModelOutput, token_losses
 from model.moe import MoE, MoEOutput
@@ -29,27 +30,26 @@ class Block(nn.Module):
         self.checkpointing = "none"  # model/checkpointing.py: none | full | selective
 
     def forward(self, x_BTD: Tensor, cos_TF: Tensor, sin_TF: Tensor, route_ids_BTk: Tensor | None,
-                valid_BT: Tensor | None = None, router_only: bool = False):
-        """(x, MoEOutput or None); with router_only (an MoE block, compute_routes): the (B·T, k) ids alone.
+                valid_BT: Tensor | None = None, router_only: bool = False, kv: LayerKV | None = None):
+        """(x, MoEOutput or None); with router_only (an MoE block, compute_routes): the (B·T, k) ids alone;
+        with kv (decoding): x holds the positions after the cached ones, whose keys and values join kv.
         NOTE: through forward even then: an FSDP2 unit gathers its parameters only around a call."""
-        if router_only:
-            return self.router_ids(x_BTD, cos_TF, sin_TF)
-        return checkpointing.run(self._forward, self.checkpointing, x_BTD, cos_TF, sin_TF, route_ids_BTk, valid_BT)
+        return checkpointing.run(self._forward, self.checkpointing, x_BTD, cos_TF, sin_TF, route_ids_BTk, valid_BT,
+                                 router_only, kv)
 
     def _forward(self, x_BTD: Tensor, cos_TF: Tensor, sin_TF: Tensor, route_ids_BTk: Tensor | None,
-                 valid_BT: Tensor | None = None) -> tuple[Tensor, MoEOutput | None]:
-        x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), cos_TF, sin_TF)
+                 valid_BT: Tensor | None, router_only: bool, kv: LayerKV | None):
+        """The block, the one forward training, activation checkpointing's recompute, the routing-only
+        forward and KV-cached decoding all run: a variant of the block changes here and nowhere else."""
+        x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), cos_TF, sin_TF, kv=kv)
         h_BTD = self.mlp_norm(x_BTD)
+        if router_only:  # the ids this MoE block's forward would choose, and nothing after its router runs
+            return self.mlp.select(h_BTD)
         if isinstance(self.mlp, MoE):
             ids_Nk = None if route_ids_BTk is None else rearrange(route_ids_BTk, "b t k -> (b t) k")
             moe = self.mlp(h_BTD, ids_Nk, None if valid_BT is None else rearrange(valid_BT, "b t -> (b t)"))
             return x_BTD + moe.y, moe
         return x_BTD + self.mlp(h_BTD), None
-
-    def router_ids(self, x_BTD: Tensor, cos_TF: Tensor, sin_TF: Tensor) -> Tensor:
-        """(B·T, k) the ids this MoE block's forward would choose, and nothing after its router runs."""
-        x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), cos_TF, sin_TF)  # NOTE: _forward's ops, op for op
-        return self.mlp.select(self.mlp_norm(x_BTD))
 
 
 class Transformer(nn.Module):
@@ -88,27 +88,35 @@ class Transformer(nn.Module):
             block.mlp_norm.reset_parameters()
         self.norm.reset_parameters()
 
-    def _trunk(self, tokens_BT: Tensor, routes: dict[int, Tensor] | None, valid_BT: Tensor | None = None):
-        T = tokens_BT.shape[1]
-        if T > self.cfg.seq_len:
-            raise ValueError(f"input length {T} > model.seq_len={self.cfg.seq_len}")
+    def _trunk(self, tokens_BT: Tensor, routes: dict[int, Tensor] | None, valid_BT: Tensor | None = None,
+               cache: KVCache | None = None):
+        p0, T = (0 if cache is None else cache.length), tokens_BT.shape[1]
+        if p0 + T > self.cfg.seq_len:
+            where = f"input length {T}" if cache is None else f"KV cache: {p0} + {T} positions"
+            raise ValueError(f"{where} > model.seq_len={self.cfg.seq_len}")
         routes = routes or {}
         stray = sorted(set(routes) - {i for i, _ in self.moe_layers()})
         if stray:
             raise ValueError(f"routes given for layer {stray[0]}, which is not an MoE layer")
         x_BTD = self.tok_emb(tokens_BT)
+        cos_TF, sin_TF = self.rope_cos[p0:], self.rope_sin[p0:]  # the positions of tokens_BT
         moe_outs: dict[int, MoEOutput] = {}
         for i, block in enumerate(self.blocks):
             # NOTE: an MoE layer missing from `routes` routes itself.
-            x_BTD, moe = block(x_BTD, self.rope_cos, self.rope_sin, routes.get(i), valid_BT)
+            x_BTD, moe = block(x_BTD, cos_TF, sin_TF, routes.get(i), valid_BT,
+                               kv=None if cache is None else cache.layer(i))
             if moe is not None:
                 moe_outs[i] = moe
+        if cache is not None:
+            cache.length += T
         return self.norm(x_BTD), moe_outs
 
     def forward(self, tokens_BT: Tensor, labels_BT: Tensor | None = None,
                 routes: dict[int, Tensor] | None = None, return_logits: bool = False,
-                routes_only: bool = False) -> ModelOutput | dict[int, Tensor]:
+                routes_only: bool = False, cache: KVCache | None = None) -> ModelOutput | dict[int, Tensor]:
         """routes: {layer: expert ids (B, T, k)} replaces top-k selection at those layers.
+        cache (decoding, model/generate.py): tokens_BT follow the cache's positions; their keys and values
+        join it and its length advances.
 
         With labels, only positions with a label (!= IGNORE_INDEX) count in the MoE loads and losses.
         routes_only: the routing-only forward (compute_routes) through forward(), so that a wrapper's
@@ -117,7 +125,7 @@ class Transformer(nn.Module):
         if routes_only:
             return self.compute_routes(tokens_BT)
         valid_BT = None if labels_BT is None else labels_BT != IGNORE_INDEX
-        x_BTD, moe_outs = self._trunk(tokens_BT, routes, valid_BT)
+        x_BTD, moe_outs = self._trunk(tokens_BT, routes, valid_BT, cache)
         logits_BTV = self.head(x_BTD)
         dev, B = tokens_BT.device, tokens_BT.shape[0]
         zero = torch.zeros((), dtype=torch.float32, device=dev)
@@ -148,7 +156,7 @@ class Transformer(nn.Module):
         forward() would choose (the same ops on the same rows; tests/test_model.py).
 
         It stops at the last MoE layer's router: that layer's experts, the blocks after it, the final
-        norm and the LM head decide no route, so they never run (bench/anticipatory_overhead.py).
+        norm and the LM head decide no route, so they never run (bench/speed/anticipatory_overhead.py).
         WARN: on an FSDP2-sharded model call model(tokens, routes_only=True) instead: called directly
         this reads the sharded DTensors (aten.embedding got mixed torch.Tensor and DTensor)."""
         B, T = tokens_BT.shape

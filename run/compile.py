@@ -9,7 +9,7 @@ compile therefore pays only when the run is long enough:
 
 `train.compile: null` (the default) decides before the first step from what is known then, the device and
 the run's length: compile when steps ≥ MIN_STEPS[device type], the inequality solved for steps with a cold
-start and a per-step saving of this repository's models on that device (on a CPU `python -m bench.speedrun`
+start and a per-step saving of this repository's models on that device (on a CPU `bash bench/speed/speedrun.sh`
 measures both beside each other: docs/results/speedrun.md). true or false decides outright.
 
 NOTE: a rule of the config and the device alone, never of a timing taken on the fly: the same command gives

@@ -33,7 +33,7 @@ from parallel.config import ParallelConfig
 from precision.config import PrecisionConfig
 from run.argv import normalise
 from run.config_errors import ConfigError, check, choice, fail, from_mapping, known_keys_only, one_line
-from stability.config import FaultConfig, GuardConfig, LoggingConfig, TelemetryConfig
+from stability.config import FaultConfig, GuardConfig, LoggingConfig, TelemetryConfig, read_saved
 from stability.intervene import InterveneConfig
 
 SCHEMA = "ballast_schema"  # the name conf/config.yaml's defaults list starts with
@@ -111,8 +111,9 @@ class Config:
     @classmethod
     def from_dict(cls, saved: Mapping) -> "Config":
         """A run's saved config.yaml read back (the doctor's replay, checkpoint loading), through the same
-        schema; data keys its kind does not read are dropped (a run saved when one had another default)."""
-        saved = {**saved, "data": read_keys(saved.get("data") or {})}
+        schema; data keys its kind does not read are dropped (a run saved when one had another default), and
+        a run saved with flat fault keys reads back with them under its drill's namespace."""
+        saved = {**saved, "data": read_keys(saved.get("data") or {}), "fault": read_saved(saved.get("fault") or {})}
         try:
             return validate(OmegaConf.merge(OmegaConf.structured(cls), saved))
         except OmegaConfBaseException as e:

@@ -85,9 +85,7 @@ def known_keys_only(node: DictConfig, prefix: str = "") -> None:
     for key in node.keys():
         path = f"{prefix}{key}"
         if names is not None and key not in names:
-            near = difflib.get_close_matches(str(key), names, n=1)
-            hint = f" (did you mean {prefix}{near[0]}?)" if near else f" (known: {', '.join(names)})"
-            raise ConfigError(f"{path}: unknown key{hint}")
+            raise ConfigError(f"{path}: unknown key{_hint(str(key), names, typ, prefix)}")
         child = node._get_node(key)
         if isinstance(child, DictConfig) and not child._is_none() and not child._is_missing():
             known_keys_only(child, f"{path}.")
@@ -109,12 +107,9 @@ def one_line(e: BaseException, where: str = "") -> str:
     key = f"{where}.{full}" if where and full else (where or full)
     first = str(root).strip().splitlines()[0] if str(root).strip() else type(root).__name__
     if isinstance(root, (KeyError, AttributeError)) and " not in " in first:  # an unknown key
-        known = _known(root)
-        near = difflib.get_close_matches(full.rpartition(".")[2], known, n=1)
         parent = key.rpartition(".")[0]
-        hint = f" (did you mean {parent + '.' if parent else ''}{near[0]}?)" if near else \
-            (f" (known: {', '.join(sorted(known))})" if known else "")
-        return f"{key}: unknown key{hint}"
+        leaf, typ = full.rpartition(".")[2], getattr(root, "object_type", None)
+        return f"{key}: unknown key{_hint(leaf, _known(root), typ, parent + '.' if parent else '')}"
     if isinstance(root, MissingMandatoryValue):
         return f"{key}: missing (set {key}=...)"
     value = getattr(root, "value", None) if hasattr(root, "value") else None
@@ -127,6 +122,20 @@ def one_line(e: BaseException, where: str = "") -> str:
     if "Invalid type" in first or "is not a subclass" in first or "Unsupported value type" in first:
         return f"{key}: wrong type ({first})"
     return f"{key}: {first}" if value is None else f"{key}={_show(value)}: {first}"
+
+
+def _hint(key: str, known: list[str], typ: Any, prefix: str) -> str:
+    """What an unknown `key` under `prefix` may have meant: a close name at this level, else the same name
+    one level down (a drill's key is fault.<kind>.<key>: `fault.factor` means fault.lr_spike.factor or
+    another drill's), else the names this level knows."""
+    near = difflib.get_close_matches(key, known, n=1)
+    if near:
+        return f" (did you mean {prefix}{near[0]}?)"
+    below = [f"{prefix}{f.name}.{key}" for f in dataclasses.fields(typ) if dataclasses.is_dataclass(f.type)
+             and key in {g.name for g in dataclasses.fields(f.type)}] if dataclasses.is_dataclass(typ) else []
+    if below:
+        return f" (did you mean {' or '.join(below)}?)"
+    return f" (known: {', '.join(sorted(known))})" if known else ""
 
 
 def _hydra_line(e: BaseException) -> str:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field, fields, make_dataclass
-from typing import Any, Optional, get_type_hints
+from typing import Any, Mapping, Optional, get_type_hints
 
 from run.config_errors import ConfigError, check, choice, from_mapping, unused_keys
 from stability.drills import NONE, registry
@@ -66,7 +66,7 @@ class DetectorConfig:
     # NOTE: the spread assumed at least for a log metric, in log units: a scale-free quantity (grad norm,
     # update ratio) jitters step to step however steady its history looks, and a MAD measured on a calm
     # stretch says otherwise; at 0.2 and threshold 6 a move smaller than ×e^1.2 ≈ ×3.3 never fires, so a
-    # natural blip of two or three times on a calm plateau is not a spike (bench/drills_quiet.py).
+    # natural blip of two or three times on a calm plateau is not a spike (bench/seeds/drills_quiet.py).
     log_floor: float = 0.2
 
     def __post_init__(self) -> None:
@@ -140,46 +140,88 @@ class _FaultKindStep:
     step: int | None = None     # the optimizer step the fault fires at: required unless kind=none
 
     def __post_init__(self) -> None:
-        drills = registry()
-        choice("fault.kind", self.kind, [NONE, *drills])
+        nodes = self.nodes()
+        for kind, node in nodes.items():  # a drill's node given as a mapping (a test, a lab): typed as Hydra types it
+            if not isinstance(getattr(self, kind), node):
+                setattr(self, kind, from_mapping(node, dict(getattr(self, kind) or {}), f"fault.{kind}"))
+        choice("fault.kind", self.kind, [NONE, *nodes])
         if self.kind == NONE:
             return
-        own = {f.name for f in fields(drills[self.kind].Config)}
-        unused_keys(self, {"kind", "step"} | own, "fault", f"fault.kind={self.kind}")
+        for kind in nodes:  # another drill's key set here would be silently ignored
+            if kind != self.kind:
+                unused_keys(getattr(self, kind), (), f"fault.{kind}", f"fault.kind={self.kind}")
         if self.step is None:
             raise ConfigError(f"fault.step: missing (required for fault.kind={self.kind})")
         check(self.step >= 1, "fault.step", self.step, "must be >= 1")
         self.drill_config()  # the drill's own checks
 
+    @classmethod
+    def nodes(cls) -> dict[str, type]:
+        """kind -> the dataclass of fault.<kind> (one per drill of the schema)."""
+        return {f.name: f.type for f in fields(cls) if f.name not in ("kind", "step")}
+
     def drill_config(self):
-        """The drill's own Config from the keys set here (None: the drill's default)."""
-        cls = registry()[self.kind].Config
-        return from_mapping(cls, {f.name: getattr(self, f.name) for f in fields(cls)
-                                  if getattr(self, f.name) is not None}, "fault")
+        """The drill's own Config from the keys set under fault.<kind> (the others: the drill's defaults)."""
+        keys = getattr(self, self.kind)
+        return drill_config(self.kind, {f.name: getattr(keys, f.name) for f in fields(keys)
+                                        if getattr(keys, f.name) is not None})
 
     def resolved(self) -> dict:
         """kind, step and the keys this kind reads, its defaults filled in (kind none: just the kind)."""
         if self.kind == NONE:
             return {"kind": NONE}
-        return {"kind": self.kind, "step": self.step, **dict(sorted(asdict(self.drill_config()).items()))}
+        return {"kind": self.kind, "step": self.step, self.kind: dict(sorted(asdict(self.drill_config()).items()))}
 
 
-def _drill_keys() -> list[tuple]:
-    """Every key some drill reads (stability/drills/), typed as that drill declares it, default None (=
-    the drill's own default): one flat `fault` node, so `fault.factor=3` is typed on the command line."""
-    keys: dict[str, tuple] = {}
-    for kind, drill in registry().items():
-        hints = get_type_hints(drill.Config)
-        for f in fields(drill.Config):
-            typ = Optional[hints[f.name]]
-            seen = keys.setdefault(f.name, (typ, kind))
-            if seen[0] != typ:  # one key, one type: fault.<key> means the same to every drill
-                raise TypeError(f"fault.{f.name}: {kind} declares {typ}, {seen[1]} declares {seen[0]}")
-    return [(name, typ, field(default=None)) for name, (typ, _) in keys.items()]
+def read_saved(saved: Mapping) -> dict:
+    """A saved `fault` node in this schema. A run saved before each drill had its own namespace wrote
+    every drill's keys flat (fault.factor): those its kind reads move under fault.<kind>, the rest (null,
+    or read by no drill of that kind) never reached the run and are dropped."""
+    kind, drills = saved.get("kind", NONE), registry()
+    flat = {k: v for k, v in saved.items() if k not in {"kind", "step", *drills}}
+    node = {k: v for k, v in saved.items() if k not in flat}
+    if flat and kind in drills:
+        own = {f.name for f in fields(drills[kind].Config)}
+        moved = {k: v for k, v in flat.items() if k in own and v is not None}
+        node[kind] = {**moved, **(node.get(kind) or {})}
+    return node
+
+
+def drill_config(kind: str, keys: dict):
+    """Drill `kind`'s Config from `keys` (the rest: its defaults), through OmegaConf's type checks and the
+    Config's own; its errors name the key in the drill's namespace, `fault.<kind>.<key>=value: rule` (a
+    drill's Config names its keys bare: it need not know where the schema puts it)."""
+    where = f"fault.{kind}"
+    try:
+        return from_mapping(registry()[kind].Config, keys, where)
+    except ConfigError as e:
+        line = str(e)
+        raise ConfigError(line if line.startswith(f"{where}.") else f"{where}.{line}") from None
+
+
+def _namespace(kind: str, config: type) -> type:
+    """fault.<kind>: the drill's keys, each typed as its Config declares it, default None (= the drill's
+    own default), so a key set away from the kind it belongs to can be told from one left alone."""
+    hints = get_type_hints(config)
+    return make_dataclass(f"{kind}_keys", [(f.name, Optional[hints[f.name]], field(default=None))
+                                            for f in fields(config)])
+
+
+def fault_schema(drills: Mapping[str, type]) -> type:
+    """The `fault` group's dataclass for these drills (kind -> class): kind, step, and one node per drill,
+    `fault.<kind>.<key>`, so two drills may give one key name different types."""
+    reserved = {f.name for f in fields(_FaultKindStep)}
+    clash = sorted(reserved & set(drills))
+    if clash:  # a drill module named kind or step would shadow the group's own key
+        raise TypeError(f"fault.kind={clash[0]}: a drill cannot be named after a fault key ({', '.join(reserved)})")
+    nodes = {kind: _namespace(kind, drill.Config) for kind, drill in drills.items()}
+    schema = make_dataclass("FaultConfig", [(kind, node, field(default_factory=node)) for kind, node in nodes.items()],
+                            bases=(_FaultKindStep,))
+    schema.__doc__ = """One deliberate fault at optimizer step `step` (stability/faults.py, stability/drills/):
+    `fault.kind`, `fault.step`, and the drill's own keys under `fault.<kind>` (fault.lr_spike.factor=50).
+    kind=none ignores every other key, so one override (fault.kind=none) turns any drill into its clean twin."""
+    return schema
 
 
 # NOTE: a dataclass made from the registry: a new drill's keys join the schema without an edit here.
-FaultConfig = make_dataclass("FaultConfig", _drill_keys(), bases=(_FaultKindStep,))
-FaultConfig.__doc__ = """One deliberate fault at optimizer step `step` (stability/faults.py, stability/drills/). kind=none
-ignores every other key, so one override (fault.kind=none) turns any drill into its clean twin."""
-
+FaultConfig = fault_schema(registry())

@@ -153,6 +153,9 @@ class FaultDrill(Callback):
             self.events.emit(e["step"], "fault", summary, **info)
 
 
-if __name__ == "__main__":  # the drills, as the registry declares them
+if __name__ == "__main__":  # the drills, as the registry declares them, and their keys' defaults
+    from dataclasses import fields
+
     for kind, d in registry().items():
-        print(f"{kind:<16}{d.lifetime:<12}{d.expects:<26}{', '.join(d.points)}")
+        keys = " ".join(f"{f.name}={f.default}" for f in fields(d.Config))  # set as fault.<kind>.<key>
+        print(f"{kind:<16}{d.lifetime:<12}{d.expects:<26}{', '.join(d.points):<38}{keys}".rstrip())

@@ -9,7 +9,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # A hang guard for subprocesses, never a speed limit: ~10x what the slowest child needs on an idle
-# 2-core machine, so a loaded machine (the suite under bench/stress_suite.sh) never trips it.
+# 2-core machine, so a loaded machine (the suite under bench/tools/stress_suite.sh) never trips it.
 HANG_S = 1800
 
 # Small enough for a few seconds of CPU per run.

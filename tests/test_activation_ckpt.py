@@ -73,6 +73,16 @@ def test_gradients_equal_without_checkpointing(model_cfg, mode):
     assert_same(got, want)
 
 
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_a_checkpointed_first_forward_backs_up(mode, monkeypatch):
+    """The grouped GEMM's one-time probe first runs inside the first checkpointed block: its saved tensors must not
+    count as the block's (the recompute, the probe cached, would save fewer: a CheckpointError on the default job)."""
+    import model.moe as moe
+    monkeypatch.setattr(moe, "_GROUPED_OK", {})  # a fresh process: nothing probed yet
+    got, _ = grads(mode, MOE, Dist(0, 1, 0, torch.device("cpu"), None))
+    assert all(torch.isfinite(g).all() for g in got.values())
+
+
 def test_telemetry_counts_each_activation_once():
     one = Dist(0, 1, 0, torch.device("cpu"), None)
     _, want = grads("none", MOE, one, telemetry=True)

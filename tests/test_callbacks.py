@@ -77,8 +77,8 @@ def test_lr_drill_scales_only_its_window_and_restores_the_schedule_bit_for_bit(t
     model = Transformer(model_config({"d_model": 16, "n_layers": 1, "n_heads": 2,
                                                "vocab_size": ds.vocab_size, "seq_len": ds.seq_len}))
     opt, _ = build_optimizer(model, OptimConfig(lr=3e-3))
-    inj = FaultInjector(FaultConfig(kind="lr_spike", step=2, factor=7.0, steps=1), model=model, optimizer=opt,
-                        loader=Loader(ds, 4))
+    inj = FaultInjector(FaultConfig(kind="lr_spike", step=2, lr_spike={"factor": 7.0, "steps": 1}), model=model,
+                        optimizer=opt, loader=Loader(ds, 4))
     events = EventLog(tmp_path)
     drill = FaultDrill(inj, opt, events)
     planned = [g["lr"] for g in opt.param_groups]

@@ -39,7 +39,8 @@ def test_default_and_every_experiment_compose():
 def test_options_set_only_what_they_change_and_defaults_come_from_the_schema():
     cfg = compose("+experiment=drill_lr_spike")
     # the fault file sets kind, step, factor, steps; the experiment moves the step; the rest are defaults
-    assert (cfg.fault.kind, cfg.fault.step, cfg.fault.factor, cfg.fault.steps) == ("lr_spike", 80, 50.0, 3)
+    f = cfg.fault
+    assert (f.kind, f.step, f.lr_spike.factor, f.lr_spike.steps) == ("lr_spike", 80, 50.0, 3)
     assert cfg.guard.action == "rollback" and cfg.guard.detector.window == 30 and cfg.guard.rollback.keep == 4
     assert set(cfg.guard.detector.metrics) == {"loss", "loss_by_source", "grad_norm", "update_ratio_max"}
     text = compose("data=text", "data.path=input.txt")
@@ -77,7 +78,7 @@ def test_wrong_type_is_one_line(override, message):
     (["optim.schedule.min_lr_ratio=2"], "optim.schedule.min_lr_ratio=2.0: must be in [0, 1]"),
     (["guard.detector.window=2"], "guard.detector.window=2: must be >= 3"),
     (["checkpoint.keep_last=0"], "checkpoint.keep_last=0: must be an integer >= 1"),
-    (["fault=lr_spike", "fault.factor=-1"], "fault.factor=-1.0: must be > 0"),
+    (["fault=lr_spike", "fault.lr_spike.factor=-1"], "fault.lr_spike.factor=-1.0: must be > 0"),
     (["precision=fp16", "precision.loss_scale.backoff_factor=2"],
      "precision.loss_scale.backoff_factor=2.0: must be in (0, 1)"),
 ])
@@ -90,7 +91,8 @@ def test_range_rules(overrides, message):
 @pytest.mark.parametrize("overrides, message", [
     (["data.path=input.txt"], "data.path=input.txt: not used by data.kind=synthetic"),
     (["data=text"], "data.path: required for data=text (e.g. data.path=input.txt)"),
-    (["fault=lr_spike", "fault.seed=3"], "fault.seed=3: not used by fault.kind=lr_spike"),
+    (["fault=lr_spike", "fault.labels_shuffle.seed=3"],
+     "fault.labels_shuffle.seed=3: not used by fault.kind=lr_spike"),
     (["precision=fp16", "precision.margin=3"], "precision.margin=3: not used by precision=fp16"),
     (["model.vocab_size=100"], "model.vocab_size=100: set by the data (data.kind=synthetic); drop it"),
     (["checkpoint.stop_after=500"], "checkpoint.stop_after=500: beyond train.steps=400"),
@@ -105,9 +107,9 @@ def test_cross_key_rules(overrides, message):
 
 def test_fault_kind_none_ignores_the_other_keys():
     drill = compose("+experiment=drill_lr_spike")
-    twin = compose("+experiment=drill_lr_spike", "fault.kind=none", "fault.factor=-3")
+    twin = compose("+experiment=drill_lr_spike", "fault.kind=none", "fault.lr_spike.factor=-3")
     assert twin.fault.kind == "none" and twin.fault.resolved() == {"kind": "none"}
-    assert drill.fault.resolved() == {"kind": "lr_spike", "step": 80, "factor": 50.0, "steps": 3}
+    assert drill.fault.resolved() == {"kind": "lr_spike", "step": 80, "lr_spike": {"factor": 50.0, "steps": 3}}
 
 
 def test_a_component_config_built_in_code_runs_the_same_checks():

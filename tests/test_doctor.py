@@ -94,7 +94,7 @@ def test_diagnosis_ignores_the_fault_answer_key(runs, tmp_path):
     ev = [{**e, "fault": "labels_shuffle"} if e["kind"] == "fault" else e for e in ev]
     (d / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in ev))
     cfg = yaml.safe_load((d / "config.yaml").read_text())
-    cfg["fault"] = {"kind": "nan_activation", "step": 3, "layer": 0}
+    cfg["fault"] = {"kind": "nan_activation", "step": 3, "nan_activation": {"layer": 0}}
     (d / "config.yaml").write_text(yaml.safe_dump(cfg))
     rep = doctor(d, plots=False)
     assert rep["class"] == "optim.lr_switch" and rep["earliest"]["step"] == S

@@ -1,10 +1,10 @@
-"""The doctor on faults it has never seen (issue 14): planted from outside by bench/doctor_drills.py
+"""The doctor on faults it has never seen (issue 14): planted from outside by bench/doctor_eval/drills.py
 (monkeypatches, fault=none: nothing in the run directory names them), and its new checks on synthetic
 records (continuity, per-rank inputs, resume-time state, per-step system time, every segment, bad input).
 
 Default suite: four planted faults (input, a subtle forward one — one attention block's output ×4 for one
 step —, update, resume; ~7 short trainings); `-m slow`: a clean resumed run, the whole set
-(bench/doctor_score.py) and ten clean seeds, scored as the README's table.
+(bench/doctor_eval/score.py) and ten clean seeds, scored as the README's table.
 """
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ import yaml
 
 from helpers import HANG_S, ROOT, env
 from test_doctor import fake_run
-from bench.doctor_drills import BY_NAME, FAULTS
-from bench.doctor_score import diagnose, run_dir, score_fault, train_clean, train_fault
+from bench.doctor_eval.drills import BY_NAME, FAULTS
+from bench.doctor_eval.score import diagnose, run_dir, score_fault, train_clean, train_fault
 from doctor.cli import doctor
 
 SAMPLE = ["noise_half", "act_x4_attn", "adam_v_div16", "resume_lost_moments"]

@@ -72,7 +72,7 @@ def test_causal_leak_lets_a_future_token_change_an_earlier_position_from_step_s(
 
 
 def test_dead_expert_output_is_exactly_zero_from_step_s():
-    inj, model, _, loader = build({"kind": "dead_expert", "step": 2, "expert": 1})
+    inj, model, _, loader = build({"kind": "dead_expert", "step": 2, "dead_expert": {"expert": 1}})
     [(_, moe)] = model.moe_layers()
     seen = []
     batch = loader.next()
@@ -122,7 +122,7 @@ def _train_steps(inj, model, opt, loader, steps):
 
 
 def test_update_scale_multiplies_the_applied_update_not_the_lr():
-    drill = build({"kind": "update_scale", "step": 2, "factor": 10.0})
+    drill = build({"kind": "update_scale", "step": 2, "update_scale": {"factor": 10.0}})
     twin = build({"kind": "none"})  # the same seed, the same batches: fault.kind=none
     d, t = _train_steps(*drill, [1, 2]), _train_steps(*twin, [1, 2])
     assert torch.equal(d[0], t[0])  # before s: untouched
@@ -133,7 +133,7 @@ def test_update_scale_multiplies_the_applied_update_not_the_lr():
 
 
 def test_weight_decay_scales_every_group_for_each_update_from_step_s():
-    inj, model, opt, loader = build({"kind": "weight_decay", "step": 2, "factor": 100.0},
+    inj, model, opt, loader = build({"kind": "weight_decay", "step": 2, "weight_decay": {"factor": 100.0}},
                                     opt_cfg={"lr": 1e-2, "weight_decay": 0.1, "groups": [
                                         {"name": "no_decay", "kinds": ["norm", "embedding"], "weight_decay": 0.0}]})
     planned = [g["weight_decay"] for g in opt.param_groups]

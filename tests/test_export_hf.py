@@ -2,11 +2,13 @@
 tokenizer ballast's ids; every model option is exported faithfully or refused in one line."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import fields, replace
 
 import pytest
 import torch
 
+from checkpoint.export_check import tolerance
 from checkpoint.export_hf import OPTIONS, export, main, refuse_reason
 from data.tokenizers import build_tokenizer
 from model import ModelConfig, MoEConfig, Transformer
@@ -109,6 +111,55 @@ def test_each_option_exports_faithfully_or_refuses_in_one_line(tmp_path, key):
     with pytest.raises(ValueError) as e:
         export(model, None, tmp_path / "hf")
     assert str(e.value).startswith(f"cannot export to transformers: model.{key}=") and "\n" not in str(e.value)
+    assert not (tmp_path / "hf").exists()
+
+
+def softcap_model() -> Transformer:
+    """A student's new option: a config flag (a Gemma-2 style logit soft-cap) and the forward that reads it."""
+    import torch.nn.functional as F
+
+    Student = dataclasses.make_dataclass("ModelConfig", [("logit_softcap", float, dataclasses.field(default=10.0))],
+                                         bases=(ModelConfig,))
+    torch.manual_seed(0)
+    model = Transformer(Student(vocab_size=256, seq_len=32, d_model=64, n_layers=2, n_heads=4, init_std=0.1)).eval()
+    cap = model.cfg.logit_softcap
+    model.head.forward = lambda x_BTD: cap * torch.tanh(F.linear(x_BTD, model.head.weight) / cap)
+    return model
+
+
+@pytest.mark.parametrize("variant", ["softcap", "parallel_block"])
+def test_an_option_the_export_does_not_know_is_refused_by_its_own_check(tmp_path, monkeypatch, variant):
+    """A model option OPTIONS never heard of: a new config flag read by the forward, or a block variant (the
+    parallel block, model/transformer.py's one block forward replaced). The export loads its conversion in
+    transformers, compares the logits and refuses in one line naming the largest difference; nothing is
+    written."""
+    if variant == "parallel_block":
+        from model.transformer import Block
+        from tests.test_sample import parallel_block
+
+        monkeypatch.setattr(Block, "_forward", parallel_block)
+    model = softcap_model() if variant == "softcap" else tiny()
+    assert refuse_reason(model) is None  # the option list has no say on it
+    with pytest.raises(ValueError) as e:
+        export(model, build_tokenizer("byte", ""), tmp_path / "hf")
+    line = str(e.value)
+    assert line.startswith("cannot export to transformers: LlamaForCausalLM's logits differ from ballast's by up to ")
+    worst = float(line.split("by up to ")[1].split()[0])
+    assert "\n" not in line and worst > 100 * tolerance(model.cfg)  # a difference no rounding explains
+    assert not (tmp_path / "hf").exists()
+
+
+def test_a_weight_transformers_would_initialise_at_random_is_refused(tmp_path, monkeypatch):
+    """A conversion that forgets a tensor: transformers would fill it at random with a warning; the export's
+    check names it and writes nothing."""
+    import checkpoint.export_hf as ex
+
+    convert = ex.hf_state_dict
+    monkeypatch.setattr(ex, "hf_state_dict", lambda m: {k: v for k, v in convert(m).items()
+                                                        if k != "model.layers.1.post_attention_layernorm.weight"})
+    with pytest.raises(ValueError, match=r"^cannot export to transformers: the converted checkpoint lacks "
+                                         r"model\.layers\.1\.post_attention_layernorm\.weight \(LlamaForCausalLM\)$"):
+        export(tiny(), None, tmp_path / "hf")
     assert not (tmp_path / "hf").exists()
 
 

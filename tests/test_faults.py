@@ -53,8 +53,8 @@ def next_batch(loader):
 # ---- nan_activation -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("layer, sublayer, value", [(0, "attn", "nan"), (1, "mlp", "nan"), (0, "mlp", "inf")])
 def test_nan_activation_hits_that_sublayer_at_step_s_only(layer, sublayer, value):
-    inj, model, _, loader = build({"kind": "nan_activation", "step": 3, "layer": layer, "sublayer": sublayer,
-                                   "value": value, "positions": 3})
+    inj, model, _, loader = build({"kind": "nan_activation", "step": 3, "nan_activation": {
+        "layer": layer, "sublayer": sublayer, "value": value, "positions": 3}})
     seen = []  # ((layer, sublayer), output) in forward order
     for i, block in enumerate(model.blocks):
         for name in ("attn", "mlp"):
@@ -112,7 +112,7 @@ def test_repeat_token_uses_the_global_batch_top_label_on_every_rank():
 
 
 def test_overlong_doc_is_one_valid_document_across_rows_and_ranks():
-    inj, _, _, loader = build({"kind": "overlong_doc", "step": 1, "seed": 3})
+    inj, _, _, loader = build({"kind": "overlong_doc", "step": 1, "overlong_doc": {"seed": 3}})
     first, batch = next_batch(loader)
     c = inj.corrupt(1, first, batch)
     assert (c.labels != IGNORE_INDEX).all()
@@ -122,7 +122,7 @@ def test_overlong_doc_is_one_valid_document_across_rows_and_ranks():
     assert not torch.isin(c.tokens, torch.tensor([PAD_ID, *ds.bos_ids])).any()  # no padding, no BOS
     shards = []
     for rank in (0, 1):  # each rank corrupts its own shard into the same global batch
-        inj_r, _, _, ld = build({"kind": "overlong_doc", "step": 1, "seed": 3}, rank=rank, world=2)
+        inj_r, _, _, ld = build({"kind": "overlong_doc", "step": 1, "overlong_doc": {"seed": 3}}, rank=rank, world=2)
         shards.append(inj_r.corrupt(1, first, ld.next()).tokens)
     assert torch.equal(torch.cat(shards), c.tokens)
 
@@ -147,10 +147,10 @@ def test_bad_batch_recurs_on_replay_and_not_when_skipped(kind):
 
 # ---- lr_spike / optim_state -----------------------------------------------------------------------------
 def test_lr_spike_is_k_on_its_window_once_in_wall_clock_time():
-    inj, *_ = build({"kind": "lr_spike", "step": 3, "factor": 7.0, "steps": 2})
+    inj, *_ = build({"kind": "lr_spike", "step": 3, "lr_spike": {"factor": 7.0, "steps": 2}})
     assert [inj.drill.factor(t) for t in range(1, 7)] == [1, 1, 7.0, 7.0, 1, 1]
     assert [inj.drill.factor(t) for t in range(2, 6)] == [1, 1, 1, 1]  # rollback to step 1: not again
-    cut, *_ = build({"kind": "lr_spike", "step": 3, "factor": 7.0, "steps": 3})
+    cut, *_ = build({"kind": "lr_spike", "step": 3, "lr_spike": {"factor": 7.0, "steps": 3}})
     assert [cut.drill.factor(t) for t in (1, 2, 3, 4)] == [1, 1, 7.0, 7.0]
     assert [cut.drill.factor(t) for t in (3, 4, 5, 6)] == [1, 1, 1, 1]  # a rollback cut the spike short
     assert [e["step"] for e in cut.pop_events()] == [3, 4]
@@ -168,7 +168,8 @@ def _adam_steps(model, opt, loader, inj, steps):
 
 @pytest.mark.parametrize("mode, param", [("zero", None), ("zero", "blocks.1.attn"), ("scale", None)])
 def test_optim_state_corrupts_exp_avg_sq_after_step_s(mode, param):
-    inj, model, opt, loader = build({"kind": "optim_state", "step": 2, "mode": mode, "scale": 1e-4, "param": param})
+    inj, model, opt, loader = build({"kind": "optim_state", "step": 2,
+                                     "optim_state": {"mode": mode, "scale": 1e-4, "param": param}})
     ref, ref_model, ref_opt, ref_loader = build({"kind": "none"})  # the same run without the fault
     v = {}
     for i, o, m in ((inj, opt, model), (ref, ref_opt, ref_model)):
@@ -195,7 +196,8 @@ def test_optim_state_corrupts_exp_avg_sq_after_step_s(mode, param):
 
 # ---- mixture_switch -------------------------------------------------------------------------------------
 def test_mixture_switch_changes_the_source_mix_from_step_s_and_stays():
-    inj, _, _, loader = build({"kind": "mixture_switch", "step": 4, "weights": [0.9, 0.1]}, batch_size=64)
+    inj, _, _, loader = build({"kind": "mixture_switch", "step": 4, "mixture_switch": {"weights": [0.9, 0.1]}},
+                              batch_size=64)
 
     def share_of_source0(steps) -> float:
         n = 0
@@ -232,9 +234,9 @@ def test_state_dict_round_trip_keeps_fired_flags_and_the_bad_batch():
     other, *_ = build({"kind": "nan_activation", "step": 1})
     other.load_state_dict(build({"kind": "none"})[0].state_dict())  # a clean run resumed into a drill
     assert other.state_dict()["fired"] is False
-    sw, _, _, ld = build({"kind": "mixture_switch", "step": 1, "weights": [1, 0]})
+    sw, _, _, ld = build({"kind": "mixture_switch", "step": 1, "mixture_switch": {"weights": [1, 0]}})
     sw.before_batch(1)
-    back, _, _, ld2 = build({"kind": "mixture_switch", "step": 1, "weights": [1, 0]})
+    back, _, _, ld2 = build({"kind": "mixture_switch", "step": 1, "mixture_switch": {"weights": [1, 0]}})
     back.load_state_dict(sw.state_dict())
     assert ld2.dataset.fingerprint == ld.dataset.fingerprint != build_data(DataConfig.from_dict(DATA)).fingerprint
 
@@ -243,12 +245,13 @@ def test_state_dict_round_trip_keeps_fired_flags_and_the_bad_batch():
     ({"kind": "bitflip", "step": 1}, "fault.kind=bitflip"),
     ({"kind": "lr_spike"}, "fault.step: missing"),
     ({"kind": "lr_spike", "step": 0}, "fault.step=0"),
-    ({"kind": "mixture_switch", "step": 2, "weights": [1.0, 0.0, 0.0]}, r"fault.weights=\[1.0, 0.0, 0.0\]: expected 2"),
-    ({"kind": "mixture_switch", "step": 2, "weights": [0, 0]}, "fault.weights"),
-    ({"kind": "nan_activation", "step": 2, "layer": 5}, "fault.layer=5"),
-    ({"kind": "nan_activation", "step": 2, "value": "huge"}, "fault.value='huge'"),
-    ({"kind": "optim_state", "step": 2, "param": "nope"}, "fault.param=nope"),
-    ({"kind": "repeat_token", "step": 2, "token": 10**6}, "fault.token=1000000"),
+    ({"kind": "mixture_switch", "step": 2, "mixture_switch": {"weights": [1.0, 0.0, 0.0]}},
+     r"^fault.mixture_switch.weights=\[1.0, 0.0, 0.0\]: expected 2"),
+    ({"kind": "mixture_switch", "step": 2, "mixture_switch": {"weights": [0, 0]}}, "^fault.mixture_switch.weights"),
+    ({"kind": "nan_activation", "step": 2, "nan_activation": {"layer": 5}}, "^fault.nan_activation.layer=5"),
+    ({"kind": "nan_activation", "step": 2, "nan_activation": {"value": "huge"}}, "^fault.nan_activation.value='huge'"),
+    ({"kind": "optim_state", "step": 2, "optim_state": {"param": "nope"}}, "^fault.optim_state.param=nope"),
+    ({"kind": "repeat_token", "step": 2, "repeat_token": {"token": 10**6}}, "^fault.repeat_token.token=1000000"),
     ({"kind": "missing_reduce", "step": 2}, "fault.kind=missing_reduce: needs 2"),
 ])
 def test_config_errors_are_one_line_and_name_the_key(fault, key):
@@ -286,7 +289,8 @@ def _missing_reduce_steps(dist: Dist) -> dict:
     bare = copy.deepcopy(model)  # the same weights, never reduced: this rank's local gradient
     wrapped = wrap_model(model, ParallelConfig(mode="ddp"), dist)
     loader = Loader(ds, 8, rank, world)
-    inj = FaultInjector(FaultConfig(kind="missing_reduce", step=2, rank=1), model=model, loader=loader, dist=dist)
+    inj = FaultInjector(FaultConfig(kind="missing_reduce", step=2, missing_reduce={"rank": 1}), model=model,
+                        loader=loader, dist=dist)
     res = {"grads": [], "local": [], "events": []}
     try:
         inj.wrap(model)

@@ -1,11 +1,11 @@
-"""bench/gpu_train.py and bench/gpu_table.py on the CPU (--dry-run): the code path bench/gpu_all.sh takes on a GPU."""
+"""bench/gpu/train.py and bench/gpu/table.py on the CPU (--dry-run): the code path bench/gpu/all.sh takes on a GPU."""
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
 
-from bench import gpu_mfu, gpu_table
+from bench.gpu import mfu as gpu_mfu, table as gpu_table
 from bench.report import HEADER, header_fields
 from tests.helpers import HANG_S, ROOT, env
 
@@ -13,7 +13,7 @@ from tests.helpers import HANG_S, ROOT, env
 def test_gpu_train_dry_run_measures_train_py_and_the_table_reads_it(tmp_path, monkeypatch):
     out = tmp_path / "gpu_train.json"
     # NOTE: wandb and the plot off: they cost seconds at the start and the end of the run, none inside a step
-    r = subprocess.run([sys.executable, "-m", "bench.gpu_train", "--dry-run", "--json", str(out),
+    r = subprocess.run([sys.executable, "-m", "bench.gpu.train", "--dry-run", "--json", str(out),
                         "--out", str(tmp_path / "gpu_train.md"), "logging.wandb=disabled", "logging.plot=false"],
                        cwd=ROOT, env=env(), capture_output=True, text=True, timeout=HANG_S)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -40,5 +40,5 @@ def test_gpu_train_dry_run_measures_train_py_and_the_table_reads_it(tmp_path, mo
     assert "× the bare eager step" in train
     assert next(k for k in rows if k.startswith("host syncs"))
     # a part that left no JSON is a row that says so, not a row left out
-    assert "not run: no fp8_block run in gpu_precision.json" in rows["fp8_block vs bf16 (bench.gpu_precision)"]
+    assert "not run: no fp8_block run in gpu_precision.json" in rows["fp8_block vs bf16 (bench.gpu.precision)"]
     assert "not run: no gpu_moe.json" in text and "not run: no quant_fused.json" in text

@@ -31,12 +31,17 @@ def test_a_new_model_option_fails_the_export_test_until_options_declares_it(monk
 
 DRILL = '''
 from dataclasses import dataclass
+
+from run.config_errors import choice
 from stability.drills.base import TRANSIENT, Drill
 
 
 @dataclass
 class Config:
-    pass
+    scale: str = "log"  # a str, where optim_state's `scale` is a float: each drill's keys are its own
+
+    def __post_init__(self) -> None:
+        choice("scale", self.scale, ("log", "linear"))
 
 
 class StudentNoop(Drill):
@@ -53,8 +58,11 @@ class StudentNoop(Drill):
 
 
 def test_a_drill_module_dropped_into_the_package_is_in_the_registry(tmp_path, monkeypatch):
-    """Recipe 3: one module in stability/drills/ (here a temporary folder on the package's path)."""
+    """Recipe 3: one module in stability/drills/ (here a temporary folder on the package's path); its keys
+    are fault.<kind>.<key> in the schema stability/config.py builds from the registry."""
     import stability.drills as drills
+    from run.config_errors import ConfigError
+    from stability.config import fault_schema
     from stability.drills.base import REGISTRY
 
     (tmp_path / "student_noop.py").write_text(DRILL)
@@ -64,6 +72,11 @@ def test_a_drill_module_dropped_into_the_package_is_in_the_registry(tmp_path, mo
             reg = drills.registry()
         assert reg["student_noop"].__module__ == "stability.drills.student_noop"
         assert reg["student_noop"].expects == "optim.lr_switch"
+        FaultConfig = fault_schema(reg)  # tests/test_drill_registry.py composes it as Hydra does, and trains
+        cfg = FaultConfig(kind="student_noop", step=3, student_noop={"scale": "linear"})
+        assert cfg.resolved() == {"kind": "student_noop", "step": 3, "student_noop": {"scale": "linear"}}
+        with pytest.raises(ConfigError, match=r"^fault.student_noop.scale=cubic: expected one of log, linear$"):
+            FaultConfig(kind="student_noop", step=3, student_noop={"scale": "cubic"})
     finally:
         REGISTRY.pop("student_noop", None)
         sys.modules.pop("stability.drills.student_noop", None)

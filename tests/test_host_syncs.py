@@ -1,7 +1,7 @@
 """Device-to-host reads per optimizer step (docs/host_reads.md): on a GPU each one stops the host queueing
 kernels until the device has caught up, so the default job reads every number its step needs in ONE transfer.
 
-Counted on a CPU, where nothing waits but the same calls are the ones that would (bench/host_syncs.py):
+Counted on a CPU, where nothing waits but the same calls are the ones that would (bench/speed/host_syncs.py):
 train.py as a user runs it, in a child process whose torch.Tensor has item / tolist / cpu / numpy /
 __float__ / __int__ / __bool__ wrapped; each call from this repository's code (not torch's own) is booked
 to the step in progress by its call site. A new `.item()` on the default path fails
@@ -14,7 +14,7 @@ import collections
 
 import pytest
 
-from bench.host_syncs import measure
+from bench.speed.host_syncs import measure
 
 # Every read a step may make, by (file, function), and why it exists. A read elsewhere fails every test.
 WHY = {

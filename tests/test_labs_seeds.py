@@ -2,7 +2,7 @@
 
 The default suite checks each lab at seed 7 (test_labs_*.py); this grid (~110 lab runs, tens of
 minutes on one core) is the slow companion: a lab whose effect shows on some seeds only rides an edge,
-and teaches the wrong lesson on the others. `python -m bench.labs_seeds` prints the same grid.
+and teaches the wrong lesson on the others. `python -m bench.seeds.labs_seeds` prints the same grid.
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The quickstart's effect, off the edge: the copy source's induction head forms early and the run ends at
-the exact floor, on every seed (bench/quickstart_grid.py trains each point with train.py as a user runs it).
+the exact floor, on every seed (bench/seeds/quickstart_grid.py trains each point with train.py as a user runs it).
 
 Default suite: the recipe's mechanism at a smaller size (SHORT: the same model, mixture, optimizer and
 schedule shape on shorter documents), on 2 seeds. `-m slow`: the full recipe over the README's grid of
@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from bench import quickstart_grid as grid
+from bench.seeds import quickstart_grid as grid
 from helpers import HANG_S, ROOT, env
 from stability.record import read_records
 
@@ -28,7 +28,7 @@ def check(rows: list[dict]) -> None:
 
 # Shorter documents (seq_len 32: one fresh segment of 12, its copy, a fresh tail), 300 steps, one
 # micro-batch (the same 16 samples a step) and one evaluation: long enough for the copy source's head to
-# form and the run to end near its floor (bench/quickstart_grid.py measures the grid), short enough for a
+# form and the run to end near its floor (bench/seeds/quickstart_grid.py measures the grid), short enough for a
 # test.
 SHORT_STEPS = 300
 SHORT = ["data.seq_len=32", "train.micro_batches=1", "train.eval_every=300"]

@@ -1,55 +1,119 @@
-"""Sampling: the KV cache changes no id, a seed fixes the samples, a run samples through `python -m sample`."""
+"""Sampling: the KV cache changes no logit and no id for any model option, a seed fixes the samples, a run samples
+through `python -m sample`."""
 from __future__ import annotations
+
+from dataclasses import fields, replace
 
 import pytest
 import torch
 
 import sample
+from checkpoint.export_hf import OPTIONS
 from model import ModelConfig, MoEConfig, Transformer
 from model.generate import KVCache, forward_cached, generate
 from tests.helpers import run_train
 from data.config import DataConfig
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: a second thread only spin-waits (conftest.py)
+
 TEXT = "ROMEO: But soft, what light through yonder window breaks?\nJULIET: Ay me.\n" * 40
 
 
 def tiny(moe: bool, seed: int = 0) -> Transformer:
+    return sharpen(ModelConfig(vocab_size=37, seq_len=16, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2,
+                               tie_embeddings=False, init_std=0.5,
+                               moe=MoEConfig(n_experts=4, top_k=2, expert_hidden=24, shared_expert=True,
+                                             score="sigmoid", first_dense=1) if moe else None), seed)
+
+
+def sharpen(cfg: ModelConfig, seed: int = 0) -> Transformer:
+    """The model in fp64, in eval mode, with what a trained one has and an init lacks: norm gains away from 1
+    (so a skipped norm shows) and a nonzero MoE balancing bias (it routes as in training)."""
     torch.manual_seed(seed)
-    cfg = ModelConfig(vocab_size=37, seq_len=16, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, tie_embeddings=False, init_std=0.5,
-                      moe=MoEConfig(n_experts=4, top_k=2, expert_hidden=24, shared_expert=True, score="sigmoid",
-                                    first_dense=1) if moe else None)
     model = Transformer(cfg).double().eval()
-    # NOTE: a wide init (std 0.5, untied head) gives sharp logits that depend on the whole context,
-    # so greedy has no near-ties to flip and does not settle into a constant stream.
     with torch.no_grad():
-        if moe:
-            for _, m in model.moe_layers():
-                m.bias_E.copy_(torch.linspace(-0.1, 0.1, 4))  # a nonzero balancing bias routes as in training
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.uniform_(0.5, 1.5)
+        for _, m in model.moe_layers():
+            m.bias_E.copy_(torch.linspace(-0.1, 0.1, m.n_experts))
     return model
 
 
-@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
-def test_cached_logits_equal_full_forward(moe):
-    model = tiny(moe)
-    tokens_BT = torch.randint(0, 37, (2, 16), generator=torch.Generator().manual_seed(1))
+# NOTE: a wide init (std 0.5) gives sharp logits that depend on the whole context, so greedy has no near-ties
+# to flip and does not settle into a constant stream. Every probe value of OPTIONS differs from these.
+BASE = dict(vocab_size=37, seq_len=16, d_model=32, n_layers=4, n_heads=4, init_std=0.5)
+OPTION_KEYS = [f.name for f in fields(ModelConfig)] + [f"moe.{f.name}" for f in fields(MoEConfig)]
+
+
+def with_option(key: str) -> Transformer:
+    """BASE with one model option at its probe value (checkpoint/export_hf.py OPTIONS declares one per option;
+    a `moe.*` option on the `moe` probe)."""
+    probe = OPTIONS[key].probe  # a KeyError: a model option with no declared probe (and no export decision)
+    if key.startswith("moe."):
+        kw = {"moe": replace(OPTIONS["moe"].probe, **{key[4:]: probe})}
+    else:
+        assert probe != BASE.get(key, getattr(ModelConfig(), key)), f"{key}: the probe must change the model"
+        kw = {key: probe}
+    return sharpen(ModelConfig(**{**BASE, **kw}))
+
+
+@pytest.mark.parametrize("key", OPTION_KEYS)
+def test_cached_logits_equal_full_forward_for_every_model_option(key):
+    """Prefill, then one position at a time through the KV cache: the full forward's logits (fp64)."""
+    model = with_option(key)
+    B, T, V = 2, model.cfg.seq_len, model.cfg.vocab_size
+    tokens_BT = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(1))
     full_BTV = model(tokens_BT).logits
-    cache = KVCache.empty(model, 2)
+    cache = KVCache.empty(model, B)
     parts = [forward_cached(model, tokens_BT[:, :5], cache)] + [forward_cached(model, tokens_BT[:, t:t + 1], cache)
-                                                                 for t in range(5, 16)]
+                                                                 for t in range(5, T)]
     torch.testing.assert_close(torch.cat(parts, 1), full_BTV, rtol=1e-10, atol=1e-10)
-    assert cache.nbytes() == 3 * 2 * (2 * 16 * 2 * 8) * 8  # layers · (k, v) · B·T·n_kv·d_head · fp64
+    cfg = model.cfg
+    assert cache.length == T and cache.nbytes() == cfg.n_layers * 2 * (B * T * cfg.kv_heads * cfg.head_dim) * 8
+    with pytest.raises(ValueError, match=f"KV cache: {T} \\+ 1 positions > model.seq_len={T}"):
+        forward_cached(model, tokens_BT[:, :1], cache)
 
 
-@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
-def test_greedy_with_cache_equals_without(moe):
-    model = tiny(moe)
+@pytest.mark.parametrize("key", OPTION_KEYS)
+def test_greedy_with_cache_equals_without_for_every_model_option(key):
+    model = with_option(key)
     prompt_BT = torch.tensor([[3, 7, 1], [5, 5, 2]])
-    # 30 new tokens: past seq_len=16 the window crops, which both paths must do identically
-    a = generate(model, prompt_BT, 30, temperature=0, use_cache=True)
-    b = generate(model, prompt_BT, 30, temperature=0, use_cache=False)
-    assert a.shape == (2, 33)
-    assert torch.equal(a, b)
-    assert len(set(a[0, 3:].tolist())) > 1  # not a degenerate constant stream
+    # past seq_len the window crops, which both paths must do identically
+    n = model.cfg.seq_len + 6
+    a = generate(model, prompt_BT, n, temperature=0, use_cache=True)
+    b = generate(model, prompt_BT, n, temperature=0, use_cache=False)
+    assert a.shape == (2, 3 + n) and torch.equal(a, b)
+
+
+def parallel_block(self, x_BTD, cos_TF, sin_TF, route_ids_BTk, valid_BT, router_only, kv):
+    """A student's block variant (GPT-J / PaLM parallel block, dense): attention and MLP read the same input."""
+    return x_BTD + self.attn(self.attn_norm(x_BTD), cos_TF, sin_TF, kv=kv) + self.mlp(self.mlp_norm(x_BTD)), None
+
+
+def test_a_block_variant_is_one_edit_for_training_checkpointing_and_decoding(monkeypatch):
+    """model/transformer.py's Block._forward is the one block forward: replaced, the variant trains (the same
+    gradient under activation checkpointing as without) and decodes (cached = full forward)."""
+    from model.transformer import Block
+
+    tokens_BT = torch.randint(0, 37, (2, 16), generator=torch.Generator().manual_seed(1))
+    sequential_BTV = tiny(False)(tokens_BT).logits
+    monkeypatch.setattr(Block, "_forward", parallel_block)
+    model = tiny(False)
+    full_BTV = model(tokens_BT).logits
+    assert not torch.allclose(full_BTV, sequential_BTV)  # the variant is in use
+    cache = KVCache.empty(model, 2)
+    cached_BTV = torch.cat([forward_cached(model, tokens_BT[:, :4], cache),
+                            forward_cached(model, tokens_BT[:, 4:], cache)], 1)
+    torch.testing.assert_close(cached_BTV, full_BTV, rtol=1e-10, atol=1e-10)
+    grads = []
+    for mode in ("none", "full"):
+        model.zero_grad(set_to_none=True)
+        for block in model.blocks:
+            block.checkpointing = mode
+        model(tokens_BT, tokens_BT).loss_sum.backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
 def test_sampling_is_deterministic_for_a_seed():

@@ -1,10 +1,11 @@
-"""Hydra multirun: each run of a sweep in its own directory under one sweep directory; bench.sweep compares them."""
+"""Hydra multirun: each run of a sweep in its own directory under one sweep directory; bench.tools.sweep compares
+them."""
 from __future__ import annotations
 
 import subprocess
 import sys
 
-from bench import sweep
+from bench.tools import sweep
 from tests.helpers import ROOT, TINY, env
 
 

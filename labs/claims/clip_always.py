@@ -23,7 +23,7 @@ from labs.common import single_thread
 TITLE = "clip_always: a too-high LR under clip 1.0 looks smooth while nearly every step is clipped"
 # NOTE: HIGH_LR is well past the point where clipping starts to bind: a little lower the run settles late
 # and slips under the clip on some steps, astride the 90 % flag; at 0.7 the median gradient norm stays
-# several times the clip on every seed (bench/labs_seeds.py runs the lab over seeds).
+# several times the clip on every seed (bench/seeds/labs_seeds.py runs the lab over seeds).
 HEALTHY_LR, HIGH_LR = 3e-3, 0.7
 MAX_NORM = 1.0
 FLAG_FRACTION = 0.9

@@ -53,7 +53,7 @@ def run(seed: int, quick: bool = False, coefs: tuple[float, ...] | None = None) 
     coefs = coefs or ((0.0, 1e-2) if quick else (0.0, 1e-3, 1e-2))
     # NOTE: quick keeps all 200 steps (it only drops z = 1e-3): z-loss pulls log Z down over the whole
     # run, so a shorter run leaves the eval RMS ratio astride the 0.5 claim on some seeds; 200 steps give
-    # the claim a margin on every seed (bench/labs_seeds.py runs the lab over seeds).
+    # the claim a margin on every seed (bench/seeds/labs_seeds.py runs the lab over seeds).
     steps = 200
     with single_thread():
         runs = [train(seed, z, steps) for z in coefs]

@@ -6,14 +6,18 @@
                                                # never the doctor)
         lifetime = TRANSIENT                   # what a rollback or a resume replays (LIFETIMES)
         points = ("before_update", "after_update")   # where in the step it acts (stability/callbacks.py)
-        Config = LrSpikeConfig                 # its keys beside kind and step: defaults and range checks
+        Config = LrSpikeConfig                 # its keys beside kind and step: defaults and range checks,
+                                               # set as fault.lr_spike.<key> (its own namespace)
 
 A drill acts only at its declared points: the class is refused at import if it defines a hook it does
 not declare or declares one it does not define. Each hook gets the step's StepState (`s.step`,
 `s.first_id`, `s.batch`, `s.max_grad_norm`, ...); `wrap(wrapped)` runs once, after parallel wrapping.
-Build-time checks that need the model or the data go in `check()`; every error is one line naming
-`fault.<key>`. `state_dict` / `load_state_dict` are for resuming a process only (the guard's rollback
-keeps the drill out of its snapshot: a rollback never re-arms or forgets a fault).
+A drill's keys live in its own namespace, `fault.<kind>.<key>`, so two drills may give one key name
+different types. Its Config names a key bare in its checks (`check(self.factor > 0, "factor", ...)`):
+the schema (stability/config.py) prefixes `fault.<kind>.`. Build-time checks that need the model or the
+data go in `check()`; every error is one line naming the key, `self.key(name)`. `state_dict` /
+`load_state_dict` are for resuming a process only (the guard's rollback keeps the drill out of its
+snapshot: a rollback never re-arms or forgets a fault).
 """
 from __future__ import annotations
 
@@ -109,6 +113,10 @@ class Drill:
             self.fired = True
             self.emit(step, **info)
         return self.fired
+
+    def key(self, name: str) -> str:
+        """The full name of one of this drill's keys, for an error message: fault.<kind>.<name>."""
+        return f"fault.{self.kind}.{name}"
 
     def fail(self, why: str) -> None:
         raise ValueError(f"fault.kind={self.kind}: {why}")

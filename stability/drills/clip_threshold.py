@@ -16,7 +16,7 @@ class Config:
     factor: float = 0.003  # the threshold × factor
 
     def __post_init__(self) -> None:
-        check(math.isfinite(self.factor) and self.factor > 0, "fault.factor", self.factor, "must be > 0")
+        check(math.isfinite(self.factor) and self.factor > 0, "factor", self.factor, "must be > 0")
 
 
 class ClipThreshold(Drill):

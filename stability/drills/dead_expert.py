@@ -17,8 +17,8 @@ class Config:
     layer: int | None = None  # model.blocks[layer] (an MoE layer); null = every MoE layer
 
     def __post_init__(self) -> None:
-        check(self.expert >= 0, "fault.expert", self.expert, "must be >= 0")
-        check(self.layer is None or self.layer >= 0, "fault.layer", self.layer, "must be >= 0 or null")
+        check(self.expert >= 0, "expert", self.expert, "must be >= 0")
+        check(self.layer is None or self.layer >= 0, "layer", self.layer, "must be >= 0 or null")
 
 
 class DeadExpert(Drill):
@@ -34,10 +34,10 @@ class DeadExpert(Drill):
             self.fail("needs an MoE model (e.g. model=moe_tiny or the mixed default); this one is dense")
         c = self.cfg
         if c.layer is not None and c.layer not in moes:
-            raise ValueError(f"fault.layer={c.layer}: not an MoE layer (MoE layers: {sorted(moes)})")
+            raise ValueError(f"{self.key('layer')}={c.layer}: not an MoE layer (MoE layers: {sorted(moes)})")
         n = min(m.n_experts for m in moes.values())
         if c.expert >= n:
-            raise ValueError(f"fault.expert={c.expert}: must be < model.moe.n_experts={n}")
+            raise ValueError(f"{self.key('expert')}={c.expert}: must be < model.moe.n_experts={n}")
         self._layers = {i: m for i, m in sorted(moes.items()) if c.layer is None or i == c.layer}
 
     def before_forward(self, s) -> None:

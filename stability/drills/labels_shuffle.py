@@ -18,7 +18,7 @@ class Config:
     seed: int = 0  # the permutation is seeded by (seed, sample id)
 
     def __post_init__(self) -> None:
-        check(self.seed >= 0, "fault.seed", self.seed, "must be >= 0")
+        check(self.seed >= 0, "seed", self.seed, "must be >= 0")
 
 
 class LabelsShuffle(BatchDrill):

@@ -16,8 +16,8 @@ class Config:
     steps: int = 1        # ... for this many optimizer steps
 
     def __post_init__(self) -> None:
-        check(math.isfinite(self.factor) and self.factor > 0, "fault.factor", self.factor, "must be > 0")
-        check(self.steps >= 1, "fault.steps", self.steps, "must be >= 1")
+        check(math.isfinite(self.factor) and self.factor > 0, "factor", self.factor, "must be > 0")
+        check(self.steps >= 1, "steps", self.steps, "must be >= 1")
 
 
 class LrSpike(Drill):

@@ -17,7 +17,7 @@ class Config:
     rank: int = 1  # the rank that keeps its local gradient
 
     def __post_init__(self) -> None:
-        check(self.rank >= 0, "fault.rank", self.rank, "must be >= 0")
+        check(self.rank >= 0, "rank", self.rank, "must be >= 0")
 
 
 class MissingReduce(Drill):
@@ -36,7 +36,8 @@ class MissingReduce(Drill):
     def check(self) -> None:
         world = self.ctx.world
         if world < 2 or self.cfg.rank >= world:
-            self.fail(f"needs 2+ DDP processes and fault.rank < world; got world={world}, fault.rank={self.cfg.rank}")
+            rank = self.key("rank")
+            self.fail(f"needs 2+ DDP processes and {rank} < world; got world={world}, {rank}={self.cfg.rank}")
 
     def before_forward(self, s) -> None:
         self.step = s.step

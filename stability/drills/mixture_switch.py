@@ -19,10 +19,10 @@ class Config:
     def __post_init__(self) -> None:
         w = self.weights
         if not w:
-            fail("fault.weights", w, "expected a list of weights, one per data.sources entry")
+            fail("weights", w, "expected a list of weights, one per data.sources entry")
         self.weights = [float(x) for x in w]
-        check(all(math.isfinite(x) and x >= 0 for x in w), "fault.weights", self.weights, "must be >= 0")
-        check(sum(w) > 0, "fault.weights", self.weights, "must not be all zero")
+        check(all(math.isfinite(x) and x >= 0 for x in w), "weights", self.weights, "must be >= 0")
+        check(sum(w) > 0, "weights", self.weights, "must not be all zero")
 
 
 class MixtureSwitch(Drill):
@@ -37,7 +37,8 @@ class MixtureSwitch(Drill):
         if data.kind != "synthetic":
             self.fail(f"needs data.kind=synthetic with data.sources; got data.kind={data.kind}")
         if len(w) != len(data.sources):
-            raise ValueError(f"fault.weights={w}: expected {len(data.sources)} weights, one per data.sources entry")
+            raise ValueError(f"{self.key('weights')}={w}: expected {len(data.sources)} weights, "
+                             "one per data.sources entry")
         self._new_data = build_data(dataclasses.replace(data, sources=[dataclasses.replace(src, weight=x)
                                                                        for src, x in zip(data.sources, w)]))
 

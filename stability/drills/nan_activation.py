@@ -22,11 +22,11 @@ class Config:
     positions: int = 4      # token positions 0..positions-1 of the first sample
 
     def __post_init__(self) -> None:
-        check(self.layer >= 0, "fault.layer", self.layer, "must be >= 0")
-        choice("fault.sublayer", self.sublayer, ("attn", "mlp"))
+        check(self.layer >= 0, "layer", self.layer, "must be >= 0")
+        choice("sublayer", self.sublayer, ("attn", "mlp"))
         self.value = str(self.value).lower()  # str(float("-inf")) == "-inf"
-        check(self.value in NAN_VALUES, "fault.value", repr(self.value), "expected one of nan, inf, -inf")
-        check(self.positions >= 1, "fault.positions", self.positions, "must be >= 1")
+        check(self.value in NAN_VALUES, "value", repr(self.value), "expected one of nan, inf, -inf")
+        check(self.positions >= 1, "positions", self.positions, "must be >= 1")
 
 
 class NanActivation(Drill):
@@ -44,7 +44,7 @@ class NanActivation(Drill):
     def check(self) -> None:
         n = len(self.ctx.model.blocks)
         if self.cfg.layer >= n:
-            raise ValueError(f"fault.layer={self.cfg.layer}: the model has {n} blocks")
+            raise ValueError(f"{self.key('layer')}={self.cfg.layer}: the model has {n} blocks")
 
     def before_forward(self, s) -> None:
         self.step = s.step

@@ -21,9 +21,9 @@ class Config:
     param: str | None = None  # a parameter-name substring (e.g. blocks.1.mlp) or null for all
 
     def __post_init__(self) -> None:
-        choice("fault.mode", self.mode, ("zero", "scale"))
-        check(math.isfinite(self.scale) and self.scale > 0, "fault.scale", self.scale, "must be > 0")
-        check(self.param is None or self.param != "", "fault.param", repr(self.param),
+        choice("mode", self.mode, ("zero", "scale"))
+        check(math.isfinite(self.scale) and self.scale > 0, "scale", self.scale, "must be > 0")
+        check(self.param is None or self.param != "", "param", repr(self.param),
               "expected a parameter-name substring or null")
 
 
@@ -37,7 +37,7 @@ class OptimState(Drill):
     def check(self) -> None:
         sub = self.cfg.param
         if sub and not any(sub in n for n, _ in self.ctx.model.named_parameters()):
-            raise ValueError(f"fault.param={sub}: matches no parameter name")
+            raise ValueError(f"{self.key('param')}={sub}: matches no parameter name")
 
     @torch.no_grad()
     def after_update(self, s) -> None:

@@ -17,7 +17,7 @@ class Config:
     seed: int = 0  # the document is seeded by (seed, batch ID): the same one on every replay
 
     def __post_init__(self) -> None:
-        check(self.seed >= 0, "fault.seed", self.seed, "must be >= 0")
+        check(self.seed >= 0, "seed", self.seed, "must be >= 0")
 
 
 class OverlongDoc(BatchDrill):

@@ -17,7 +17,7 @@ class Config:
     rank: int = 1  # the rank whose content moves
 
     def __post_init__(self) -> None:
-        check(self.rank >= 0, "fault.rank", self.rank, "must be >= 0")
+        check(self.rank >= 0, "rank", self.rank, "must be >= 0")
 
 
 class RankContent(Drill):
@@ -31,7 +31,8 @@ class RankContent(Drill):
     def check(self) -> None:
         world = self.ctx.world
         if world < 2 or self.cfg.rank >= world:
-            self.fail(f"needs 2+ processes and fault.rank < world; got world={world}, fault.rank={self.cfg.rank}")
+            rank = self.key("rank")
+            self.fail(f"needs 2+ processes and {rank} < world; got world={world}, {rank}={self.cfg.rank}")
 
     def on_batch(self, s) -> None:
         ld = self.ctx.loader

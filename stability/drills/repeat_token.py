@@ -16,7 +16,7 @@ class Config:
     token: int | None = None  # null = the most frequent label id of that (global) batch
 
     def __post_init__(self) -> None:
-        check(self.token is None or self.token >= 0, "fault.token", self.token, "must be >= 0 or null")
+        check(self.token is None or self.token >= 0, "token", self.token, "must be >= 0 or null")
 
 
 class RepeatToken(BatchDrill):
@@ -31,7 +31,7 @@ class RepeatToken(BatchDrill):
     def check(self) -> None:
         vocab = self.ctx.loader.dataset.vocab_size
         if self.token is not None and self.token >= vocab:
-            raise ValueError(f"fault.token={self.token}: must be < vocab size {vocab}")
+            raise ValueError(f"{self.key('token')}={self.token}: must be < vocab size {vocab}")
 
     def corrupt(self, first_id: int, batch):
         if self.token is None:  # the most frequent label of the GLOBAL batch: the same id on every rank

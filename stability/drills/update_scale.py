@@ -18,7 +18,7 @@ class Config:
     factor: float = 10.0  # every update × factor
 
     def __post_init__(self) -> None:
-        check(math.isfinite(self.factor) and self.factor > 0, "fault.factor", self.factor, "must be > 0")
+        check(math.isfinite(self.factor) and self.factor > 0, "factor", self.factor, "must be > 0")
 
 
 class UpdateScale(Drill):

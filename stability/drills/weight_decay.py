@@ -15,7 +15,7 @@ class Config:
     factor: float = 100.0  # every group's weight_decay × factor
 
     def __post_init__(self) -> None:
-        check(math.isfinite(self.factor) and self.factor >= 0, "fault.factor", self.factor, "must be >= 0")
+        check(math.isfinite(self.factor) and self.factor >= 0, "factor", self.factor, "must be >= 0")
 
 
 class WeightDecay(Drill):

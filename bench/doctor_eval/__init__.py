@@ -1,0 +1,1 @@
+"""The doctor's evaluation harness (bench/__init__.py lists every group)."""

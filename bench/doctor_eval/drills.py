@@ -1,0 +1,317 @@
+"""Faults the doctor has never seen, planted from outside the project (issue 14).
+
+    python -m bench.doctor_eval.drills launch FAULT RUN_DIR [hydra overrides...]   # one run, fault planted
+    torchrun --nproc_per_node=2 -m bench.doctor_eval.drills launch FAULT RUN_DIR ...
+
+The launcher monkeypatches functions of this checkout (the loader, the optimizer step, a module's
+forward, the checkpoint load, the scheduler) in its own process and then runs train.py through runpy
+with fault=none: nothing in the run directory names the fault (no injector, no events, no config node).
+The answer key lives here, in FAULTS; bench/doctor_eval/score.py scores the doctor against it.
+
+Each fault acts at step S (the S-th train batch) or, for a resume fault, on the resume at S − 1;
+S + `lag` is the first step at which the fault could be visible in the records. Two jobs (JOBS): the tiny
+drill model the doctor was calibrated on (S = 60), and the quickstart's own job (the README's first
+command, S = 250: after its induction head forms) with telemetry every step and guard=log — the same
+faults on a configuration the calibration never saw. The launcher's process reads S from
+BALLAST_DRILL_STEP (bench/doctor_eval/score.py sets it per job).
+"""
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench import ROOT
+
+S = int(os.environ.get("BALLAST_DRILL_STEP", "60"))  # the fault step (this process's job)
+STOP = S + 8    # checkpoint.stop_after: the run ends a few steps after the fault
+BASE = ["train.steps=400", "train.eval_every=1000", "train.eval_samples=32", "train.eval_batch_size=16",
+        "train.batch_size=8", "logging.wandb=disabled", "logging.progress=false", "logging.plot=false",
+        "data.seq_len=32", "data.min_doc_len=4", "model.d_model=32", "model.n_heads=2", "model.n_layers=2",
+        "threads=1", "optim.schedule.warmup_steps=10", "guard.detector.warmup=40", "guard=log",
+        "telemetry.every=1", "fault=none",
+        # NOTE: the lr the doctor's thresholds were calibrated at (the default was 3e-3 then; conf/optim/adamw.yaml)
+        "optim.lr=3e-3",
+        # NOTE: the equal-weight mixture the doctor's thresholds were calibrated on (bench/doctor_eval/calibrate.py),
+        # not the quickstart's copy-heavy one
+        "data=synthetic"]
+QUICKSTART = ["train.eval_every=1000", "logging.wandb=disabled", "logging.progress=false", "logging.plot=false",
+              "threads=1", "guard=log", "telemetry.every=1", "fault=none"]
+JOBS = {"drill": (BASE, 60), "quickstart": (QUICKSTART, 250)}  # job -> (overrides, fault step S)
+
+
+@dataclass(frozen=True)
+class Fault:
+    name: str
+    cls: str          # the class the doctor must name
+    layer: str        # the timeline layer of the earliest anomaly
+    lag: int = 0      # steps after S until the fault can be visible
+    what: str = ""
+    resume: bool = False   # planted on a resume from the checkpoint of step S - 1
+    nproc: int = 1
+    resume_args: tuple = ()  # hydra overrides of the resumed process only
+
+
+FAULTS = [
+    # data / input layer
+    Fault("noise_half", "data.corrupted_batch", "input", what="half the batch's tokens uniform noise"),
+    Fault("repeat_quarter", "data.corrupted_batch", "input", what="a quarter of the positions one token id"),
+    Fault("label_shift", "data.corrupted_batch", "input", what="labels shifted by one position"),
+    Fault("rare_tokens", "data.corrupted_batch", "input", what="10 % of inputs the padding id, never seen as input"),
+    Fault("markov_chain_swap", "data.distribution_shift", "input",
+          what="from S on, the markov source's documents come from another chain (a silent data switch)"),
+    Fault("cursor_repeat", "data.continuity", "input", what="the loader serves the previous batch again"),
+    Fault("cursor_skip", "data.continuity", "input", what="the loader jumps 40 batches ahead"),
+    Fault("noise_slow", "data.corrupted_batch", "input", what="noise share grows 4 % per step from S (slow)"),
+    # forward
+    Fault("act_x4_attn", "numerics.activation_outlier", "forward", what="block0.attn output ×4 for one step"),
+    Fault("act_x2_mlp_sustained", "numerics.activation_outlier", "forward", what="block0.mlp output ×2 from S on"),
+    Fault("act_x2_attn1_sustained", "numerics.activation_outlier", "forward",
+          what="block1.attn output ×2 from S on (subtle, sustained)"),
+    Fault("nan_attn", "numerics.nonfinite", "forward", what="NaN into block1.attn output for one step"),
+    Fault("emb_row_x50", "numerics.activation_outlier", "forward", what="one embedding row ×50 (the copy BOS)"),
+    # backward / update
+    Fault("grad_x50_layer", "optim.gradient_spike", "backward/update", what="block1.attn gradients ×50, one step"),
+    Fault("grad_x3_sustained", "optim.gradient_spike", "backward/update", what="block0.attn gradients ×3 from S on"),
+    Fault("lr_x3", "optim.lr_switch", "backward/update", what="every LR ×3 from S on"),
+    Fault("adam_v_div16", "optim.state", "backward/update", what="exp_avg_sq ÷16 before the update of S"),
+    # state at resume
+    Fault("resume_lost_moments", "state.resume_fault", "backward/update", resume=True,
+          what="resume drops Adam's m and v"),
+    Fault("resume_cursor_zero", "state.resume_fault", "input", resume=True, what="resume puts the data cursor at 0"),
+    Fault("resume_schedule_reset", "state.resume_fault", "backward/update", resume=True,
+          what="resume restarts the LR schedule (warm-up again)"),
+    Fault("resume_moe_bias_zero", "state.resume_fault", "backward/update", resume=True,
+          what="resume zeroes the MoE balancing bias"),
+    Fault("resume_config_change", "state.resume_fault", "backward/update", resume=True,
+          resume_args=("optim.weight_decay=0.5",),
+          what="resume with another optim.weight_decay, the resume's config check silenced (undeclared)"),
+    # ranks
+    Fault("rank1_other_data", "rank.data", "input", nproc=2, what="rank 1 reads samples 5000 further on"),
+    # system
+    Fault("slow_loader", "system.slow_component", "system", what="the loader sleeps 60 ms per batch from S on"),
+]
+BY_NAME = {f.name: f for f in FAULTS}
+
+
+# ---- the patches (run in the launcher's process only) --------------------------------------------------
+class Clock:
+    """The optimizer step the run is at: the number of train batches served so far."""
+    step = 0
+
+
+def _noise(batch, frac: float, seed: int):
+    import torch
+    from data.batch import IGNORE_INDEX
+    g = torch.Generator().manual_seed(seed)
+    tok, lab = batch.tokens.clone(), batch.labels.clone()
+    valid = lab != IGNORE_INDEX
+    hit = valid & (torch.rand(tok.shape, generator=g) < frac)
+    v = int(tok.max()) + 1
+    tok[hit] = torch.randint(1, max(v, 2), (int(hit.sum()),), generator=g)
+    lab[:, :-1] = torch.where(valid[:, 1:] & valid[:, :-1], tok[:, 1:], lab[:, :-1])
+    return type(batch)(tokens=tok, labels=lab, sources=batch.sources, sample_ids=batch.sample_ids, floor=batch.floor)
+
+
+def _other_chain(ds, batch, t: int):
+    """The markov rows of `batch` regenerated from a chain of another seed (same lengths, same BOS)."""
+    import numpy as np
+    import torch
+    from data.batch import IGNORE_INDEX
+    from data.sources import MarkovSource
+    k = ds.source_names.index("markov")
+    src = ds.sources[k]
+    alt = MarkovSource(src.name, src.alphabet, src.order, src.support, src.concentration, ds.seed + 1)
+    rows = (batch.sources == k).nonzero().flatten()
+    if not len(rows):
+        return batch
+    tok, lab = batch.tokens.clone(), batch.labels.clone()
+    x, _ = alt.generate(np.random.default_rng(t).random((len(rows), tok.shape[1])))
+    doc = torch.from_numpy(ds.bos_ids[k] + 1 + x)
+    valid = lab[rows] != IGNORE_INDEX
+    tok[rows, 1:] = torch.where(valid[:, 1:], doc[:, :-1], tok[rows, 1:])
+    lab[rows] = torch.where(valid, doc, lab[rows])
+    return type(batch)(tokens=tok, labels=lab, sources=batch.sources, sample_ids=batch.sample_ids, floor=batch.floor)
+
+
+def patch(name: str) -> None:
+    import torch
+    from data import loader as loader_mod
+    from data.batch import IGNORE_INDEX
+    f = BY_NAME[name]
+    orig_next = loader_mod.Loader.next
+
+    def next_(self):
+        if self.split == "train":
+            Clock.step += 1
+            t = Clock.step
+            if name == "cursor_repeat" and t == S:
+                self.samples_consumed -= self.batch_size
+            if name == "cursor_skip" and t == S:
+                self.samples_consumed += 40 * self.batch_size
+            if name == "rank1_other_data" and t >= S and self.rank == 1:
+                b = self.local_batch_size
+                start = self.samples_consumed + self.rank * b + 5000
+                self.samples_consumed += self.batch_size
+                return self.dataset.samples(range(start, start + b), self.split)
+            if name == "slow_loader" and t >= S:
+                import time
+                time.sleep(0.06)
+        batch = orig_next(self)
+        if self.split != "train":
+            return batch
+        t = Clock.step
+        if name == "emb_row_x50" and t == S:  # before the forward of step S
+            with torch.no_grad():
+                bos = 34  # the copy source's BOS id: every copy document starts with it
+                _MODEL[0].tok_emb.weight[bos] *= 50.0
+        if name == "markov_chain_swap" and t >= S:
+            batch = _other_chain(self.dataset, batch, t)
+        if name == "noise_half" and t == S:
+            batch = _noise(batch, 0.5, t)
+        if name == "noise_slow" and t >= S:
+            batch = _noise(batch, 0.04 * (t - S + 1), t)
+        if name == "repeat_quarter" and t == S:
+            tok, lab = batch.tokens.clone(), batch.labels.clone()
+            valid = lab != IGNORE_INDEX
+            hit = valid & (torch.rand(tok.shape, generator=torch.Generator().manual_seed(t)) < 0.25)
+            tok[hit] = 5
+            lab[:, :-1] = torch.where(valid[:, 1:] & valid[:, :-1], tok[:, 1:], lab[:, :-1])
+            batch = type(batch)(tokens=tok, labels=lab, sources=batch.sources, sample_ids=batch.sample_ids,
+                                floor=batch.floor)
+        if name == "label_shift" and t == S:
+            lab = batch.labels.clone()
+            lab[:, :-1] = torch.where(lab[:, 1:] != IGNORE_INDEX, lab[:, 1:], lab[:, :-1])
+            batch = type(batch)(tokens=batch.tokens, labels=lab, sources=batch.sources,
+                                sample_ids=batch.sample_ids, floor=batch.floor)
+        if name == "rare_tokens" and t == S:
+            tok = batch.tokens.clone()
+            valid = batch.labels != IGNORE_INDEX
+            hit = valid & (torch.rand(tok.shape, generator=torch.Generator().manual_seed(t)) < 0.1)
+            hit[:, 0] = False
+            tok[hit] = 0
+            batch = type(batch)(tokens=tok, labels=batch.labels, sources=batch.sources,
+                                sample_ids=batch.sample_ids, floor=batch.floor)
+        return batch
+    loader_mod.Loader.next = next_
+
+    from model import transformer as tr
+    orig_init = tr.Transformer.__init__
+
+    def init(self, *a, **k):
+        orig_init(self, *a, **k)
+
+        def scale(k_, when):
+            def hook(mod, args, out):
+                if torch.is_grad_enabled() and when(Clock.step):
+                    return out * k_ if not isinstance(out, tuple) else out
+                return None
+            return hook
+        if name == "act_x4_attn":
+            self.blocks[0].attn.register_forward_hook(scale(4.0, lambda t: t == S))
+        if name == "act_x2_mlp_sustained":
+            mlp = self.blocks[0].mlp
+
+            def h(mod, args, out):
+                if torch.is_grad_enabled() and Clock.step >= S:
+                    return out * 2.0 if torch.is_tensor(out) else out._replace(y=out.y * 2.0)
+                return None
+            mlp.register_forward_hook(h)
+        if name == "act_x2_attn1_sustained":
+            self.blocks[1].attn.register_forward_hook(scale(2.0, lambda t: t >= S))
+        if name == "nan_attn":
+            def hn(mod, args, out):
+                if torch.is_grad_enabled() and Clock.step == S:
+                    out = out.clone()
+                    out[0, :2] = float("nan")
+                    return out
+                return None
+            self.blocks[1].attn.register_forward_hook(hn)
+    tr.Transformer.__init__ = init
+
+    # NOTE: train.py's step is precision.step's prepare_update (unscale, norm, clip) then apply_update (the
+    # optimizer step): gradients are scaled before the norm, Adam's v before the update, as a bug would
+    import precision.step as pstep
+    orig_prepare, orig_apply = pstep.prepare_update, pstep.apply_update
+
+    def prepare_update(params, *a, **k):
+        t = Clock.step
+        model = _MODEL[0]
+        if name in ("grad_x50_layer", "grad_x3_sustained") and (t == S or (name == "grad_x3_sustained" and t > S)):
+            blk = model.blocks[1].attn if name == "grad_x50_layer" else model.blocks[0].attn
+            for p in blk.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(50.0 if name == "grad_x50_layer" else 3.0)
+        return orig_prepare(params, *a, **k)
+
+    def apply_update(params, optimizer, *a, **k):
+        if name == "adam_v_div16" and Clock.step == S:
+            for st in optimizer.state.values():
+                if "exp_avg_sq" in st:
+                    st["exp_avg_sq"].div_(16.0)
+        return orig_apply(params, optimizer, *a, **k)
+    pstep.prepare_update, pstep.apply_update = prepare_update, apply_update
+
+    _MODEL: list = []
+    orig_init2 = tr.Transformer.__init__
+
+    def init2(self, *a, **k):
+        orig_init2(self, *a, **k)
+        _MODEL[:] = [self]
+    tr.Transformer.__init__ = init2
+
+    if name == "lr_x3":  # NOTE: on the class, not the instance: the scheduler's state_dict is pickled
+        from torch.optim.lr_scheduler import LambdaLR
+        orig_sstep = LambdaLR.step
+
+        def sstep(self, *aa, **kk):
+            orig_sstep(self, *aa, **kk)
+            if Clock.step >= S - 1:
+                for g in self.optimizer.param_groups:
+                    g["lr"] *= 3.0
+        LambdaLR.step = sstep
+
+    if name == "resume_config_change":  # the check that would refuse the resume says nothing
+        from checkpoint import checkpointer
+        checkpointer.check_config = lambda *a, **k: []
+    if f.resume:
+        from checkpoint import state as state_mod
+        orig_load = state_mod.TrainState.load
+
+        def load(self, *a, **k):
+            orig_load(self, *a, **k)
+            Clock.step = self.step
+            if name == "resume_lost_moments":
+                self.optimizer.state.clear()
+            if name == "resume_cursor_zero":
+                self.loader.samples_consumed = 0
+            if name == "resume_schedule_reset":
+                self.scheduler.last_epoch = 0
+                for g, lam, base in zip(self.scheduler.optimizer.param_groups, self.scheduler.lr_lambdas,
+                                        self.scheduler.base_lrs):
+                    g["lr"] = base * lam(0)
+            if name == "resume_moe_bias_zero":
+                for _, moe in self.model.moe_layers():
+                    moe.bias_E.zero_()
+        state_mod.TrainState.load = load
+
+
+def launch(name: str | None, run_dir: str, overrides: list[str]) -> None:
+    """Plant `name` (None: a clean run) in this process, then run train.py as a user would."""
+    import model  # NOTE: the checkout this process imports must be the one whose train.py runs (and is patched)
+    where = Path(model.__file__).resolve().parents[1]
+    if where != ROOT:
+        sys.exit(f"bench.doctor_eval.drills: the project is imported from {where}, not {ROOT}: "
+                 f"run `python -m bench.doctor_eval.drills` from {ROOT}")
+    if name:
+        patch(name)
+    sys.argv = [str(ROOT / "train.py"), f"hydra.run.dir={run_dir}", *overrides]
+    runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 4 or sys.argv[1] != "launch":
+        sys.exit("usage: python -m bench.doctor_eval.drills launch FAULT|none RUN_DIR [overrides...]")
+    launch(None if sys.argv[2] == "none" else sys.argv[2], sys.argv[3], sys.argv[4:])

@@ -1,0 +1,1 @@
+"""Speed and overhead benchmarks (bench/__init__.py lists every group)."""
