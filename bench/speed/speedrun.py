@@ -146,7 +146,7 @@ def main() -> None:
     ap.add_argument("--nanogpt", default=None, help="nanoGPT checkout, to evaluate its checkpoint (default $NANOGPT_DIR)")
     args = ap.parse_args()
     rep = Report("Time to nanoGPT's final val loss, against nanoGPT", "python -m bench.speed.speedrun")
-    rounds = sorted(int(p.name.split("-")[1]) for p in args.runs.glob("nanogpt-*.log"))
+    rounds = sorted(int(p.stem.split("-")[1]) for p in args.runs.glob("nanogpt-*.log"))
     if not rounds:
         sys.exit(f"bench: {args.runs}: no nanogpt-<round>.log")
     clock = (args.runs / "clock").read_text().strip() if (args.runs / "clock").exists() else "wall"

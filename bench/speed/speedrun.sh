@@ -5,7 +5,7 @@
 #   nanoGPT  its README CPU command (eager, 2000 iterations): the same numbers every run, a new timing each round
 #   speedrun python train.py +experiment=speedrun seed=i           (ballast's recipe: conf/experiment/speedrun.yaml)
 #   shape    python train.py +experiment=shakespeare_char seed=i   (nanoGPT's own recipe shape; train.compile as the
-#            run decides it: eager on a CPU), stopped at step 1000 and evaluated every 50 steps, for its crossing
+#            run decides it: eager on a CPU), stopped at step 1000 and evaluated every 100 steps, for its crossing
 # then one compiled run of the shape (train.compile=true, 30 steps) for the cold start, and bench/speed/speedrun.py's
 # table (--out writes it under bench/report.py's header; docs/results/speedrun.md is this command's output).
 # NANOGPT_DIR: a karpathy/nanoGPT checkout (3adf61e), never part of this repository; its shakespeare_char data is
@@ -48,7 +48,7 @@ runpy.run_path('train.py', run_name='__main__')" train.py config/train_shakespea
         "${quiet[@]}" > "$out/speedrun-$i.log" 2>&1 ;;
     shape)
       python train.py +experiment=shakespeare_char "data.path=$data" "hydra.run.dir=$out/shape-$i" "seed=$i" \
-        checkpoint.stop_after=1000 train.eval_every=50 "${quiet[@]}" > "$out/shape-$i.log" 2>&1 ;;
+        checkpoint.stop_after=1000 train.eval_every=100 "${quiet[@]}" > "$out/shape-$i.log" 2>&1 ;;
   esac
   uptime >> "$out/$who-$i.uptime"
 }
