@@ -13,7 +13,8 @@ transfer (parallel/host_scalars.py; two when the guard can veto: docs/host_reads
 """
 from __future__ import annotations
 
-from run import omp_wait  # noqa: F401  (first: how OpenMP threads wait is fixed when torch loads)
+from run import startup  # noqa: F401  (first: a Ctrl-C while the imports run is one line, not a traceback)
+from run import omp_wait  # noqa: F401  (before torch: how OpenMP threads wait is fixed when torch loads)
 
 import sys
 import time
@@ -24,21 +25,21 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from checkpoint import FinalCheckpointWithheld, RunComplete
+from checkpoint import CheckpointFailed, FinalCheckpointWithheld, RunComplete
 
 from optim.accumulate import count_valid_tokens, forward_backward, reduce_sums
+from optim.schedule import record as lr_record
 from parallel import Dist, HostScalars, all_reduce_sum, destroy, init_distributed, release
 from precision.step import apply_update, prepare_update
 from run.build import Run, build_run
 from run.argv import normalise
-from run.config import preflight, register
-from run.lifecycle import CannotStart, Exit, Interrupted, Interrupts, RunDir, RunDirBusy, note_new_dirs, say
-from run.config_errors import ConfigError
+from run.config import register
+from run.lifecycle import (CannotStart, Exit, Interrupted, Interrupts, RunDir, RunDirBusy, before_hydra, say,
+                           start_failed, write_failed)
 from stability.callbacks import StepState
 from stability.guard import GuardAbort
 from stability.inputs import InputBaseline, input_tensors
-from stability.plots import plot_losses
-from stability.record import config_fingerprint, read_records, step_record
+from stability.record import config_fingerprint, step_record
 from stability.resume_fields import cpu_clock, rank_tensors, state_nonfinite, state_tensors, state_values
 from stability.step_numbers import judge
 from stability.telemetry import moe_summary
@@ -68,12 +69,12 @@ def job(cfg: DictConfig, dist: Dist) -> int:
                 return say(dist, f"ballast: {e}", Exit.OK)
             except ValueError as e:  # every config, data or resume problem: one line naming the key or file
                 return say(dist, f"ballast: config error: {e}", Exit.START)
-            except OSError as e:  # e.g. a run directory that cannot be written
-                return say(dist, f"ballast: cannot start: {e}", Exit.START)
+            except OSError as e:  # e.g. a run directory that cannot be written, a full disk
+                return say(dist, *start_failed(e))
             owner.started()
             return train_and_close(run, stop)
     except (RunDirBusy, CannotStart) as e:
-        return say(dist, f"ballast: {e}", Exit.BUSY if isinstance(e, RunDirBusy) else Exit.START)
+        return say(dist, f"ballast: {e}", Exit.BUSY if isinstance(e, RunDirBusy) else e.exit)
 
 
 def train_and_close(run: Run, stop: Interrupts) -> int:
@@ -85,6 +86,8 @@ def train_and_close(run: Run, stop: Interrupts) -> int:
         return say(run.dist, f"ballast: {e}", Exit.GUARD)
     except Interrupted as e:
         return say(run.dist, f"ballast: {e}", Exit.INTERRUPTED)
+    except (CheckpointFailed, OSError) as e:  # a save that did not publish, a full disk: the job is not done
+        return say(run.dist, *write_failed(e, run.ckpt))
     finally:
         run.close()
         release(run.wrapped)  # DDP's reducer first, in case a cycle outlives the run: parallel.dist.release
@@ -109,15 +112,15 @@ def train(run: Run, stop: Interrupts) -> None:
                 sink.close()
             raise stopped
         step += 1  # NOTE: a while loop, because a guard rollback moves the step back
-        s = StepState(step, max_grad_norm=tc.max_grad_norm)
         host = HostScalars()  # every number the step needs on the host, as device tensors until read
+        s = StepState(step, max_grad_norm=tc.max_grad_norm, host=host)
         t0, c0 = time.perf_counter(), cpu_clock()
         cb.before_batch(s)
         s.first_id = loader.samples_consumed  # the global batch is sample ids [first_id, first_id + batch_size)
         s.batch = loader.next()
         cb.on_batch(s)  # a data drill may replace the batch; anticipatory routing sets s.routes
         s.micro = micro = [mb.to(dev, non_blocking=True) for mb in s.batch.micro_batches(tc.micro_batches)]
-        n_valid = count_valid_tokens(micro, dev)  # global, before any forward
+        s.n_valid_t = n_valid = count_valid_tokens(micro, dev)  # global, before any forward
         inputs = input_tensors(micro, dev, run.dataset.vocab_size, getattr(run.dataset, "bos_ids", None), in_base)
         host.put(n_valid=n_valid, **inputs)
         t1 = time.perf_counter()
@@ -133,12 +136,14 @@ def train(run: Run, stop: Interrupts) -> None:
         s.lr = optimizer.param_groups[0]["lr"] / optimizer.param_groups[0].get("lr_scale", 1.0)
         # unscale → global norm → finite check agreed by all ranks → clip (the adaptive z-score policy, or None)
         params, fingerprint = list(model.parameters()), loader.dataset.fingerprint
-        upd = prepare_update(params, run.scaler, s.max_grad_norm, clip=run.clip)
+        s.update = upd = prepare_update(params, run.scaler, s.max_grad_norm, clip=run.clip)
         host.put(grad_norm=upd.norm, clip_coef=upd.coef, overflow=upd.overflow)
+        cb.after_clip(s)  # the specification checks that can refuse the update measure here (spec/)
         if first:
             host.read()
         # → guard veto → step, or a counted skip (decided on the device when nothing is read yet)
-        vetoed = first and judge(s, host, reduced, guard, names, scaled=run.scaler is not None, fingerprint=fingerprint)
+        s.vetoed = vetoed = first and judge(s, host, reduced, guard, names, scaled=run.scaler is not None,
+                                            fingerprint=fingerprint, spec=run.spec)
         s.result = res = apply_update(params, optimizer, run.scaler, upd, bool(host["overflow"]) if first else None,
                                       vetoed)
         cb.after_update(s)  # QK-clip; telemetry reads the gradients and Δθ into s.post
@@ -146,15 +151,18 @@ def train(run: Run, stop: Interrupts) -> None:
         optimizer.zero_grad(set_to_none=True)
         t3 = time.perf_counter()
 
-        loads = reduced.loads_E()
+        s.loads = loads = reduced.loads_E()
         for layer, moe in model.moe_layers():  # aux-loss-free balancing, global loads; a skipped step moves no state
             moe.update_bias(loads[layer], skipped=res.skipped)
+        cb.end_step(s)  # the state the step leaves: the specification checks of the update measure it (spec/)
         host.put(**state_tensors(optimizer, model), **stop.tensors())  # ‖m‖, ‖v‖ per group, MoE bias norms
         host.read()  # from here the step reads only the host's copy
         if not first:
-            judge(s, host, reduced, guard, names, scaled=run.scaler is not None, fingerprint=fingerprint)  # no veto
+            judge(s, host, reduced, guard, names, scaled=run.scaler is not None, fingerprint=fingerprint,
+                  spec=run.spec)  # no veto
         s.result = res = res._replace(norm=host["grad_norm"], coef=host["clip_coef"],
                                       skipped=bool(host["overflow"]) if torch.is_tensor(res.skipped) else res.skipped)
+        failed = run.spec.read(s, host, "after") if run.spec is not None else []  # the checks read after it
         if res.skipped and not res.vetoed:  # NOTE: a non-finite gradient would poison the weights and moments
             s.events.append(f"non-finite grad norm ({res.norm}) at loss scale {res.loss_scale}: optimizer "
                             f"step skipped ({res.skipped_total if res.skipped_total is not None else 1} so far)")
@@ -168,7 +176,8 @@ def train(run: Run, stop: Interrupts) -> None:
         worst = max((m["max_violation"] for m in s.moe.values()), default=None)
         after = {"moe": s.moe, "state": s.opt_state, "clip_coef": res.coef, "grad_norm": res.norm,
                  "skipped": res.skipped} if guard.watches_more else None
-        verdict = guard.after_update(step, s.first_id, s.n_valid, s.post, s.stats["loss"], worst, extra=after)
+        verdict = guard.after_update(step, s.first_id, s.n_valid, s.post, s.stats["loss"], worst, extra=after,
+                                     spec=failed)
         tokens_seen += s.n_valid
         if step % tc.eval_every == 0 or step == ckpt.last_step:
             s.eval = evaluate(model, run.evals, names, dev)
@@ -184,7 +193,8 @@ def train(run: Run, stop: Interrupts) -> None:
         s.events += run.events.pop() + ckpt.pop_events()
         rec = step_record(s, tokens=tokens_seen, world=run.dist.world, batch_size=tc.batch_size,
                           seq_len=run.dataset.seq_len, names=names, guard=guard.record(), ckpt_id=ckpt.ckpt_id,
-                          device=dev, fingerprint={**cfg_fp, "data": loader.dataset.fingerprint[:12]})
+                          device=dev, fingerprint={**cfg_fp, "data": loader.dataset.fingerprint[:12]},
+                          schedule=lr_record(run.scheduler))
         for sink in run.sinks:
             sink.write(rec)
         if verdict.rollback:  # restore a recent good TrainState; the loop continues from its step
@@ -192,7 +202,7 @@ def train(run: Run, stop: Interrupts) -> None:
             tokens_seen = ckpt.state.tokens
         guard.end_step(step)
     ckpt.close()
-    finish(run)
+    run.finish()
 
 
 @torch.no_grad()
@@ -221,27 +231,8 @@ def evaluate(model, batches, names, device) -> dict:
     return result
 
 
-def finish(run: Run) -> None:
-    for sink in run.sinks:
-        sink.close()
-    if not run.sinks:
-        return
-    records = read_records(run.run_dir / "metrics.jsonl")
-    last = next(r["eval"] for r in reversed(records) if r.get("eval"))
-    if run.cfg.logging.plot:
-        plot_losses(records, run.run_dir / "loss.png", last["floor"])
-    floor = (f" | exact floor {last['floor']:.4f} | gap {last['loss'] - last['floor']:+.4f} nats"
-             if last["floor"] is not None else "")
-    by_src = "  ".join(f"{n} {v:.4f}" for n, v in last["by_source"].items())
-    print(f"final eval loss {last['loss']:.4f}{floor}\n  by source: {by_src}\n"
-          f"  metrics: {run.run_dir / 'metrics.jsonl'}")
-
-
 if __name__ == "__main__":
     sys.argv[1:] = normalise(sys.argv[1:])  # resume=X → resume.path=X, for Hydra too
-    try:  # one line for a bad key or value, before Hydra's multi-line message or any file is written
-        note_new_dirs(preflight(sys.argv[1:], str(Path(__file__).resolve().parent / "conf")))
-    except ConfigError as e:
-        print(f"ballast: config error: {e}", file=sys.stderr)
-        sys.exit(Exit.START)
+    # one line for a bad key or value, before Hydra's multi-line message or any file is written
+    before_hydra(sys.argv[1:], str(Path(__file__).resolve().parent / "conf"))
     main()

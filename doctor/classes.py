@@ -61,6 +61,14 @@ declare_class("optim.settings", "an optimizer setting changed without the config
               "update, or the weights' decay)")
 declare_class("optim.heavy_clipping", "the clip coefficient fell and stayed low: clipping hides a recipe problem",
               natural=True)
+declare_class("numerics.mismatch", "a layer computes another function than its specification (a kernel, a hook, "
+              "a module)")
+declare_class("numerics.precision", "a layer rounds coarser than its precision recipe says (a cast, a kernel)")
+declare_class("optim.gradient_mismatch", "the gradient is not the gradient of the step's own loss (its backward, a "
+              "hook, the token normalisation)")
+declare_class("moe.routing", "an MoE layer's experts or gates are not its router's definition")
+declare_class("moe.balancing", "an MoE layer's balancing bias or loss did not follow its rule")
+declare_class("state.continuity", "a step started from another state than the previous step left")
 declare_class("moe.load_collapse", "an MoE layer's routing collapsed onto a few experts")
 declare_class("moe.dead_expert", "an expert's output vanished while its routing stayed")
 declare_class("state.resume_fault", "the resumed state is not the saved one", ("jump right after resume (resume 后立即跳变)",

@@ -170,10 +170,25 @@ def _numerics_activation_outlier(diag: Diagnosis, run: Run, ckpt, t, b, action, 
     return localised_fix(diag, run, ck)
 
 
+@fix("numerics.mismatch", "numerics.precision", "optim.gradient_mismatch", "moe.routing", "moe.balancing",
+     "state.continuity")
+def spec_fix(diag: Diagnosis, run: Run, ckpt, t, b, action, ck) -> dict:
+    """A failed specification check: the code that broke it is the fix, not a setting (its check names where)."""
+    ev = (diag.judgement.evidence if diag.judgement else {}) or {}
+    check, where = ev.get("check", "the check"), diag.model_layer or "the named place"
+    return {"variable": f"the code behind {where} (check {check} failed at step {t})",
+            "change": f"{diag.summary.split('. ', 1)[-1] if '. ' in diag.summary else diag.summary} Find what computes "
+                      f"{where} other than its specification (a hook, a patched function, a kernel, a cast) and "
+                      f"remove it; rerun from {ck}",
+            "override": None, "expect": f"check {check} within its tolerance at step {t} and after"}
+
+
 def localised_fix(diag: Diagnosis, run: Run, ck: str) -> dict:
     """The fix follows from the named model layer and quantity: a module upstream of the fault is never
     named (an embedding row's blow-up cannot be reached by the SwiGLU clamp)."""
     q, layer = diag.anomaly.quantity, diag.model_layer or "?"
+    if diag.anomaly.kind == "spec":
+        return spec_fix(diag, run, None, diag.step, diag.batch, None, ck)
     model = run.config.get("model") or {}
     if q.startswith(("act_rms", "clamp_hit_rate")) and layer.endswith(".mlp") and "swiglu_clamp" in model:
         cur = model.get("swiglu_clamp")

@@ -57,7 +57,8 @@ HOLD = 5  # steps after an incident before the quantities that did not move in i
 
 def diagnose(run_dir) -> tuple[Run, Diagnosis, dict]:
     """(run, headline diagnosis, its deviations) of one run directory. Every incident, in execution order
-    and each judged natural or fault (doctor/judge.py), is in diagnosis.incidents; the headline is the
+    and each judged natural or fault (doctor/judge.py), is in diagnosis.incidents; the headline is the first
+    failed specification check (doctor/conformance.py: an execution fault, no statistic involved), else the
     first fault, or — when every incident was the run learning — the slow-symptom verdict (healthy unless
     one holds). Each segment (split where a rollback or resume sends the step back) is read on its own;
     within one, after an incident the quantities it moved wait a baseline window and the rest are searched
@@ -113,6 +114,13 @@ def diagnose(run_dir) -> tuple[Run, Diagnosis, dict]:
                 if t0 <= d.step < t0 + HOLD:
                     holds[q] = t0 + WINDOW
             since, gsince, xsince = max(start, t0 + HOLD), t0 + HOLD, t0 + 1
+    from doctor.conformance import spec_incidents  # NOTE: here: it builds this module's Diagnosis
+    spec = spec_incidents(run)
+    if spec:  # the step broke its specification: an execution fault at that step, read before any statistic
+        diag = spec[0]
+        diag.incidents = sorted(spec + incidents, key=lambda i: (i.seg_index, i.step))
+        diag.environment, diag.devs = env, {}
+        return run, diag, {}
     faults = [i for i in incidents if i.judgement.verdict == "fault"]
     if faults:
         diag = faults[0]

@@ -311,6 +311,8 @@ def deviations(tl: dict[str, Series], start: int = 1, threshold: float = THRESHO
     out = {}
     holds = holds or {}
     for name, s in tl.items():
+        if not s.spec.scored:  # judged exactly by a specification check (doctor/conformance.py)
+            continue
         # NOTE: a quantity that moved in an earlier incident waits a baseline window (its own values fill
         # it); every other one is searched again from `start`
         h = holds.get(name, 0)

@@ -11,10 +11,16 @@ or anticipatory routing is one object attached at start, and the loop does not g
     before_update(s)    gradients final (after the backward),   telemetry snapshots θ; an LR drill scales
                         before clip, guard and optimizer.step   the LRs (s.lr and s.max_grad_norm are read
                                                                 after this point)
+    after_clip(s)       s.update holds the measured norm and    the clip check compares them with the policy
+                        the clip coefficient, before the guard  (spec/checks/clip.py)
+                        and the optimizer step
     after_update(s)     s.result holds the update's outcome,    QK-clip rescales W_q, W_k (the levers);
                         before zero_grad                        telemetry reads grads and Δθ into s.post;
                                                                 an LR drill restores the planned LRs; an
                                                                 optimizer-state drill corrupts the moments
+    end_step(s)         the step's state is final (scheduler    the specification checks take what the step
+                        stepped, balancing bias moved), before  left (spec/monitor.py)
+                        the step's read
 
 Each callback declares, where it is defined, its `order` at every point it acts at (lower runs
 first; `Callbacks` sorts once and refuses a tie): the drill acts first on the way in (it corrupts the
@@ -47,6 +53,8 @@ class StepState:
     routes: list | None = None        # anticipatory routes per micro-batch (None: normal top-k routing)
     routing: dict = field(default_factory=dict)   # StepRecord.routing
     n_valid: int = 0                  # global valid label tokens
+    n_valid_t: Any = None             # the same count as the step's device tensor, before any forward
+    host: Any = None                  # the step's HostScalars: a callback puts device tensors for its one read
     inputs: dict = field(default_factory=dict)    # input-layer statistics of the global batch
     # --- forward: train.py, from the forward/backward's sums ---
     stats: dict = field(default_factory=dict)     # reduced loss / source / MoE sums (optim.accumulate)
@@ -58,6 +66,8 @@ class StepState:
     #                                   unless a drill changed it; read after before_update)
     lr: float = float("nan")          # the LR this step's update used (group 0, without its lr_scale)
     flags: dict = field(default_factory=dict)     # non-finite loss / logits / grads
+    update: Any = None                # precision.step.Update: the norm and clip coefficient, before the step
+    vetoed: bool = False              # the guard vetoed this update (known before it when the guard can veto)
     result: Any = None                # precision.step.StepResult
     post: dict = field(default_factory=dict)      # telemetry after the update (layers, ρ, replicas; train.py
     #                                               adds the optimizer state's non-finite flag)
@@ -65,14 +75,16 @@ class StepState:
     qk_clip: dict = field(default_factory=dict)   # heads QK-clip scaled after the update
     # --- post-update and record: train.py after the scheduler step (time_s.route: anticipatory routing,
     # booked at on_batch; events: any writer, one-line notes) ---
+    loads: dict = field(default_factory=dict)     # MoE layer -> (E,) global expert loads, on the device
     moe: dict = field(default_factory=dict)       # expert-load summary per MoE layer
+    spec: dict = field(default_factory=dict)      # StepRecord.spec: the specification checks (spec/monitor.py)
     opt_state: dict = field(default_factory=dict)  # optimizer-state and MoE-bias norms (stability/resume_fields.py)
     eval: dict | None = None
     events: list[str] = field(default_factory=list)  # one-line notes of this step (StepRecord.events)
     time_s: dict[str, float] = field(default_factory=dict)
 
 
-POINTS = ("before_batch", "on_batch", "before_forward", "before_update", "after_update")
+POINTS = ("before_batch", "on_batch", "before_forward", "before_update", "after_clip", "after_update", "end_step")
 
 
 class Callback:
@@ -100,7 +112,11 @@ class Callback:
 
     def before_update(self, s: StepState) -> None: ...
 
+    def after_clip(self, s: StepState) -> None: ...
+
     def after_update(self, s: StepState) -> None: ...
+
+    def end_step(self, s: StepState) -> None: ...
 
 
 class Callbacks:
@@ -134,6 +150,14 @@ class Callbacks:
         for c in self.at["before_update"]:
             c.before_update(s)
 
+    def after_clip(self, s: StepState) -> None:
+        for c in self.at["after_clip"]:
+            c.after_clip(s)
+
     def after_update(self, s: StepState) -> None:
         for c in self.at["after_update"]:
             c.after_update(s)
+
+    def end_step(self, s: StepState) -> None:
+        for c in self.at["end_step"]:
+            c.end_step(s)

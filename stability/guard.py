@@ -79,6 +79,7 @@ class Guard:
         # NOTE: anticipatory routing exists only on MoE models; on a dense model a rollback is a rollback.
         self.routing = routing if (is_moe and self.an.enabled) else None
         self.ring: deque = deque(maxlen=self.rb.keep)  # (step, TrainState snapshot, detector state)
+        self.restored: list = []  # called with the data cursor after every rollback (the specification checks)
         # counters that survive a rollback (they describe the run, not a point of the trajectory)
         self.skipped_steps = self.skipped_tokens = self.rollbacks = 0
         self.bad_batches: set[int] = set()  # first sample ids that triggered (data-borne if seen twice)
@@ -97,7 +98,8 @@ class Guard:
     def before_update(self, step: int, loss: float, grad_norm: float, nonfinite: dict[str, bool],
                       scaled: bool = False, fingerprint: str | None = None,
                       loss_by_source: dict[str, float] | None = None,
-                      tokens_by_source: dict[str, int] | None = None, extra: dict | None = None) -> bool:
+                      tokens_by_source: dict[str, int] | None = None, extra: dict | None = None,
+                      spec: list[dict] | None = None) -> bool:
         """Score the pre-update metrics; return True to veto the update.
 
         `scaled`: an FP16 loss scaler is on — a non-finite gradient with a finite loss is then its
@@ -128,13 +130,15 @@ class Guard:
         triggers += [Trigger(f"nonfinite.{k}", math.nan, math.inf, None, None, 0)
                      for k, bad in nonfinite.items() if bad and covered.get(k) not in seen
                      and not (k == "grads" and scaled and math.isfinite(loss))]
+        triggers += spec_triggers(spec)
         self.verdict.triggers += triggers
         act = any(not t.suppressed for t in triggers)
         self.verdict.vetoed = act and self.action in ("skip", "rollback")
         return self.verdict.vetoed
 
     def after_update(self, step: int, first_id: int, valid_tokens: int, post: dict, loss: float,
-                     expert_violation: float | None, extra: dict | None = None) -> Verdict:
+                     expert_violation: float | None, extra: dict | None = None,
+                     spec: list[dict] | None = None) -> Verdict:
         """Score the post-update metrics; log every trigger; decide on a rollback. `extra`: the rest of
         the step's partial StepRecord after its update (moe, state, clip_coef, ...), for other registered
         signals the config watches."""
@@ -150,6 +154,7 @@ class Guard:
             if not spread <= self.replica_tol:  # NaN spreads count as divergence
                 new.append(Trigger(f"replica.{name}", spread, self.replica_tol, 0.0, None, 0,
                                    note=f"ranks disagree by {spread:.3g} > guard.replica_tol={self.replica_tol:g}"))
+        new += spec_triggers(spec)
         v.triggers += new
         acted = v.acted_on
         if v.vetoed and self.action == "skip":  # a rollback undoes the whole step: nothing to count
@@ -297,6 +302,8 @@ class Guard:
                          skipped_samples=[cursor_restored, cursor_after] if skip else None,
                          replayed_samples=None if skip else [cursor_restored, cursor_after],
                          rollbacks=self.rollbacks)
+        for tell in self.restored:
+            tell(self.state.loader.samples_consumed)
         if self.incident is not None:
             self.incident["rollback_to"] = to_step
             self.incident["rollbacks"] = self.incident.get("rollbacks", 0) + 1
@@ -398,3 +405,11 @@ class Guard:
     def load_local_state_dict(self, sd: dict) -> None:
         if self.routing is not None and sd.get("routes") is not None:
             self.routing.load_cache_state(sd["routes"])
+
+
+def spec_triggers(failed: list[dict] | None) -> list[Trigger]:
+    """A failed specification check (spec/monitor.py) is a trigger, never suppressed: the step did not do what
+    its specification says, whatever the detector's cooldown."""
+    return [Trigger(f"spec.{f['check']}", f["miss"], 1.0, None, None, 0,
+                    note=f"{f['where']} missed its specification by {f['miss']:.3g}× its tolerance ({f['class']})")
+            for f in failed or []]

@@ -64,6 +64,8 @@ class Signal:
     recover: bool = True          # a deviation of it may be natural (it can return to its band on its own)
     bound: float | None = None    # a healthy run never exceeds this (one-sided invariant) ...
     confirm: int = 1              # ... for this many consecutive values
+    scored: bool = True           # False: in the timeline (plots, a replay's reading), never scored by the doctor's
+    #                               statistics: a specification check judges it exactly (spec/)
 
 
 SIGNALS: dict[str, Signal] = {}
@@ -395,3 +397,20 @@ declare("moe.out_rms_min", FORWARD, _moe("moe.out_rms_min", _out_rms_min), cls="
 # system: cross-rank consistency (exactly 0 on healthy DDP)
 declare("replica", SYSTEM, _replica, cls="system.rank_divergence", exact=0.0, rel_floor=0.0, abs_floor=0.0,
         recover=False, fix="the replicas stopped holding the same bits")
+# the specification checks (spec/, record v5): each check's worst err/tol, and the measured difference of every layer
+# of the training path against the FP64 reference — the recipe's numerical error, per layer, on reference steps.
+# Judged by their checks (doctor/conformance.py), never by a statistic here.
+def _spec_miss(r, c):
+    return [(f"spec.{k}", v, None, None) for k, v in ((r.get("spec") or {}).get("miss") or {}).items() if _num(v)]
+
+
+def _ref_err(r, c):
+    return [(f"ref_err/{k}", v, k, None) for k, v in ((r.get("spec") or {}).get("ref_err") or {}).items() if _num(v)]
+
+
+declare("spec", SYSTEM, _spec_miss, scored=False, log=True, recover=False,
+        doc="each specification check's worst err/tol this step (above 1: it failed)",
+        fix="the check's own finding (record spec.fail): where it missed and by how much")
+declare("ref_err", FORWARD, _ref_err, scored=False, log=True, per_layer=True, recover=False,
+        doc="‖training path − FP64 reference‖ / ‖reference‖ per layer on the probe: the recipe's numerical error",
+        fix="the named layer's rounding against its precision recipe")

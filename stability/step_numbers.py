@@ -18,8 +18,10 @@ from stability.resume_fields import rank_values
 from stability.telemetry import nonfinite_flags
 
 
-def judge(s: StepState, host, reduced, guard, names: list[str], *, scaled: bool, fingerprint: str | None) -> bool:
-    """`host`: the step's HostScalars, read; `reduced`: its optim.accumulate.ReducedSums. True: veto."""
+def judge(s: StepState, host, reduced, guard, names: list[str], *, scaled: bool, fingerprint: str | None,
+          spec=None) -> bool:
+    """`host`: the step's HostScalars, read; `reduced`: its optim.accumulate.ReducedSums; `spec`: the run's
+    specification checks (spec/monitor.py), whose pre-update failures the guard acts on. True: veto."""
     s.n_valid = int(host["n_valid"][0])
     s.inputs, s.ranks = input_fractions(host), rank_values(host)
     s.stats = reduced.stats(host, float(s.n_valid))
@@ -30,6 +32,7 @@ def judge(s: StepState, host, reduced, guard, names: list[str], *, scaled: bool,
     extra = {"inputs": s.inputs, "logit_max": s.stats["logit_max"], "z_loss": s.stats["z_loss"],
              "nonfinite": s.flags, "tokens_by_source": by_src, "loss_by_source": s.loss_by_source,
              "ranks": s.ranks} if guard.watches_more else None
+    failed = spec.read(s, host, "before") if spec is not None else []
     return guard.before_update(s.step, s.stats["loss"], host["grad_norm"], s.flags, scaled=scaled,
                                fingerprint=fingerprint, loss_by_source=s.loss_by_source, tokens_by_source=by_src,
-                               extra=extra)
+                               extra=extra, spec=failed)

@@ -1,0 +1,139 @@
+"""A specification check: one declaration, registered like a signal or a drill.
+
+A check compares what the step did with what its specification says, at the step's named points
+(stability/callbacks.py), and measures how far it missed: for every place it looks at (a parameter, a layer,
+a rank) an error `err` and the tolerance `tol` the precision recipe allows there (spec/tolerance.py), never a
+calibrated threshold. The step's StepRecord holds the worst `miss = err / tol` of each check that ran; a miss
+above 1 is an execution fault at that step, of the class the check declares for the way it failed.
+
+    class ClipCheck(Check):
+        name, layer, rank = "clip", UPDATE, 40
+        kinds = {"coef": Kind("optim.settings", "the clip coefficient is not the configured policy's")}
+        def after_clip(self, s): self.measure(err_P, tol_P, kind="coef")   # device tensors, nothing read
+
+Everything a check measures stays on the device until the step's one read (parallel/host_scalars.py):
+`measure` packs the worst place as (miss, where, kind, err, tol) and spec/monitor.py reads it with the step's
+other numbers. `rank` orders the registry: within a step the first failed check in it is the first that broke
+(the state the step started from, 0; its data, 10; forward 20; gradient 30; update 40; the system, 60).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+LAYERS = ("input", "forward", "backward", "update", "system")
+INPUT, FORWARD, BACKWARD, UPDATE, SYSTEM = LAYERS
+STEP, REFERENCE = "step", "reference"  # cadences: every step | the reference steps (spec.every)
+BEFORE, AFTER = "before", "after"      # verdict known before the update (the guard can veto) | after it
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One way a check can fail: the doctor class it implies and what to look at; `layer`, when this way of
+    failing belongs to another timeline layer than the check's (a non-finite activation found by a gradient
+    check is the forward's)."""
+    cls: str
+    fix: str
+    layer: str | None = None
+
+
+@dataclass
+class SpecContext:
+    """What checks read beside the step's state: the run's components, its typed config, the process."""
+    cfg: Any            # run.config.Config (typed)
+    model: torch.nn.Module   # the bare Transformer
+    wrapped: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    loader: Any
+    dataset: Any
+    dist: Any
+    recipe: Any
+    scaler: Any
+    evals: list
+    scheduler: Any = None
+    clip_policy: Any = None  # the adaptive clip (train.clip=zscore), or None: the fixed clip
+    sharded: bool = False    # FSDP2: parameters and gradients are shards
+    compiled: bool = False   # train.compile: the step's forward is a compiled graph (no Python hooks inside)
+    max_grad_norm: float | None = None  # train.max_grad_norm: the clip threshold the config sets
+    names: dict[int, str] = field(default_factory=dict)  # id(parameter) -> its name
+    # filled during a step, for the checks that read another's result
+    probe: Any = None        # the monitor's probe(s): the step's probe run, on a reference step
+    coef_spec: Any = None    # the clip coefficient the policy gives (spec/checks/clip.py), a device tensor
+    norm_finite: Any = None  # whether the gradient's norm is finite (a non-finite one skips the step)
+    schedule: Any = None     # the LR schedule in force (spec/schedule.py fields): the lr check's, across a resume
+
+
+CHECKS: dict[str, type["Check"]] = {}
+
+
+class Check:
+    """Base: a check acts at the points it overrides; `measure` records this step's result."""
+    name: ClassVar[str]
+    layer: ClassVar[str]
+    doc: ClassVar[str] = ""
+    kinds: ClassVar[dict[str, Kind]]  # the first is the default
+    cadence: ClassVar[str] = STEP
+    phase: ClassVar[str] = BEFORE
+    rank: ClassVar[int]  # the order its failures are read within a step (lower: it broke first)
+
+    def __init_subclass__(cls, **kw) -> None:
+        super().__init_subclass__(**kw)
+        if cls.__dict__.get("name") is None:  # an abstract intermediate
+            return
+        if cls.name in CHECKS:
+            raise ValueError(f"spec check {cls.name!r} declared twice")
+        if cls.layer not in LAYERS or not cls.kinds or not isinstance(cls.__dict__.get("rank"), int):
+            raise TypeError(f"spec check {cls.name}: layer must be one of {LAYERS}, kinds non-empty and rank an int")
+        CHECKS[cls.name] = cls
+
+    def __init__(self, ctx: SpecContext):
+        self.ctx = ctx
+        self.where: list[str] = []  # the names of the places it measures, in the order of its vectors
+        self.out: Tensor | None = None  # this step's packed result, until the monitor takes it
+        self.extra: dict[str, tuple[list[str], Tensor]] = {}  # name -> (places, (L,) values) for the record
+
+    @classmethod
+    def applies(cls, ctx: SpecContext) -> bool:
+        """Whether this run has what the check checks (an MoE layer, a second rank, ...)."""
+        return True
+
+    def measure(self, err: Tensor, tol: Tensor, kind: str | Tensor | None = None,
+                where: list[str] | None = None) -> None:
+        """err, tol: (L,) per place (or 0-d); kind: one of self.kinds, or an (L,) tensor of indices into it.
+        The worst place (largest err/tol; a NaN err is a miss of inf) is kept for the read."""
+        if where is not None:
+            self.where = where
+        err, tol = torch.atleast_1d(err).double(), torch.atleast_1d(tol).double().to(err.device)
+        # NOTE: a tolerance that came out NaN (its scale is non-finite: upstream's miss) judges nothing; a NaN or
+        # infinite error is a miss whatever the tolerance
+        tol = torch.where(tol.isnan(), torch.inf, tol)
+        miss = err / tol.clamp(min=1e-300)
+        miss = torch.where(err.isnan() | miss.isnan(), torch.inf, miss)
+        at = miss.argmax()
+        names = list(self.kinds)
+        k = (torch.atleast_1d(kind).to(err.device)[at].double() if torch.is_tensor(kind)
+             else torch.tensor(float(names.index(kind or names[0])), dtype=torch.float64, device=err.device))
+        self.out = torch.stack([miss[at], at.double(), k, err[at], tol[at]])
+
+    def kind_name(self, index: float) -> str:
+        return list(self.kinds)[int(index)]
+
+    # classify(i) -> kind name, optional: how place i missed, decided on the host after the read for a failure
+    # only (a check whose kind costs more than its comparison defines it; spec/checks/forward.py)
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, sd: dict) -> None: ...
+
+    # the step's points (spec/monitor.py calls the ones a check overrides)
+    def before_batch(self, s) -> None: ...
+    def on_batch(self, s) -> None: ...
+    def before_forward(self, s) -> None: ...
+    def before_update(self, s) -> None: ...
+    def after_clip(self, s) -> None: ...
+    def after_update(self, s) -> None: ...
+    def end_step(self, s) -> None: ...

@@ -1,0 +1,62 @@
+"""gradient: the training path's backward is the derivative of its forward, tensor by tensor, on the probe.
+
+On a reference step the probe's objective, (Σ CE + z·Σ lse²)/n + aux on one sequence, is differentiated twice:
+by the training path's autograd (its modules, kernels and backward hooks: spec/probe.py) and by autograd
+through the FP64 reference (spec/reference.py), with the same weights and expert ids. Every parameter tensor's
+two gradients agree within the model's chained rounding, twice over (the forward's stages, then the backward's
+two matmuls for each forward one): tol = 2·Σ_layers tol_layer + the head's (spec/checks/forward.py), normwise
+per tensor. A gradient that is the reference's times a factor is a scaled gradient (a hook that multiplies
+it); otherwise the backward computes something else.
+"""
+from __future__ import annotations
+
+import torch
+
+from spec.check import AFTER, BACKWARD, REFERENCE, Check, Kind
+from spec.checks.forward import ForwardCheck, kind_of
+from spec.probe import reference_grads
+from spec.reference import Reference
+
+
+class GradientCheck(Check):
+    name, layer, cadence, phase = "gradient", BACKWARD, REFERENCE, AFTER
+    rank = 35
+    doc = "each parameter's gradient of the probe objective against the FP64 reference's autograd"
+    kinds = {
+        "mismatch": Kind("optim.gradient_mismatch", "the backward of the named parameter computes another "
+                                                    "gradient than its forward's: a backward hook, an autograd "
+                                                    "function, a kernel"),
+        "scaled": Kind("optim.gradient_spike", "the named parameter's gradient is scaled in the backward (a hook "
+                                               "or a loss term that multiplies it)"),
+        "nonfinite": Kind("numerics.nonfinite", "a non-finite gradient on the probe"),
+    }
+
+    @classmethod
+    def applies(cls, ctx) -> bool:
+        # NOTE: under FSDP2 a second backward of the sharded module would run its reduce-scatter hooks into .grad
+        return not ctx.sharded
+
+    def after_update(self, s) -> None:
+        run = self.ctx.probe(s)
+        if run is None or run.grads is None:
+            return
+        ref = Reference(self.ctx.model.cfg, run.ref_w, run.bias)
+        want = reference_grads(ref, run, self.ctx.cfg.train.z_loss)
+        fwd = ForwardCheck(self.ctx)
+        rel = self.tolerance(fwd, ref, run)
+        names = list(want)
+        got, ref_g = [run.grads[n] for n in names], [want[n] for n in names]
+        err = torch.stack(torch._foreach_norm(torch._foreach_sub(got, ref_g)))
+        tol = rel.to(err) * torch.stack(torch._foreach_norm(ref_g)) + 1e-300
+        self.places = (got, ref_g, tol)
+        self.measure(err, tol, where=names)
+
+    def classify(self, i: int) -> str:
+        got, want, tol = self.places
+        kind = kind_of(got[i], want[i], tol[i])
+        return kind if kind in self.kinds else "mismatch"
+
+    def tolerance(self, fwd: ForwardCheck, ref: Reference, run) -> torch.Tensor:
+        """2·(every layer's forward tolerance + the head's): the forward's rounding, then the backward's."""
+        total = sum(sum(fwd.layer_tolerances(ref, run, i).values()) for i in range(self.ctx.model.cfg.n_layers))
+        return 2 * (total + fwd.head_tolerance(self.ctx.model.cfg.vocab_size))

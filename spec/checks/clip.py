@@ -1,0 +1,91 @@
+"""clip: the gradient norm the step measured is the backward's gradient's, and the coefficient it applies is the
+configured policy's:
+
+    fixed    coef = min(1, c / (‖g‖ + ε)),  c = train.max_grad_norm (null or 0: 1), ε = 1e-6
+    zscore   the z-score policy's threshold from its state before this step (optim/zclip.py documents it)
+
+‖g‖ is measured here again from the gradients as the backward left them (before_update: after every drill and
+lever that may act there, before the unscale and the clip), each tensor's norm in FP32 summed in FP64: its
+relative error stays below λ·(√n + 2)·u32 for the largest tensor's n (a vectorised sum's error grows as
+√n in the probabilistic model), which is the tolerance on the comparison. A norm that differs means the
+gradient changed between the backward and the clip; a coefficient that differs, the policy or its threshold.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as tdist
+
+from spec.check import BEFORE, STEP, UPDATE, Check, Kind
+from spec.tolerance import LAMBDA, U32
+
+EPS = 1e-6  # the clip's ε in c / (‖g‖ + ε): part of the policy's definition (optim/clip.py)
+
+
+def _is_shard(g) -> bool:
+    return hasattr(g, "placements") and any(type(p).__name__ == "Shard" for p in g.placements)
+
+
+class ClipCheck(Check):
+    name, layer, cadence, phase = "clip", UPDATE, STEP, BEFORE
+    rank = 40
+    doc = "the measured gradient norm and the applied clip coefficient against the configured policy"
+    kinds = {
+        "gradient": Kind("optim.gradient_spike", "the gradient changed between the backward and the clip"),
+        "coef": Kind("optim.settings", "the clip coefficient is not the configured policy's (its threshold)"),
+    }
+
+    def before_update(self, s) -> None:
+        params = [p for p in self.ctx.model.parameters() if p.grad is not None]
+        grads = [p.grad for p in params]
+        sharded = [_is_shard(g) for g in grads]
+        local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+        dev = local[0].device
+        norms = torch.stack([n.to(dev) for n in torch._foreach_norm(local, 2)]).double()
+        sq_shard = torch.where(torch.tensor(sharded, device=dev), norms.square(), 0.0).sum()
+        if any(sharded):
+            tdist.all_reduce(sq_shard)
+        sq = sq_shard + torch.where(torch.tensor(sharded, device=dev), 0.0, norms.square()).sum()
+        scale = float(self.ctx.scaler.scale) if self.ctx.scaler is not None else 1.0  # FP16: S·g until the unscale
+        self.norm = sq.sqrt() / scale
+        self.n_max = max(g.numel() for g in local)
+        self.policy = self.policy_threshold()
+
+    def policy_threshold(self):
+        """What the policy decides from, before this step: the fixed c, or the z-score policy's state."""
+        pol = self.ctx.clip_policy
+        if pol is None:
+            return None
+        return {"count": pol.count, "mean": pol.mean, "var": pol.var, "warmup": pol.warmup,
+                "z_thresh": pol.z_thresh, "eps": pol.eps}
+
+    def coef(self, norm: torch.Tensor) -> torch.Tensor:
+        c, one = self.ctx.max_grad_norm, torch.ones((), dtype=torch.float64, device=norm.device)
+        st = self.policy
+        if st is not None:  # z-score: warm-up on the fixed c, then μ + z_thresh·σ for an outlier only
+            if st["count"] >= st["warmup"]:
+                g = float(norm)  # NOTE: the policy reads the norm on the host itself (optim/zclip.py)
+                std = math.sqrt(st["var"])
+                z = (g - st["mean"]) / (std + st["eps"])
+                thr = st["mean"] + st["z_thresh"] * std if z > st["z_thresh"] else None
+                return one * (min(1.0, thr / (g + st["eps"])) if thr is not None and math.isfinite(g) else 1.0)
+            c = c if c else None
+            eps = st["eps"]
+        else:
+            eps = EPS
+        if not c or c <= 0:
+            return one
+        return torch.where(norm.isfinite(), (c / (norm + eps)).clamp(max=1.0), one)
+
+    def after_clip(self, s) -> None:
+        upd = s.update
+        spec = self.coef(self.norm)
+        self.ctx.coef_spec, self.ctx.norm_finite = spec, self.norm.isfinite()
+        rel = LAMBDA * (math.sqrt(self.n_max) + 2) * U32
+        finite = self.norm.isfinite()
+        zero = torch.zeros((), dtype=torch.float64, device=self.norm.device)
+        err = torch.stack([torch.where(finite, (upd.norm.double() - self.norm).abs(), zero),
+                           torch.where(finite, (upd.coef.double() - spec).abs(), zero)])
+        tol = torch.stack([rel * self.norm.abs(), (rel + LAMBDA * 4 * U32) * spec]) + 1e-300
+        self.measure(err, tol, torch.tensor([0.0, 1.0]), where=["norm", "coef"])

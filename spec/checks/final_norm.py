@@ -1,0 +1,141 @@
+"""loss_grad: the gradient the step's backward leaves on the final norm's gain is the gradient of the step's own
+loss on the step's own batch — every step, the whole batch, in closed form; and every layer's output is finite.
+
+The final RMSNorm's gain γ meets the loss only through the logits, so from the last block's outputs h (kept
+from the step's forward by a hook on the final norm) its gradient is exact arithmetic, with no model to rerun:
+
+    x̂ = h / √(mean(h²) + ε)    logits = (γ ⊙ x̂)·Wᵀ    p = softmax(logits)    lse = log Σ exp(logits)
+    ∂obj/∂logits = (world / N)·((1 + 2z·lse)·p − onehot(label))   on valid labels (N: the step's global count)
+    ∂obj/∂γ = Σ_tokens (∂obj/∂logits · W) ⊙ x̂,   summed over micro-batches, averaged over ranks
+
+This is the course's token normalisation (Σ loss, Σ count, one division), the z-loss and the labels the step
+used, checked against what the optimizer receives — a hook that scales gradients, a wrong N, a micro-batch
+dropped or counted twice. The tolerance bounds the rounding componentwise: λ·(the stages' unit roundoffs) ×
+Σ_tokens |∂obj/∂logits|·|W| ⊙ |x̂| (the same sum with every term's magnitude), so cancellation between tokens
+cannot make it tight (bounded per token by |∂/∂logits|₁·max|W|·|x̂|). The closed form is computed in FP32, the
+path's own precision, so the tolerance counts the roundings of both sides. Under FP16 loss scaling the gain's
+gradient holds S·g until the unscale: S times both.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from spec.check import BACKWARD, BEFORE, FORWARD, STEP, Check, Kind
+from spec.checks.forward import kind_of
+from spec.reference import F64, IGNORE
+from spec.tolerance import LAMBDA, U32, matmul_dtype, stage, u
+
+
+class LossGradCheck(Check):
+    name, layer, cadence, phase = "loss_grad", BACKWARD, STEP, BEFORE
+    rank = 30
+    doc = "the final norm gain's gradient against its closed form on the whole batch"
+    kinds = {
+        "mismatch": Kind("optim.gradient_mismatch", "the gradient is not the gradient of the step's loss: its "
+                                                    "normalisation, the z-loss, the labels, a backward hook"),
+        "scaled": Kind("optim.gradient_spike", "every gradient is scaled: a hook or a loss multiplier, the token "
+                                               "count N, or the micro-batch / rank averaging"),
+        "nonfinite": Kind("numerics.nonfinite", "a non-finite value from finite weights and inputs: the named "
+                                                "layer's output (the first non-finite one) or the gradient",
+                          layer=FORWARD),
+        "rank": Kind("system.rank_divergence", "the ranks hold different gradients after the reduction"),
+    }
+    rank_kind = "rank"
+
+    @classmethod
+    def applies(cls, ctx) -> bool:
+        # NOTE: a hook inside a compiled graph breaks it (and recompiles on every change of hooks)
+        return not ctx.compiled
+
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        self.h: list[Tensor] = []
+        self._hook = None
+
+    def before_forward(self, s) -> None:
+        model = self.ctx.model
+        self.h, self.finite = [], {name: [] for name, _ in self.layers()}
+        self._hooks = [model.norm.register_forward_hook(lambda m, args, out: self.h.append(args[0].detach()))]
+        for name, module in self.layers():
+            self._hooks.append(module.register_forward_hook(
+                lambda m, args, out, name=name: self.finite[name].append(torch.isfinite(_tensor(out)).all())))
+
+    def layers(self) -> list[tuple[str, torch.nn.Module]]:
+        """The layers whose outputs are checked finite, in forward order (telemetry's names)."""
+        out = [("emb", self.ctx.model.tok_emb)]
+        for i, b in enumerate(self.ctx.model.blocks):
+            out += [(f"block{i}.attn", b.attn), (f"block{i}.mlp", b.mlp), (f"block{i}", b)]
+        return out
+
+    def before_update(self, s) -> None:
+        for h in self._hooks:
+            h.remove()
+        if len(self.h) != len(s.micro):  # a forward this hook did not see (a wrapper that bypasses the module)
+            return
+        # NOTE: every layer's output finite: the weights and the batch are (the continuity and data checks), so a
+        # non-finite activation is the layer's fault. Not under FP16, whose range (6.5e4) a healthy forward can
+        # exceed: its loss scaler skips that step.
+        fp16 = getattr(self.ctx.recipe, "name", "") == "fp16"
+        bad = torch.stack([~torch.stack(f).all() if f and not fp16 else torch.tensor(False)
+                           for f in self.finite.values()])
+        model, c = self.ctx.model, self.ctx.model.cfg
+        gamma, W = _full(model.norm.weight).detach().float(), _full(model.head.weight).detach().float()
+        z, world = float(self.ctx.cfg.train.z_loss), self.ctx.dist.world
+        scale = world / s.n_valid_t.to(F64).reshape(())
+        if self.ctx.scaler is not None:
+            scale = scale * float(self.ctx.scaler.scale)
+        h = torch.cat(self.h).float()  # every micro-batch's, as one batch
+        labels = torch.cat([mb.labels for mb in s.micro])
+        xh = h * torch.rsqrt(h.square().mean(-1, keepdim=True) + c.norm_eps)
+        logits = (xh * gamma) @ W.T
+        lse = torch.logsumexp(logits, -1, keepdim=True)
+        dl = ((1 + 2 * z * lse) * torch.exp(logits - lse)).scatter_add_(-1, labels.clamp(min=0)[..., None],
+                                                                         -torch.ones_like(lse))
+        dl = torch.where((labels != IGNORE)[..., None], dl, 0.0)  # where: an ignored position's inf stays out
+        want = ((dl @ W) * xh).sum((0, 1), dtype=F64) * scale
+        # the same sum with every term's magnitude, bounded: |∂/∂logits|₁ · max|W| · |x̂| per token
+        mag = (dl.abs().sum(-1, keepdim=True) * xh.abs()).sum((0, 1), dtype=F64) * scale * W.abs().max().double()
+        lmax = logits.abs().max()
+        if world > 1:
+            import torch.distributed as tdist
+            tdist.all_reduce(want)
+            tdist.all_reduce(mag)
+            want, mag = want / world, mag / world
+        got = _full(model.norm.weight.grad).to(F64) if model.norm.weight.grad is not None else torch.zeros_like(want)
+        u_in = u(matmul_dtype(self.ctx.recipe, self.ctx.cfg.parallel.param_dtype))
+        n_tok = sum(m.labels.numel() for m in s.micro)
+        # NOTE: this closed form runs in FP32 too, the same stages as the training path: twice their rounding
+        stages = (stage(c.d_model, U32) + stage(c.d_model, max(u_in, U32)) + stage(W.shape[0], U32) * (1 + lmax.double())
+                  + stage(W.shape[0], max(u_in, U32)) + stage(n_tok, U32) + 4 * U32)
+        rel = 2 * LAMBDA * stages
+        zero = torch.zeros((), dtype=F64, device=want.device)
+        # a non-finite input is upstream's miss, not this one's; a non-finite gradient from a finite one is FP16's
+        # routine overflow under a loss scaler (the step skips), a miss without one
+        nonfinite = torch.tensor(0.0 if self.ctx.scaler is not None else torch.inf, dtype=F64, device=want.device)
+        err = torch.where(~torch.isfinite(want).all(), zero,
+                          torch.where(~torch.isfinite(got).all(), nonfinite, (got - want).norm()))
+        tol = rel * mag.norm() + 1e-300
+        self.place = (got, want, tol)
+        layers = torch.where(bad.to(err.device), torch.inf, 0.0).double()
+        names = list(self.kinds)
+        kinds = torch.tensor([float(names.index("nonfinite"))] * len(layers) + [0.0], dtype=F64)
+        self.measure(torch.cat([layers, err.reshape(1)]), torch.cat([torch.full_like(layers, 0.5), tol.reshape(1)]),
+                     kinds, where=[*self.finite, "norm.weight"])
+        self.n_layers = len(layers)
+        self.h = []
+
+    def classify(self, i: int) -> str:
+        if i < self.n_layers:
+            return "nonfinite"
+        kind = kind_of(*self.place)
+        return kind if kind in self.kinds else "mismatch"
+
+
+def _full(t: Tensor) -> Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _tensor(out) -> Tensor:
+    """A layer's output tensor: a block returns (x, moe), an MoE layer its MoEOutput (y first)."""
+    return out[0] if isinstance(out, tuple) else out

@@ -1,0 +1,205 @@
+"""forward: every layer of the training path computes its math, on the probe, within the recipe's rounding.
+
+Layer by layer (emb, block{i}.attn, block{i}.mlp, block{i} — its norms and residual adds —, loss), the FP64
+reference (spec/reference.py) is fed the input the training path's layer took and its output is compared
+with what that layer gave: a local error, so the first layer that computes something else is the one named,
+and an error upstream does not accumulate into the layers after it. Each layer's tolerance is the chain of
+its rounded stages (spec/tolerance.py): its matmuls (inner length K, inputs in the recipe's matmul dtype,
+FP32 accumulation), the softmax's sensitivity (1 + the largest |logit|, bounded by ‖q‖·‖k‖/√d), the
+elementwise ops. The measured relative error of every layer is recorded as well (StepRecord.spec.ref_err): the
+recipe's numerical error, per layer, every reference step.
+
+How a layer missed decides the class (declared rules on what the comparison measured), read for a failing layer
+only, after the step's read (spec/monitor.py calls classify):
+  nonfinite    a non-finite output
+  scaled       the output is the reference times a factor (what is left after the best factor is within tol)
+  leak         (attention) the output is the reference without its causal mask: the model sees the future
+  gates / dead_expert   (MoE) the output is a gate-weighted sum of the chosen experts' outputs with other
+               gates (least squares per token on its k expert outputs), with one expert's weight zero: dead
+  precision    the output is the reference rounded coarser than the recipe: relative error below 2^-3, the
+               unit roundoff of the coarsest format there is (FP8 E5M2) — a rounding, not another function
+  mismatch     anything else: the layer computes another function
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from spec.check import AFTER, FORWARD, REFERENCE, Check, Kind
+from spec.reference import F64, IGNORE, Reference, losses, rms_norm
+from spec.tolerance import LAMBDA, U32, matmul_dtype, stage, u
+
+ROUNDING_ONLY = 2.0 ** -3  # unit roundoff of FP8 E5M2, the coarsest float format: below it, an error is a rounding
+
+
+class ForwardCheck(Check):
+    name, layer, cadence, phase = "forward", FORWARD, REFERENCE, AFTER
+    rank = 20
+    doc = "each layer's output on the probe against the FP64 reference fed the same input"
+    kinds = {
+        "mismatch": Kind("numerics.mismatch", "the named layer computes another function than its math: its "
+                                              "kernel, a hook on it, or the module"),
+        "precision": Kind("numerics.precision", "the named layer rounds coarser than the precision recipe says "
+                                                "(a cast, a low-precision kernel)"),
+        "scaled": Kind("numerics.activation_outlier", "the named layer's output is scaled: its inputs, norm, a hook"),
+        "nonfinite": Kind("numerics.nonfinite", "a non-finite output of the named layer"),
+        "leak": Kind("forward.below_floor", "the attention of the named block is not causal: the model sees the "
+                                            "tokens it predicts"),
+        "gates": Kind("moe.routing", "the MoE layer's gates are not the router's scores at the chosen experts"),
+        "dead_expert": Kind("moe.dead_expert", "an expert of the named MoE layer contributes nothing"),
+    }
+
+    def after_update(self, s) -> None:
+        run = self.ctx.probe(s)
+        if run is None:
+            return
+        ref = Reference(self.ctx.model.cfg, {k: v.detach() for k, v in run.ref_w.items()}, run.bias)
+        rows = list(self.layers(ref, run))
+        names = [r[0] for r in rows]
+        err, tol, scale = (torch.stack([r[i] for r in rows]) for i in (1, 2, 3))
+        self.places = [r[4] for r in rows]  # what classify() reads, for a layer that failed
+        self.measure(err, tol, where=names)
+        self.extra["ref_err"] = (names, err / scale.clamp(min=1e-300))
+
+    def classify(self, i: int) -> str:
+        """The kind of layer i's miss (after the read, on a failure only): the declared rules of this module's doc."""
+        got, want, tol, extra = self.places[i]
+        if "pairs" in extra:  # a block's composition: its worst pair
+            j = int(extra["ratios"].argmax())
+            (got, want, _), tol = extra["pairs"][j], extra["tols"][j]
+        if "attention" in extra and bool((got - extra["attention"](causal=False)).norm() <= tol):
+            return "leak"
+        kind = kind_of(got, want, tol)
+        if "moe" in extra and kind != "nonfinite":
+            return moe_kind(got.reshape(-1, got.shape[-1]), extra["moe"], extra["rel"]) or kind
+        return kind
+
+    # --- tolerances -------------------------------------------------------------------------------------
+    def u_in(self) -> float:
+        return u(matmul_dtype(self.ctx.recipe, self.ctx.cfg.parallel.param_dtype))
+
+    def layer_tolerances(self, ref: Reference, run, i: int) -> dict[str, Tensor]:
+        """The relative tolerance of block i's attention, MLP and norms, from the probe's own inputs to them (once
+        per probe: the gradient check reads them too)."""
+        key = ("tolerances", i)
+        if key not in run.cache:
+            run.cache[key] = self._layer_tolerances(ref, run, i)
+        return run.cache[key]
+
+    def _layer_tolerances(self, ref: Reference, run, i: int) -> dict[str, Tensor]:
+        c, u_in, io = self.ctx.model.cfg, self.u_in(), run.taken.io
+        T = run.tokens.shape[1]
+        ew = 4 * U32  # the elementwise ops of a layer (norm scale, RoPE, SwiGLU, residual add), once each
+        s_max = logit_bound(ref, i, io[f"block{i}.attn"][0].to(F64))
+        attn = LAMBDA * (stage(c.d_model, u_in) + stage(c.head_dim, u_in) + stage(T, u_in)
+                         + stage(c.n_heads * c.head_dim, u_in) + ew) * (1 + s_max)
+        if ref.is_moe(i):
+            x = io[f"block{i}.mlp"][0].to(F64)
+            router_max = (x @ ref.p(f"blocks.{i}.mlp.router.weight").T).abs().max()
+            hidden = c.moe.expert_hidden
+            mlp = LAMBDA * (stage(c.d_model, U32) * (1 + router_max) + stage(c.d_model, u_in) + stage(hidden, u_in)
+                            + ew)
+        else:
+            mlp = torch.tensor(LAMBDA * (stage(c.d_model, u_in) + stage(c.ffn_hidden, u_in) + ew), dtype=F64,
+                               device=attn.device)
+        return {"attn": attn, "mlp": mlp, "norm": torch.full_like(attn, LAMBDA * stage(c.d_model, U32))}
+
+    def head_tolerance(self, vocab: int) -> float:
+        return LAMBDA * (stage(self.ctx.model.cfg.d_model, self.u_in()) + stage(vocab, U32)
+                         + stage(self.ctx.model.cfg.d_model, U32))
+
+    # --- the layers --------------------------------------------------------------------------------------
+    def layers(self, ref: Reference, run):
+        """(layer, err, tol, ‖ref‖, (got, want, tol, extra)) for every layer, in forward order: err = ‖train − ref‖,
+        tol the bound on it; the last is what classify() reads if the layer fails."""
+        c, io = self.ctx.model.cfg, run.taken.io
+        u_p = u(getattr(torch, self.ctx.cfg.parallel.param_dtype, torch.float32))
+        yield ("emb", *self.compare(io["emb"][1].to(F64), ref.embed(run.tokens), torch.full((), LAMBDA * u_p, dtype=F64)))
+        for i in range(c.n_layers):
+            tol = self.layer_tolerances(ref, run, i)
+            x_in, x_out = io[f"block{i}"][0].to(F64), io[f"block{i}"][1][0].to(F64)
+            a_in, a_out = io[f"block{i}.attn"][0].to(F64), io[f"block{i}.attn"][1].to(F64)
+            m_in, m_raw = io[f"block{i}.mlp"]
+            m_in, m_out = m_in.to(F64), (m_raw.y if hasattr(m_raw, "y") else m_raw).to(F64)
+            ids = run.ids.get(i)
+            yield (f"block{i}.attn", *self.compare(a_out, ref.attention(i, a_in), tol["attn"],
+                                                   attention=lambda causal, i=i, a_in=a_in: ref.attention(i, a_in, causal)))
+            if ref.is_moe(i):
+                B, T, D = m_in.shape
+                parts = ref.moe(i, m_in.reshape(B * T, D), ids, None)
+                yield (f"block{i}.mlp", *self.compare(m_out, parts.y.reshape(B, T, D), tol["mlp"], moe=parts,
+                                                      rel=tol["mlp"]))
+            else:
+                yield (f"block{i}.mlp", *self.compare(m_out, ref.dense_mlp(i, m_in), tol["mlp"]))
+            yield (f"block{i}", *self.block_composition(ref, i, x_in, a_in, a_out, m_in, m_out, x_out, tol["norm"]))
+        logits = ref.head(io["norm"][0].to(F64))
+        ce, z = losses(logits, run.labels)
+        lse = torch.logsumexp(logits, -1)
+        at = logits.gather(-1, run.labels.clamp(min=0)[..., None])[..., 0]
+        mag = torch.where(run.labels != IGNORE, lse.abs() + at.abs(), 0.0).sum()  # the CE sum's terms, unsigned
+        tol = self.head_tolerance(logits.shape[-1]) * mag + 1e-300
+        err = torch.maximum((run.loss["ce"] - ce).abs(), (run.loss["z"] - z).abs() * mag / (2 * z).clamp(min=1e-300))
+        got, want = torch.stack([run.loss["ce"], run.loss["z"]]), torch.stack([ce, z])
+        yield ("loss", err, tol, ce.abs(), (got, want, tol, {}))
+
+    def block_composition(self, ref: Reference, i: int, x_in, a_in, a_out, m_in, m_out, x_out, rel_norm: Tensor):
+        """Block i's own work around its two layers, from what the training path's layers took and gave: the norm
+        before each (RMSNorm of the residual stream), and the residual adds x + attn + mlp. (err, tol, scale, place)
+        of the worst of the three, as a share of its tolerance times the output's norm."""
+        c, pre = ref.cfg, f"blocks.{i}."
+        mid = x_out - m_out  # the residual after the attention (one rounding of x_out away from the path's own)
+        pairs = [(a_in, rms_norm(x_in, ref.p(pre + "attn_norm.weight"), c.norm_eps), rel_norm),
+                 (m_in, rms_norm(mid, ref.p(pre + "mlp_norm.weight"), c.norm_eps), rel_norm + LAMBDA * 2 * U32),
+                 (x_out, x_in + a_out + m_out, torch.full_like(rel_norm, LAMBDA * 2 * U32))]
+        tols = [rel * want.norm() + 1e-300 for _, want, rel in pairs]
+        ratios = torch.stack([(got - want).norm() / t for (got, want, _), t in zip(pairs, tols)])
+        scale = x_out.norm()
+        # every pair is kept: classify() picks the worst, on a failure only
+        return ratios.max() * scale, scale + 1e-300, scale, (None, None, None, {"pairs": pairs, "tols": tols,
+                                                                                "ratios": ratios})
+
+    @staticmethod
+    def compare(got: Tensor, want: Tensor, rel_tol: Tensor, **extra):
+        """(err, tol, scale, place) of one layer's output against its reference, normwise, on the device."""
+        scale = want.norm()
+        tol = rel_tol.to(scale) * scale + 1e-300
+        return (got - want).norm(), tol, scale, (got, want, tol, extra)
+
+
+def kind_of(got: Tensor, want: Tensor, tol: Tensor) -> str:
+    """How an output missed its reference (read on the host: a failure's only): non-finite, a scaled copy (what is
+    left after the best factor is within tolerance), a coarser rounding (below 2^-3 relative), or another function."""
+    if not bool(torch.isfinite(got).all()):
+        return "nonfinite"
+    scale = want.norm().clamp(min=1e-300)
+    c = float((got * want).sum() / scale.square())  # the best factor: got ≈ c·want
+    if c != 1 and bool((got - c * want).norm() <= tol * max(abs(c), 1.0)):
+        return "scaled"
+    return "precision" if bool((got - want).norm() / scale < ROUNDING_ONLY) else "mismatch"
+
+
+def moe_kind(y: Tensor, parts, rel_tol: Tensor) -> str | None:
+    """gates / dead_expert when the training output is a gate-weighted sum of the chosen experts' outputs with
+    other weights (least squares per token on its k expert outputs); None otherwise."""
+    A, b = parts.outs.transpose(1, 2), (y - parts.shared)[..., None]  # (N, D, k), (N, D, 1)
+    g = torch.linalg.lstsq(A, b).solution[..., 0]                     # (N, k)
+    if not bool((A @ g[..., None] - b).norm() <= rel_tol * y.norm() + 1e-300):
+        return None
+    gone = (g.abs() <= rel_tol * parts.gates.abs().max()) & (parts.gates > 0)  # a chosen expert weighted 0
+    for e in parts.ids.unique().tolist():  # dead: an expert whose every assignment here fitted 0
+        if bool(gone[parts.ids == e].all()):
+            return "dead_expert"
+    return "gates"
+
+
+def logit_bound(ref: Reference, i: int, a_in: Tensor) -> Tensor:
+    """max |q·k|/√d over the probe's (already normed) attention input: ≤ max‖q‖·max‖k‖/√d, no score computed."""
+    c, pre = ref.cfg, f"blocks.{i}.attn."
+    B, T, _ = a_in.shape
+    qkv = (a_in @ ref.p(pre + "qkv.weight").T).reshape(B, T, c.n_heads + 2 * c.kv_heads, c.head_dim)
+    q, k, _ = qkv.split([c.n_heads, c.kv_heads, c.kv_heads], dim=2)
+    if c.qk_norm:
+        q, k = rms_norm(q, ref.p(pre + "q_norm.weight"), c.norm_eps), rms_norm(k, ref.p(pre + "k_norm.weight"), c.norm_eps)
+    return q.norm(dim=-1).max() * k.norm(dim=-1).max() / math.sqrt(c.head_dim)

@@ -1,0 +1,246 @@
+"""optimizer: on probe elements of every parameter, the parameter and its optimizer state after the step are the
+algorithm applied in FP64 to the values the previous step left and the step's clipped gradient, with every
+hyperparameter from the config and the schedule (never from the param groups):
+
+    AdamW   m' = β1·m + (1−β1)·g     v' = β2·v + (1−β2)·g²     t' = t + 1
+            θ' = θ·(1 − η·λ) − (η / (1−β1^t')) · m' / (√v' / √(1−β2^t') + ε)
+    Muon    M' = μ·M + g     U = g + μ·M' (Nesterov) or M'     θ' = θ·(1 − η·λ) − η·s·√max(m, n)·NS5(U)
+            (NS5 of the whole matrix, per fused part, in FP64 here: spec/muon_ref.py)
+    g = coef·g₀: the backward's gradient (before the clip, unscaled) times the clip policy's coefficient
+    (spec/checks/clip.py); a skipped step (a non-finite gradient, the guard's veto) leaves all of it as it was;
+    a head QK-clip scaled after the update (optim/qk_clip.py, the factor it reported) is scaled so here too.
+
+"The values the previous step left" are read at the end of the previous step, after every lever, drill and the
+balancing update, not just before this update: a state altered in between (a loader, a hook, a load) is not
+the state the algorithm was given. Tolerances are the deterministic bound of n roundings of FP32 arithmetic,
+n·u32 per term's magnitude (×4: SAFETY), plus what the inputs' own roundings carry into the result (the
+gradient's into m and, doubled through g², into v; and, for Muon, the Newton–Schulz iteration's, amplified by
+at most a = 3.4445 per iteration). A moment (m, v, M) or step count off its algebra is the state's fault
+(optim.state); the moments right and the parameter wrong, a setting's (optim.settings: weight decay, eps, an
+update multiplier). The probe elements of all parameters are one vector: the algebra runs once per step.
+"""
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+from torch import Tensor
+
+from spec.check import AFTER, STEP, UPDATE, Check, Kind
+from spec.muon_ref import newton_schulz, row_parts
+from spec.schedule import group_settings, lr_at
+from spec.tolerance import LAMBDA, U32, stage, u
+
+K = 4       # probe elements per parameter tensor
+N_OPS = 9   # FP32 roundings on the way to θ' (decay, bias corrections, sqrt, eps add, divide, scale, subtract, clip)
+N_G = 3     # roundings in the gradient the optimizer receives: the unscale, the clip coefficient, its multiply
+SAFETY = 4  # every count of roundings ×4: room for the roundings an implementation adds (a fused kernel's order)
+STATES = ("exp_avg", "exp_avg_sq", "momentum_buffer")
+F64 = torch.float64
+
+
+def _local(t: Tensor) -> Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+class OptimizerCheck(Check):
+    name, layer, cadence, phase = "optimizer", UPDATE, STEP, AFTER
+    rank = 50
+    doc = "probe elements of every parameter and its state against the optimizer's algebra in FP64"
+    kinds = {"state": Kind("optim.state", "the named parameter's optimizer state is not its algebra's: the "
+                                          "moments or the step count were altered or lost"),
+             "update": Kind("optim.settings", "the named parameter's update is not the configured optimizer's: "
+                                              "a setting (weight decay, eps, betas) or a multiplier changed")}
+
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        cfg = ctx.cfg
+        self.muon = cfg.optim.name == "muon"
+        self.params: list[tuple[str, Tensor, Tensor, str, str]] = []  # (name, param, idx, group, optimizer)
+        for i, g in enumerate(ctx.optimizer.param_groups):
+            for p in g["params"]:
+                n = ctx.names[id(p)]
+                numel = _local(p).numel()
+                gen = torch.Generator().manual_seed(zlib.crc32(n.encode()))
+                idx = torch.randint(0, max(numel, 1), (min(K, numel),), generator=gen).to(_local(p).device)
+                self.params.append((n, p, idx, g.get("name", f"group{i}"), g.get("optimizer", "adamw")))
+        self.where = [n for n, *_ in self.params]
+        sizes = [len(idx) for _, _, idx, _, _ in self.params]
+        dev = _local(self.params[0][1]).device
+        self.owner = torch.repeat_interleave(torch.arange(len(sizes), device=dev), torch.tensor(sizes, device=dev))
+        self.is_muon = torch.cat([torch.full((n,), kind == "muon", device=dev)
+                                  for n, (*_, kind) in zip(sizes, self.params)])
+        self.groups = [g for *_, g, _ in self.params]
+        wd = [group_settings(cfg, g)[1] for g in self.groups]
+        self.wd = torch.repeat_interleave(torch.tensor(wd, dtype=F64, device=dev), torch.tensor(sizes, device=dev))
+        self.sizes = sizes
+        self.qk = {n: qk_heads(idx, ctx.model.cfg) for n, _, idx, _, _ in self.params if n.endswith("attn.qkv.weight")}
+        self.start: dict[str, Tensor] | None = None
+        self.updates: Tensor | None = None  # the spec's count of applied updates (AdamW's t before this step), 0-d
+
+    # --- reading the probe elements ----------------------------------------------------------------------
+    def snapshot(self) -> dict[str, Tensor]:
+        """w and each optimizer state at the probe elements, as flat float64 vectors (0 where a state is absent)."""
+        opt = self.ctx.optimizer
+        out = {"w": torch.cat([_local(p.detach()).reshape(-1)[idx] for _, p, idx, _, _ in self.params]).double()}
+        for k in STATES:
+            parts = []
+            for _, p, idx, _, _ in self.params:
+                st = opt.state.get(p, {})
+                parts.append(_local(st[k]).reshape(-1)[idx] if k in st else torch.zeros(len(idx), device=idx.device))
+            out[k] = torch.cat(parts).double()
+        dev = out["w"].device
+        # AdamW's count per parameter (a scalar tensor, on the parameter's device when fused); −1: none
+        out["step"] = torch.stack([opt.state[p]["step"].to(dev, F64).reshape(()) if "step" in opt.state.get(p, {})
+                                   else torch.tensor(-1.0, dtype=F64, device=dev) for _, p, *_ in self.params])
+        return out
+
+    def before_batch(self, s) -> None:
+        if self.start is None:  # the run's (or the resumed, or the rolled-back) first step: its own start
+            self.start = self.snapshot()
+        if self.updates is None:  # at a (re)start: the count the state says it has (on the device: nothing read)
+            self.updates = self.start["step"].max().clamp(min=0)
+
+    def before_update(self, s) -> None:
+        scale = float(self.ctx.scaler.scale) if self.ctx.scaler is not None else 1.0
+        g = [_local(p.grad).reshape(-1)[idx] if p.grad is not None else torch.full((len(idx),), math.nan, device=idx.device)
+             for _, p, idx, _, _ in self.params]
+        self.g0 = torch.cat(g).double() / scale  # NaN: a parameter without a gradient (the optimizer leaves it)
+
+    def after_update(self, s) -> None:
+        """Muon: NS5 in FP64 of each hidden matrix's U from the momentum the update wrote and the clipped gradient
+        (their elements are checked against their own algebra at end_step)."""
+        self.ortho = None
+        if not self.muon:
+            return
+        mc, dev = self.ctx.cfg.optim.muon, self.g0.device
+        O_probe, O_tol = torch.zeros_like(self.g0), torch.zeros_like(self.g0)
+        at = 0
+        u_ns = u(getattr(torch, mc.ns_dtype))
+        for (n, p, idx, _, kind), size in zip(self.params, self.sizes):
+            st = self.ctx.optimizer.state.get(p, {})
+            if kind == "muon" and p.grad is not None and "momentum_buffer" in st:
+                g, M = _full(p.grad).double(), _full(st["momentum_buffer"]).double()
+                U = g + mc.momentum * M if mc.nesterov else M
+                parts = U.split(row_parts(n, self.ctx.model.cfg, U), dim=-2)
+                O = torch.cat([newton_schulz(q, mc.ns_steps) * math.sqrt(max(q.shape[-2:])) for q in parts], dim=-2)
+                mine = _local_of(O, p) if hasattr(p, "to_local") else O
+                O_probe[at:at + size] = mine.reshape(-1)[idx.to(dev)]
+                width = max(max(q.shape[-2:]) for q in parts)
+                # NS5's error, normwise on O, amplified by at most a per iteration; elementwise at most the norm
+                O_tol[at:at + size] = LAMBDA * mc.ns_steps * 3.4445 ** mc.ns_steps * stage(width, u_ns) * O.norm()
+            at += size
+        self.ortho = (O_probe, O_tol)
+
+    # --- the algebra -------------------------------------------------------------------------------------
+    def end_step(self, s) -> None:
+        cfg, a = self.ctx.cfg, self.start
+        b = self.snapshot()
+        b1, b2 = (float(x) for x in cfg.optim.betas)
+        eps, t = float(cfg.optim.eps), self.updates.to(a["w"].device) + 1  # a 0-d tensor: the count stays there
+        coef = self.ctx.coef_spec.double()
+        skipped = ~self.ctx.norm_finite | torch.tensor(bool(s.vetoed), device=coef.device)
+        lr = torch.repeat_interleave(torch.tensor([lr_at(cfg, g, s.step, self.ctx.schedule) for g in self.groups],
+                                                  dtype=F64,
+                                                  device=coef.device), torch.tensor(self.sizes, device=coef.device))
+        lr, wd = lr.to(a["w"].device), self.wd.to(a["w"].device)
+        has_g = ~self.g0.isnan()
+        g = torch.where(has_g, coef.to(self.g0.device) * self.g0, 0.0)
+        clip = self.qk_factor(s.qk_clip, g)
+        tol_g = SAFETY * N_G * U32 * g.abs()  # what the gradient's own roundings carry in (v: twice, through g²)
+        # AdamW
+        m, v, w = a["exp_avg"], a["exp_avg_sq"], a["w"]
+        m1, v1 = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g * g
+        tol_m = SAFETY * 2 * U32 * (b1 * m.abs() + (1 - b1) * g.abs()) + (1 - b1) * tol_g
+        tol_v = SAFETY * 3 * U32 * (b2 * v + (1 - b2) * g * g) + (1 - b2) * 2 * g.abs() * tol_g
+        bc1, bc2 = 1 - b1 ** t, 1 - b2 ** t
+        denom = (v1 / bc2).sqrt() + eps
+        step = (lr / bc1) * m1 / denom
+        tol_step = (lr / bc1) * tol_m / denom + step.abs() * tol_v / (2 * v1).clamp(min=1e-300)
+        state_err = torch.maximum((b["exp_avg"] - m1).abs() / (tol_m + 1e-300),
+                                  (b["exp_avg_sq"] - v1).abs() / (tol_v + 1e-300))
+        if self.muon:
+            mc = cfg.optim.muon
+            M = a["momentum_buffer"]
+            M1 = mc.momentum * M + g
+            tol_M = SAFETY * 2 * U32 * (mc.momentum * M.abs() + g.abs()) + tol_g
+            O, O_tol = self.ortho if self.ortho is not None else (torch.zeros_like(g), torch.zeros_like(g))
+            step = torch.where(self.is_muon, lr * mc.rms_scale * O, step)
+            tol_step = torch.where(self.is_muon, lr * mc.rms_scale * O_tol, tol_step)
+            state_err = torch.where(self.is_muon, (b["momentum_buffer"] - M1).abs() / (tol_M + 1e-300), state_err)
+        w1 = clip * (w * (1 - lr * wd) - step)
+        tol_w = clip * (SAFETY * N_OPS * U32 * (w.abs() + step.abs()) + tol_step) + 1e-300
+        w_err = (b["w"] - w1).abs() / tol_w
+        # a skipped step, or a parameter without a gradient: everything as it was, exactly
+        still = skipped | ~has_g
+        unchanged = torch.stack([(b[k] - a[k]).abs() for k in ("w", *STATES)]).amax(0) * 1e300  # any change: a miss
+        state_err = torch.where(still, unchanged, state_err)
+        w_err = torch.where(still, unchanged, w_err)
+        n = len(self.params)
+        per_state = torch.zeros(n, dtype=F64, device=w.device).scatter_reduce(0, self.owner, state_err, "amax")
+        # the step count is exact: the spec's count, plus one unless the step was skipped
+        count = t - torch.where(skipped, 1.0, 0.0).to(w.device)
+        miscounted = (b["step"] >= 0) & ((b["step"] - count).abs() > 0)
+        per_state = torch.where(miscounted, math.inf, per_state)
+        per_w = torch.zeros(n, dtype=F64, device=w.device).scatter_reduce(0, self.owner, w_err, "amax")
+        worst = torch.maximum(per_state, per_w)
+        self.measure(worst, torch.ones_like(worst), torch.where(per_state >= per_w, 0.0, 1.0))
+        self.start = b
+
+    def qk_factor(self, qk_clip: dict, like: Tensor) -> Tensor:
+        """Each probe element's QK-clip factor (optim/qk_clip.py: after the update, a clipped head's W_q rows ×
+        γ under GQA; W_q and W_k rows × √γ each under MHA), from the factors the lever reported; 1 elsewhere."""
+        out = torch.ones_like(like)
+        factors = (qk_clip or {}).get("factors") or {}
+        if not factors:
+            return out
+        mha = self.ctx.model.cfg.kv_heads == self.ctx.model.cfg.n_heads
+        at = 0
+        for (n, *_), size in zip(self.params, self.sizes):
+            for j, (part, head) in enumerate(self.qk.get(n, [])):
+                gamma = factors.get(f"block{n.split('.')[1]}.h{head}")
+                if gamma is not None and part in ("q", "k") and (mha or part == "q"):
+                    out[at + j] = math.sqrt(gamma) if mha else gamma
+            at += size
+        return out
+
+    def after_read(self, s) -> None:
+        """The host knows whether the update applied: the count moves on with it."""
+        if not bool(s.result.skipped):  # NOTE: the host's copy of the step's flag, read with the step
+            self.updates = self.updates + 1
+
+    def rolled_back(self, cursor: int) -> None:
+        self.start, self.updates = None, None
+
+    def state_dict(self) -> dict:
+        return {"updates": None if self.updates is None else self.updates.to("cpu")}
+
+    def load_state_dict(self, sd: dict) -> None:
+        u = sd.get("updates")
+        self.updates, self.start = None if u is None else torch.as_tensor(u, dtype=F64), None
+
+
+def _full(t: Tensor) -> Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _local_of(full: Tensor, p) -> Tensor:
+    """This rank's shard of a full tensor laid out as DTensor `p` (FSDP2 shards dim 0 evenly, the last short)."""
+    rank, world = p.device_mesh.get_local_rank(), p.device_mesh.size()
+    rows = -(-full.shape[0] // world)
+    return full[rank * rows:(rank + 1) * rows]
+
+
+def qk_heads(idx: Tensor, cfg) -> list[tuple[str, int]]:
+    """(part, head) of each probe element of a fused qkv weight: its row is a q head's, a k head's or a v head's."""
+    H, K_, d = cfg.n_heads, cfg.kv_heads, cfg.head_dim
+    out = []
+    for r in (idx // cfg.d_model).tolist():
+        if r < H * d:
+            out.append(("q", r // d))
+        elif r < (H + K_) * d:
+            out.append(("k", (r - H * d) // d))
+        else:
+            out.append(("v", (r - (H + K_) * d) // d))
+    return out

@@ -1,0 +1,188 @@
+"""The step checks itself against its specification: the registered checks (spec/checks/), attached to the step.
+
+    spec = Conformance(ctx, cfg)     # run/build.py; one Callback, acting at every point of the step
+    ...                              # the checks measure at the step's points, into the step's HostScalars
+    spec.read(s, host, phase)        # train.py, after each read: s.spec filled, the new failures returned
+
+Cheap checks run every step; the reference checks (the probe through the FP64 reference) on step 1 and every
+`spec.every` steps (telemetry's cadence by default). A check whose verdict is known before the update (phase
+"before": the data, the state the step started from, the gradient of the loss, the clip, the LR) is read with
+the step's first read when the guard can veto, so a step that broke them never reaches the weights; the rest
+(the optimizer's algebra, the balancing bias, the replicas, the probe) are read after the update, where
+guard=rollback undoes the step. Every rank runs every check on its own share; the worst rank's result is kept,
+and a failure on some ranks only takes the check's rank class (rank.data; the ranks disagreeing after a reduction: system.rank_divergence).
+
+The monitor's state (each check's: the data cursor of the plan, the fingerprint the state ended with, the
+update count) rides in the checkpoint as a TrainState extra, so a resume and a rollback are checked against
+what was saved.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as tdist
+
+from spec.check import AFTER, BEFORE, REFERENCE, SpecContext
+from spec.checks import registry
+from spec.probe import run_probe
+from stability.callbacks import Callback, StepState
+
+TIMELINE = {"input": "input", "forward": "forward", "backward": "backward/update", "update": "backward/update",
+            "system": "system"}  # a check's layer -> the doctor's timeline layer
+
+
+class Conformance(Callback):
+    # after a drill and an intervention at every point (they are what is checked), before telemetry's forward
+    # hooks (so the data and the state are checked before anything reads them), and after every writer of the
+    # update (levers, telemetry, drills, interventions) for what the step left
+    order = {"before_batch": 50, "before_forward": 15, "before_update": 95, "after_clip": 50, "after_update": 90,
+             "end_step": 50}
+    optional = True  # a checkpoint saved without it (an older run) resumes, and the checks take their baseline
+
+    def __init__(self, ctx: SpecContext, every: int):
+        self.ctx, self.every = ctx, every
+        self.checks = [cls(ctx) for cls in registry().values() if cls.applies(ctx)]
+        self.rank = {c.name: c.rank for c in self.checks}
+        self.phase = {BEFORE: [c for c in self.checks if c.phase == BEFORE],
+                      AFTER: [c for c in self.checks if c.phase == AFTER]}
+        self._probe: tuple[int, object] | None = None
+        ctx.probe = self.probe
+
+    def reference_step(self, step: int) -> bool:
+        return step == 1 or step % self.every == 0
+
+    def probe(self, s: StepState):
+        """The probe run of this step (spec/probe.py), once, on a reference step; None otherwise."""
+        if not self.reference_step(s.step):
+            return None
+        if self._probe is None or self._probe[0] != s.step:
+            c, scaler = self.ctx, self.ctx.scaler
+            self._probe = (s.step, run_probe(c.model, s.micro, s.routes, float(c.cfg.train.z_loss), c.recipe.autocast,
+                                             float(scaler.scale) if scaler is not None else None,
+                                             want_grads=not c.sharded))
+        return self._probe[1]
+
+    def _at(self, point: str, s: StepState) -> None:
+        ref = self.reference_step(s.step)
+        for c in self.checks:
+            if c.cadence == REFERENCE and not ref:
+                continue
+            getattr(c, point)(s)
+
+    def before_batch(self, s: StepState) -> None:
+        for c in self.checks:
+            c.out = None
+            c.extra = {}
+        self._at("before_batch", s)
+
+    def before_forward(self, s: StepState) -> None:
+        self._at("before_forward", s)
+
+    def before_update(self, s: StepState) -> None:
+        self._at("before_update", s)
+
+    def after_clip(self, s: StepState) -> None:
+        self._at("after_clip", s)
+        self._put(s, BEFORE)
+
+    def after_update(self, s: StepState) -> None:
+        self._at("after_update", s)
+
+    def end_step(self, s: StepState) -> None:
+        self._at("end_step", s)
+        self._put(s, AFTER)
+        self._probe = None
+
+    # --- the read ----------------------------------------------------------------------------------------
+    def _put(self, s: StepState, phase: str) -> None:
+        checks = self.phase[phase]
+        if not checks:
+            return
+        dev = s.n_valid_t.device
+        rows = [c.out.to(dev) if c.out is not None else torch.tensor([-1.0, 0, 0, 0, 0], dtype=torch.float64, device=dev)
+                for c in checks]
+        table = torch.stack(rows)
+        world = self.ctx.dist.world
+        if world > 1:
+            every = [torch.empty_like(table) for _ in range(world)]
+            tdist.all_gather(every, table)
+            table = torch.stack(every)
+        else:
+            table = table[None]
+        s.host.put(**{f"spec/{phase}": table})
+        extra = {f"spec/{k}": v.to(dev) for c in checks for k, (_, v) in c.extra.items()}
+        for k, v in extra.items():
+            if world > 1:
+                tdist.all_reduce(v, op=tdist.ReduceOp.MAX)
+            s.host.put(**{k: v})
+
+    def read(self, s: StepState, host, phase: str) -> list[dict]:
+        """After the step's read of `phase`'s checks: fill s.spec, return the failures (dicts) found."""
+        key = f"spec/{phase}"
+        if key not in host:
+            return []
+        checks, table = self.phase[phase], host[key]  # table: [rank][check][miss, where, kind, err, tol]
+        spec = s.spec.setdefault("miss", {})
+        fails = []
+        for j, c in enumerate(checks):
+            per_rank = [table[r][j] for r in range(len(table))]
+            ran = [row for row in per_rank if row[0] >= 0]
+            if not ran:
+                continue
+            rank = max(range(len(per_rank)), key=lambda r: per_rank[r][0])
+            miss, where, kind, err, tol = per_rank[rank]
+            spec[c.name] = miss
+            if not miss > 1:
+                continue
+            classify = getattr(c, "classify", None)
+            # NOTE: how it missed, when the check decides that only for a failure (rank 0's own measurement)
+            kname = classify(int(where)) if classify is not None and rank == self.ctx.dist.rank else c.kind_name(kind)
+            failing = sum(row[0] > 1 for row in ran)
+            if 1 < len(per_rank) and failing < len(per_rank) and getattr(c, "rank_kind", None):
+                kname = c.rank_kind  # one rank (not all of them) broke it: that rank's inputs or gradient
+            k = c.kinds[kname]
+            fails.append({"check": c.name, "kind": kname, "class": k.cls, "layer": TIMELINE[k.layer or c.layer],
+                          "where": c.where[int(where)] if int(where) < len(c.where) else None, "rank": rank,
+                          "err": err, "tol": tol, "miss": miss, "fix": k.fix})
+        # in the registry's order across both reads: the first failure listed is the one that broke first
+        s.spec["fail"] = sorted(s.spec.get("fail", []) + fails, key=lambda f: self.rank[f["check"]])
+        if phase == AFTER:  # the step's outcome is on the host now: the checks that count updates go on from it
+            for c in checks:
+                if c.out is not None and hasattr(c, "after_read"):
+                    c.after_read(s)
+        for c in checks:
+            for k, (names, _) in c.extra.items():
+                if f"spec/{k}" in host:
+                    s.spec[k] = dict(zip(names, host[f"spec/{k}"]))
+        return fails
+
+    def rolled_back(self, cursor: int) -> None:
+        """The guard restored an earlier state (its snapshot brought the checks' state back with it) and put the
+        data cursor at `cursor` by its declared data policy."""
+        for c in self.checks:
+            hook = getattr(c, "rolled_back", None)
+            if hook is not None:
+                hook(cursor)
+
+    # --- checkpoint ----------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {c.name: c.state_dict() for c in self.checks}
+
+    def load_state_dict(self, sd: dict) -> None:
+        for c in self.checks:
+            if c.name in sd:
+                c.load_state_dict(sd[c.name])
+
+
+def build_spec(cfg, *, model, wrapped, optimizer, scheduler, loader, dataset, dist, recipe, scaler, evals,
+               clip_policy, sharded: bool) -> Conformance | None:
+    """The run's Conformance, or None when spec.enabled is false."""
+    sc = cfg.spec
+    if not sc.enabled:
+        return None
+    ctx = SpecContext(cfg=cfg, model=model, wrapped=wrapped, optimizer=optimizer, loader=loader, dataset=dataset,
+                      dist=dist, recipe=recipe, scaler=scaler, evals=evals, scheduler=scheduler,
+                      clip_policy=clip_policy, sharded=sharded, compiled=bool(cfg.train.compile),
+                      max_grad_norm=cfg.train.max_grad_norm, names={id(p): n for n, p in model.named_parameters()})
+    every = sc.every or cfg.telemetry.every or 10
+    return Conformance(ctx, every)
+

@@ -1,0 +1,102 @@
+"""The probe: one sequence of the step's batch run through the training path and through the FP64 reference.
+
+On a reference step, after the update (spec/checks/forward.py reads it from after_update): the first row of the
+step's first micro-batch goes through the bare model — the training path's own modules, hooks and kernels,
+under the recipe's autocast, the way the step ran them — with forward hooks that keep what each layer took and
+gave, and its objective is differentiated by autograd (torch.autograd.grad: nothing reaches .grad). The same
+row then goes through spec/reference.py in float64, from the same weights and with the same expert ids.
+
+NOTE: after the update, not before: the probe is a forward of its own, and telemetry counts every forward of
+the step while its hooks are on (until after_update); a one-shot drill hook is also spent by the step's own
+forward by then. The weights are the updated ones, on both sides alike: the check is of the model's math,
+for whatever weights.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from spec.reference import F64, Reference, weights_f64
+
+
+@dataclass
+class Taken:
+    """What the training path's modules took (input) and gave (output) on the probe, first call each."""
+    io: dict[str, tuple[Tensor, object]] = field(default_factory=dict)
+
+    def hook(self, key: str):
+        def keep(module, args, out):
+            if key not in self.io:
+                self.io[key] = (args[0].detach() if args else None, _detach(out))
+        return keep
+
+
+def _detach(out):
+    if torch.is_tensor(out):
+        return out.detach()
+    if isinstance(out, tuple) and hasattr(out, "_fields"):  # a NamedTuple (MoEOutput)
+        return type(out)(*[_detach(x) for x in out])
+    if isinstance(out, tuple):
+        return tuple(_detach(x) for x in out)
+    return out
+
+
+@dataclass
+class ProbeRun:
+    tokens: Tensor          # (1, P)
+    labels: Tensor          # (1, P)
+    taken: Taken
+    loss: dict[str, Tensor]        # the training path's ce, z, aux sums on the probe (float64)
+    grads: dict[str, Tensor] | None  # name -> the training path's gradient of the probe objective (float64)
+    ids: dict[int, Tensor]         # MoE layer -> (P, k) the experts the training path used
+    ref_w: dict[str, Tensor]       # the reference's float64 weights (leaves with grad when grads is not None)
+    bias: dict[int, Tensor]        # MoE layer -> the selection bias
+    cache: dict = field(default_factory=dict)  # what one check computed that another reads (tolerances)
+
+
+PROBE_TOKENS = 64  # the first positions of one sequence: every layer and head, some 2·64 expert assignments
+
+
+def run_probe(model, micro, routes, z_coef: float, autocast, loss_scale: float | None, want_grads: bool) -> ProbeRun:
+    """The training path on the first PROBE_TOKENS positions of row 0 of micro-batch 0 (causal: a prefix is a
+    sequence of its own), with its layers' inputs and outputs kept."""
+    mb = micro[0]
+    tokens, labels = mb.tokens[:1, :PROBE_TOKENS], mb.labels[:1, :PROBE_TOKENS]
+    taken = Taken()
+    hooks = [model.tok_emb.register_forward_hook(taken.hook("emb")), model.norm.register_forward_hook(taken.hook("norm"))]
+    for i, block in enumerate(model.blocks):
+        hooks += [block.register_forward_hook(taken.hook(f"block{i}")),
+                  block.attn.register_forward_hook(taken.hook(f"block{i}.attn")),
+                  block.mlp.register_forward_hook(taken.hook(f"block{i}.mlp"))]
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    probe_routes = None if routes is None else {l: r[:1, :PROBE_TOKENS] for l, r in routes[0].items()}
+    try:
+        with torch.enable_grad(), (autocast() if autocast is not None else contextlib.nullcontext()):
+            out = model(tokens, labels, routes=probe_routes)
+        objective = (out.loss_sum + z_coef * out.z_sum) / out.n_valid.clamp(min=1) + out.aux_loss
+        grads = None
+        if want_grads:
+            scale = float(loss_scale) if loss_scale else 1.0  # FP16: scaled like the step, so nothing underflows
+            got = torch.autograd.grad(objective * scale, list(params.values()), allow_unused=True)
+            grads = {n: (torch.zeros_like(p, dtype=F64) if g is None else g.detach().to(F64) / scale)
+                     for (n, p), g in zip(params.items(), got)}
+    finally:
+        for h in hooks:
+            h.remove()
+    ids = {i: taken.io[f"block{i}.mlp"][1].route_ids_Nk for i, _ in model.moe_layers()}
+    bias = {i: m.bias_E.detach().to(F64) for i, m in model.moe_layers()}
+    loss = {"ce": out.loss_sum.detach().to(F64), "z": out.z_sum.detach().to(F64), "aux": out.aux_loss.detach().to(F64)}
+    return ProbeRun(tokens, labels, taken, loss, grads, ids, weights_f64(model, requires_grad=want_grads), bias)
+
+
+def reference_grads(ref: Reference, run: ProbeRun, z_coef: float) -> dict[str, Tensor]:
+    """The FP64 reference's gradient of the same probe objective, with the training path's expert ids."""
+    out = ref.forward(run.tokens, run.labels, run.ids)
+    objective = (out["ce"] + z_coef * out["z"]) / out["n"].clamp(min=1).to(F64) + out["aux"]
+    leaves = [w for w in run.ref_w.values() if w.requires_grad]
+    names = [n for n, w in run.ref_w.items() if w.requires_grad]
+    got = torch.autograd.grad(objective, leaves, allow_unused=True)
+    return {n: torch.zeros_like(w) if g is None else g for n, w, g in zip(names, leaves, got)}

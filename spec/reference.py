@@ -1,0 +1,207 @@
+"""An independent FP64 reference of the model, written from the math: the oracle of the forward and backward
+checks (spec/checks/forward.py).
+
+It imports nothing from model/ but the config: the weights come in by their parameter names (a state dict),
+and every operation is written here again from its definition, so that a kernel, a hook or a module of the
+training path that computes something else cannot also change the reference. What it computes, per block
+(pre-norm; docs/course.md, model/ for the training path's own account):
+
+    h   = x + Attn(RMSNorm(x))          Attn: causal GQA softmax(q·kᵀ/√d)·v, RoPE on q and k, QK-norm
+    out = h + MLP(RMSNorm(h))           MLP: SwiGLU silu(min(gate, L))·clamp(up, −L, L), or MoE:
+                                        Σ_j gate_j·expert_{id_j}(h) + shared(h), gates the router's scores at
+                                        the chosen ids (renormalised over the k), balance and router z-loss
+    loss = Σ_valid (lse − logit[label]),  z = Σ_valid lse²      on RMSNorm(final) · W_headᵀ
+
+Everything runs in float64 (the course's "单卡高精度建立参考": a high-precision single-device reference).
+MoE routing is discontinuous (a near-tie flips top-k between FP32 and FP64), so a forward is given the expert
+ids the training path chose; that those ids ARE the router's top-k (within rounding) is checked apart
+(spec/checks/forward.py: route_margin).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from model.config import ModelConfig
+
+IGNORE = -100  # the label of a position without a target (data/batch.py's IGNORE_INDEX; the spec's own copy)
+F64 = torch.float64
+
+
+def rms_norm(x: Tensor, gain: Tensor, eps: float) -> Tensor:
+    """x / sqrt(mean(x²) + eps) · gain, over the last dimension."""
+    return x / torch.sqrt(x.square().mean(-1, keepdim=True) + eps) * gain
+
+
+def rotate(x_BTHd: Tensor, theta: float) -> Tensor:
+    """RoPE: each pair (x[2i], x[2i+1]) at position t turned by the angle t·θ^(−2i/d)."""
+    T, d = x_BTHd.shape[1], x_BTHd.shape[-1]
+    cos, sin = _angles(T, d, theta, x_BTHd.device)
+    a, b = x_BTHd[..., 0::2], x_BTHd[..., 1::2]
+    return torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
+
+
+_ANGLES: dict[tuple, tuple[Tensor, Tensor]] = {}
+
+
+def _angles(T: int, d: int, theta: float, device) -> tuple[Tensor, Tensor]:
+    """(cos, sin) of t·θ^(−2i/d), (T, 1, d/2), in float64 (cached: the same for every call of a run)."""
+    key = (T, d, theta, str(device))
+    if key not in _ANGLES:
+        freq = theta ** (-torch.arange(0, d, 2, dtype=F64, device=device) / d)
+        angle_TF = torch.arange(T, dtype=F64, device=device)[:, None] * freq[None, :]
+        _ANGLES[key] = (angle_TF.cos()[:, None, :], angle_TF.sin()[:, None, :])
+    return _ANGLES[key]
+
+
+def swiglu(x: Tensor, w_gate_up: Tensor, w_down: Tensor, limit: float | None) -> Tensor:
+    gate, up = (x @ w_gate_up.T).chunk(2, dim=-1)
+    if limit is not None:
+        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return (gate * torch.sigmoid(gate) * up) @ w_down.T
+
+
+@dataclass
+class MoEParts:
+    """What a reference MoE layer computed on its rows (N = B·T), beside its output."""
+    y: Tensor          # (N, D)
+    ids: Tensor        # (N, k) the experts used
+    gates: Tensor      # (N, k)
+    scores: Tensor     # (N, E) the router's scores (softmax or sigmoid of its logits)
+    aux: Tensor        # balance_coef·balance + router_z_coef·router_z
+    outs: Tensor       # (N, k, D) each chosen expert's output, before its gate
+    shared: Tensor     # (N, D) the shared expert's output (zeros without one)
+    logits: Tensor     # (N, E) the router's logits
+
+
+class Reference:
+    """The model of `cfg` from weights `w` (parameter name -> tensor, any dtype; taken in float64)."""
+
+    def __init__(self, cfg: ModelConfig, w: dict[str, Tensor], bias: dict[int, Tensor] | None = None):
+        self.cfg = cfg
+        self.w = w
+        self.bias = bias or {}  # MoE layer -> (E,) the aux-loss-free selection bias (a buffer, not a weight)
+
+    def p(self, name: str) -> Tensor:
+        return self.w[name]
+
+    def is_moe(self, i: int) -> bool:
+        return f"blocks.{i}.mlp.router.weight" in self.w
+
+    # --- the pieces, each from its definition -------------------------------------------------------
+    def embed(self, tokens_BT: Tensor) -> Tensor:
+        return self.p("tok_emb.weight")[tokens_BT]
+
+    def attention(self, i: int, x_BTD: Tensor, causal: bool = True) -> Tensor:
+        """Attn of block i on its (already normed) input."""
+        c, pre = self.cfg, f"blocks.{i}.attn."
+        H, K, d = c.n_heads, c.kv_heads, c.head_dim
+        B, T, _ = x_BTD.shape
+        qkv = (x_BTD @ self.p(pre + "qkv.weight").T).reshape(B, T, H + 2 * K, d)
+        q, k, v = qkv.split([H, K, K], dim=2)
+        if c.qk_norm:
+            q = rms_norm(q, self.p(pre + "q_norm.weight"), c.norm_eps)
+            k = rms_norm(k, self.p(pre + "k_norm.weight"), c.norm_eps)
+        q, k = rotate(q, c.rope_theta), rotate(k, c.rope_theta)
+        kv_of = torch.arange(H, device=x_BTD.device) // (H // K)  # query head h reads kv head h // (H/K)
+        k, v = k[:, :, kv_of], v[:, :, kv_of]
+        s_BHTS = torch.einsum("bthd,bshd->bhts", q, k) / math.sqrt(d)
+        if causal:
+            future = torch.ones(T, T, dtype=torch.bool, device=x_BTD.device).triu(1)
+            s_BHTS = s_BHTS.masked_fill(future, -math.inf)
+        y = torch.einsum("bhts,bshd->bthd", s_BHTS.softmax(-1), v).reshape(B, T, H * d)
+        return y @ self.p(pre + "proj_out.weight").T
+
+    def dense_mlp(self, i: int, x: Tensor) -> Tensor:
+        pre = f"blocks.{i}.mlp."
+        return swiglu(x, self.p(pre + "w_gate_up.weight"), self.p(pre + "w_down.weight"), self.cfg.swiglu_clamp)
+
+    def router_scores(self, i: int, x_ND: Tensor) -> Tensor:
+        logits = x_ND @ self.p(f"blocks.{i}.mlp.router.weight").T
+        return logits.softmax(-1) if self.cfg.moe.score == "softmax" else torch.sigmoid(logits)
+
+    def moe(self, i: int, x_ND: Tensor, ids_Nk: Tensor | None, valid_N: Tensor | None) -> MoEParts:
+        """The MoE layer of block i on rows x_ND. ids_Nk None: the router's own top-k (with the bias)."""
+        mc, pre = self.cfg.moe, f"blocks.{i}.mlp."
+        N, E, k = x_ND.shape[0], mc.n_experts, mc.top_k
+        logits = x_ND @ self.p(pre + "router.weight").T
+        scores = logits.softmax(-1) if mc.score == "softmax" else torch.sigmoid(logits)
+        if ids_Nk is None:
+            bias = self.bias.get(i, torch.zeros(E, dtype=F64, device=x_ND.device))
+            ids_Nk = torch.topk(scores.detach() + bias, k, dim=-1).indices
+        gates = scores.gather(-1, ids_Nk)
+        if k > 1 and (mc.norm_topk or mc.score == "sigmoid"):
+            gates = gates / gates.sum(-1, keepdim=True)
+        w_gu, w_dn = self.p(pre + "experts.w_gate_up"), self.p(pre + "experts.w_down")
+        outs_NkD = x_ND.new_zeros(N, k, x_ND.shape[-1])
+        for e in range(E):  # each expert once, on the tokens that chose it (a token's k experts are distinct)
+            hit_Nk = ids_Nk == e
+            outs_NkD = outs_NkD.index_put((hit_Nk,), swiglu(x_ND[hit_Nk.any(-1)], w_gu[e], w_dn[e], self.cfg.swiglu_clamp))
+        shared = (swiglu(x_ND, self.p(pre + "shared.w_gate_up.weight"), self.p(pre + "shared.w_down.weight"),
+                         self.cfg.swiglu_clamp) if mc.shared_expert else torch.zeros_like(x_ND))
+        y = (outs_NkD * gates[..., None]).sum(1) + shared
+        valid = torch.ones(N, dtype=torch.bool, device=x_ND.device) if valid_N is None else valid_N
+        n = valid.sum().clamp(min=1).to(F64)
+        # Switch balance E·Σ_e f_e·P_e (f: the share of valid assignments, no gradient; P: the mean probability)
+        f_E = torch.zeros(E, dtype=F64, device=x_ND.device).index_add(
+            0, ids_Nk.flatten(), valid.repeat_interleave(k).to(F64)) / (n * k)
+        probs = scores if mc.score == "softmax" else scores / scores.sum(-1, keepdim=True)
+        P_E = torch.where(valid[:, None], probs, 0.0).sum(0) / n
+        balance = E * (f_E * P_E).sum()
+        router_z = torch.where(valid, torch.logsumexp(logits, -1).square(), 0.0).sum() / n
+        return MoEParts(y, ids_Nk, gates, scores, mc.balance_coef * balance + mc.router_z_coef * router_z, outs_NkD,
+                        shared, logits)
+
+    def block(self, i: int, x_BTD: Tensor, ids_Nk: Tensor | None = None, valid_BT: Tensor | None = None):
+        """(block output, its MoEParts or None)."""
+        c, pre = self.cfg, f"blocks.{i}."
+        h = x_BTD + self.attention(i, rms_norm(x_BTD, self.p(pre + "attn_norm.weight"), c.norm_eps))
+        m_in = rms_norm(h, self.p(pre + "mlp_norm.weight"), c.norm_eps)
+        if not self.is_moe(i):
+            return h + self.dense_mlp(i, m_in), None
+        B, T, D = m_in.shape
+        parts = self.moe(i, m_in.reshape(B * T, D), ids_Nk, None if valid_BT is None else valid_BT.reshape(-1))
+        return h + parts.y.reshape(B, T, D), parts
+
+    def head(self, x_BTD: Tensor) -> Tensor:
+        """Logits from the last block's output."""
+        w = self.w.get("head.weight", self.p("tok_emb.weight"))
+        return rms_norm(x_BTD, self.p("norm.weight"), self.cfg.norm_eps) @ w.T
+
+    # --- the whole model ------------------------------------------------------------------------------
+    def forward(self, tokens_BT: Tensor, labels_BT: Tensor, ids: dict[int, Tensor] | None = None) -> dict:
+        """{"ce", "z", "aux", "n", "blocks": [outputs], "moe": {layer: MoEParts}} on one batch; `ids`: the
+        expert ids per MoE layer, (B·T, k), as the training path chose them."""
+        valid = labels_BT != IGNORE
+        x = self.embed(tokens_BT)
+        outs, moes = [], {}
+        for i in range(self.cfg.n_layers):
+            x, parts = self.block(i, x, (ids or {}).get(i), valid)
+            outs.append(x)
+            if parts is not None:
+                moes[i] = parts
+        ce, z = losses(self.head(x), labels_BT)
+        aux = sum((p.aux for p in moes.values()), torch.zeros((), dtype=F64, device=x.device))
+        return {"ce": ce, "z": z, "aux": aux, "n": valid.sum(), "blocks": outs, "moe": moes}
+
+
+def losses(logits_BTV: Tensor, labels_BT: Tensor) -> tuple[Tensor, Tensor]:
+    """(Σ cross-entropy, Σ lse²) over the valid labels."""
+    valid = labels_BT != IGNORE
+    lse = torch.logsumexp(logits_BTV, -1)
+    at = logits_BTV.gather(-1, labels_BT.clamp(min=0)[..., None])[..., 0]
+    return torch.where(valid, lse - at, 0.0).sum(), torch.where(valid, lse.square(), 0.0).sum()
+
+
+def weights_f64(model: torch.nn.Module, requires_grad: bool = False) -> dict[str, Tensor]:
+    """Every parameter of `model` by name in float64 (a DTensor shard gathered whole), as leaves."""
+    out = {}
+    for name, p in model.named_parameters():
+        t = p.detach()
+        if hasattr(t, "full_tensor"):
+            t = t.full_tensor()
+        out[name] = t.to(F64).requires_grad_(requires_grad)
+    return out

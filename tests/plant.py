@@ -1,0 +1,197 @@
+"""Bugs planted from outside the specification checks, for tests/test_spec.py.
+
+    python tests/plant.py FAULT STEP RUN_DIR [hydra overrides...]
+
+Each fault monkeypatches a component of this checkout the way a bug would (a loader, a hook on a module, a
+patched function, a scheduler) in this process, then runs train.py through runpy: nothing in the run's config
+names it. It acts at optimizer step STEP (the STEP-th train batch) or from there on. FAULTS maps each to the
+check that must fail at STEP and the place it must name.
+"""
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # NOTE: before any project import: the patched modules are the ones train.py uses
+
+# fault -> (the check that must fail at its step, the place it names (None: any), its kind)
+FAULTS = {
+    "label_shift": ("data", "labels", "corrupted"),
+    "cursor_skip": ("data", "ids", "cursor"),
+    "val_row": ("data", "leak", "leak"),
+    "emb_row": ("continuity", "tok_emb.weight", "state"),
+    "attn_x3": ("forward", "block1.attn", "scaled"),
+    "mlp_bf16": ("forward", "block0.mlp", "precision"),
+    "expert_dead": ("forward", "block1.mlp", "dead_expert"),
+    "grad_hook": ("gradient", "blocks.0.attn.qkv.weight", "scaled"),
+    "all_grads_x2": ("loss_grad", "norm.weight", "scaled"),
+    "clip_input": ("clip", "norm", "gradient"),
+    "clip_threshold": ("clip", "coef", "coef"),
+    "lr_x3": ("lr", None, "lr"),
+    "eps": ("optimizer", None, "update"),
+    "adam_v": ("optimizer", None, "state"),
+    "route_flip": ("route", "moe1", "topk"),
+    "bias_sign": ("balance", "moe1", "rule"),
+    "reduce_rank1": ("reduce", None, "reduce"),
+}
+RESUME = {"resume_lost_moments": ("continuity", None, "resume")}  # planted on a resume from step S − 1
+
+
+class Clock:
+    step = 0  # the train batches served so far: the step being run
+
+
+def plant(name: str, S: int) -> None:
+    import torch
+
+    from data import loader as loader_mod
+    from data.batch import IGNORE_INDEX
+    from model import transformer as tr
+
+    models: list = []
+    orig_next = loader_mod.Loader.next
+
+    def next_(self):
+        if self.split == "train":
+            Clock.step += 1
+            if name == "cursor_skip" and Clock.step == S:
+                self.samples_consumed += 5 * self.batch_size
+            if name == "emb_row" and Clock.step == S:  # between the steps: the weights change under the run
+                with torch.no_grad():
+                    models[0].tok_emb.weight[3] *= 2.0
+        batch = orig_next(self)
+        if self.split != "train" or Clock.step != S:
+            return batch
+        if name == "label_shift":
+            lab = batch.labels.clone()
+            lab[:, :-1] = torch.where(lab[:, 1:] != IGNORE_INDEX, lab[:, 1:], lab[:, :-1])
+            batch.labels = lab
+        if name == "val_row":
+            val = self.dataset.samples(range(0, 1), "val")
+            batch.tokens[0], batch.labels[0] = val.tokens[0], val.labels[0]
+            batch.sources[0] = val.sources[0]
+        return batch
+    loader_mod.Loader.next = next_
+
+    orig_init = tr.Transformer.__init__
+
+    def init(self, *a, **k):
+        orig_init(self, *a, **k)
+        models[:] = [self]
+        at = lambda: torch.is_grad_enabled() and Clock.step == S  # noqa: E731
+
+        if name == "attn_x3":
+            self.blocks[1].attn.register_forward_hook(lambda m, a_, out: out * 3.0 if at() else None)
+        if name == "mlp_bf16":
+            self.blocks[0].mlp.register_forward_hook(lambda m, a_, out: out.bfloat16().float() if at() else None)
+        if name == "expert_dead":
+            def kill(m, args, out):
+                if not at():
+                    return None
+                counts = torch.as_tensor(args[1]).tolist()
+                keep = torch.ones(out.shape[0], 1, dtype=out.dtype)
+                keep[:counts[0]] = 0.0  # the rows are sorted by expert: expert 0's come first
+                return out * keep
+            self.blocks[1].mlp.experts.register_forward_hook(kill)
+        if name == "grad_hook":
+            w = self.blocks[0].attn.qkv.weight
+            w.register_hook(lambda g: g * 0.5 if Clock.step == S else None)
+        if name == "all_grads_x2":
+            for p in self.parameters():
+                p.register_hook(lambda g: g * 2.0 if Clock.step == S else None)
+        if name == "route_flip":
+            moe = self.blocks[1].mlp
+            orig_top = moe.top_ids
+            moe.top_ids = lambda scores: (torch.topk(-scores.detach(), moe.top_k, -1).indices if at()
+                                          else orig_top(scores))
+        if name == "bias_sign":
+            moe = self.blocks[1].mlp
+            orig_ub = moe.update_bias
+            moe.update_bias = lambda load, skipped=False: (orig_ub(-load, skipped) if Clock.step == S
+                                                           else orig_ub(load, skipped))
+    tr.Transformer.__init__ = init
+
+    import precision.step as pstep
+    orig_prepare, orig_apply = pstep.prepare_update, pstep.apply_update
+
+    def prepare_update(params, scaler, max_grad_norm, clip=None):
+        if name == "clip_input" and Clock.step == S:
+            for p in models[0].blocks[1].parameters():
+                if p.grad is not None:
+                    p.grad.mul_(10.0)
+        if name == "clip_threshold" and Clock.step == S and max_grad_norm:
+            max_grad_norm = max_grad_norm * 0.01
+        return orig_prepare(params, scaler, max_grad_norm, clip=clip)
+
+    def apply_update(params, optimizer, *a, **k):
+        if name == "adam_v" and Clock.step == S:
+            for st in optimizer.state.values():
+                if "exp_avg_sq" in st:
+                    st["exp_avg_sq"].div_(16.0)
+        return orig_apply(params, optimizer, *a, **k)
+    pstep.prepare_update, pstep.apply_update = prepare_update, apply_update
+
+    if name == "eps":  # an optimizer setting changed under the config, from step S on
+        orig_step = torch.optim.AdamW.step
+
+        def step(self, *aa, **kk):
+            if Clock.step >= S:
+                for g in self.param_groups:
+                    g["eps"] = 1e-3
+            return orig_step(self, *aa, **kk)
+        torch.optim.AdamW.step = step
+
+    if name == "lr_x3":
+        from torch.optim.lr_scheduler import LambdaLR
+        orig_step = LambdaLR.step
+
+        def sstep(self, *aa, **kk):
+            orig_step(self, *aa, **kk)
+            if Clock.step >= S - 1:
+                for g in self.optimizer.param_groups:
+                    g["lr"] *= 3.0
+        LambdaLR.step = sstep
+
+    if name == "resume_lost_moments":  # a resume that loads the model but drops Adam's moments
+        from checkpoint import state as state_mod
+        orig_load = state_mod.TrainState.load
+
+        def load(self, *a, **k):
+            orig_load(self, *a, **k)
+            Clock.step = self.step
+            self.optimizer.state.clear()
+        state_mod.TrainState.load = load
+
+    if name == "reduce_rank1":  # rank 1's gradient halved before the all-reduce, by a DDP communication hook
+        import parallel.wrap as wrap
+        orig_wrap = wrap.wrap_model
+
+        def wrap_model(model, cfg, dist):
+            w = orig_wrap(model, cfg, dist)
+            import torch.distributed as tdist
+
+            def hook(state, bucket):
+                buf = bucket.buffer()
+                if dist.rank == 1 and Clock.step == S:
+                    buf.mul_(0.5)
+                tdist.all_reduce(buf.div_(dist.world))
+                fut = torch.futures.Future()
+                fut.set_result(buf)
+                return fut
+            w.register_comm_hook(None, hook)
+            return w
+        wrap.wrap_model = wrap_model
+        import run.build
+        run.build.wrap_model = wrap_model
+
+
+if __name__ == "__main__":
+    fault, step, run_dir, *overrides = sys.argv[1:]
+    if fault != "none":
+        plant(fault, int(step))
+    os.chdir(ROOT)
+    sys.argv = [str(ROOT / "train.py"), f"hydra.run.dir={run_dir}", *overrides]
+    runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
