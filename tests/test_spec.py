@@ -18,9 +18,9 @@ S = 3
 PLANTED = [*TINY, f"train.steps={S + 1}", "spec.every=1", "checkpoint.every=0", "logging.plot=false"]
 
 
-def plant(tmp_path: Path, fault: str, *overrides: str, nproc: int = 1) -> list[dict]:
+def plant(tmp_path: Path, fault: str, *overrides: str, nproc: int = 1, base: list[str] = PLANTED) -> list[dict]:
     d = tmp_path / fault
-    script = [str(ROOT / "tests/plant.py"), fault, str(S), str(d), *PLANTED, *overrides]
+    script = [str(ROOT / "tests/plant.py"), fault, str(S), str(d), *base, *overrides]
     cmd = ([sys.executable, *script] if nproc == 1 else
            [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *script])
     r = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=1800)
@@ -111,6 +111,16 @@ def test_clean_steps_pass_every_check(tmp_path, name):
         assert rec["spec"]["miss"] and not rec["spec"].get("fail"), (name, rec["step"], rec["spec"].get("fail"))
     ran = set().union(*(r["spec"]["miss"] for r in recs))
     assert {"continuity", "data", "forward", "gradient", "clip", "lr", "optimizer"} <= ran
+
+
+def test_muon_between_reference_steps_checks_its_momentum_and_no_update(tmp_path):
+    """Muon's oracle (an FP64 Newton–Schulz of every hidden matrix) runs on reference steps only: with spec.every=2
+    step 3 is not one; its momentum is checked, its matrices' update is not judged, and no step fails."""
+    base = [o for o in PLANTED if not o.startswith("spec.every=")] + ["spec.every=2"]
+    recs = plant(tmp_path, "none", "optim=muon", base=base)
+    assert [r["step"] for r in recs] == list(range(1, S + 2))
+    for rec in recs:
+        assert "optimizer" in rec["spec"]["miss"] and not rec["spec"].get("fail"), (rec["step"], rec["spec"])
 
 
 @pytest.mark.distributed
