@@ -13,16 +13,13 @@ import math
 import statistics
 from dataclasses import dataclass, field
 
-from doctor.timeline import WINDOW, Deviation, Run, Series
+from doctor.classes import CLASSES
+from doctor.diagnosis import Check
+from doctor.timeline import INPUT, Deviation, Run, Series
+from stability.signals import family
 
-NEAR = 1  # a deviation this many steps from t0 belongs to the same incident
-
-
-@dataclass
-class Check:
-    name: str
-    holds: bool | None
-    evidence: str
+NEAR = 1  # a deviation this many steps from t0 belongs to the same incident: the step's own quantities are
+#           recorded with the step, its update's consequences at the next one
 
 
 @dataclass
@@ -35,6 +32,7 @@ class Context:
     floors: dict | None = None  # the data's exact per-source floors (synthetic data)
     start: int = 0              # the doctor's first scored step
     earlier: list = field(default_factory=list)  # the incidents found before this one in its segment
+    budget: object = None       # the run's detection budget (doctor/scores.py Budget): its window, its tests
 
     @property
     def seg(self) -> list[dict]:
@@ -45,15 +43,34 @@ class Context:
         t = self.t0 if t is None else t
         return next((r for r in self.seg if r["step"] == t), None)
 
-    def near(self, prefix: str, lo: int = -NEAR, hi: int = NEAR) -> list[Deviation]:
-        """Deviations of quantities named prefix* within [t0 + lo, t0 + hi]."""
-        return [d for q, d in self.devs.items() if q.startswith(prefix) and self.t0 + lo <= d.step <= self.t0 + hi]
+    @property
+    def window(self) -> int:
+        """The run's baseline window (its guard's: doctor/scores.py Budget)."""
+        return self.budget.window if self.budget is not None else 30
+
+    def near(self, q: str, lo: int = -NEAR, hi: int = NEAR) -> list[Deviation]:
+        """Deviations of the quantity q (a series, or every series of the family q) within [t0 + lo, t0 + hi]."""
+        return [d for k, d in self.devs.items() if (k == q or (family(k) is not None and family(k).name == q))
+                and self.t0 + lo <= d.step <= self.t0 + hi]
+
+    def near_role(self, role: str, lo: int = -NEAR, hi: int = NEAR) -> list[Deviation]:
+        """Deviations of quantities whose Signal declares `role` (stability/signals.py ROLES) within [t0 + lo, t0 + hi]."""
+        return [d for q, d in self.devs.items() if (sig := family(q)) is not None and sig.role == role
+                and self.t0 + lo <= d.step <= self.t0 + hi]
+
+    def near_layer(self, layer: str, lo: int = -NEAR, hi: int = NEAR) -> list[Deviation]:
+        """Deviations in one timeline layer within [t0 + lo, t0 + hi]."""
+        return [d for d in self.devs.values() if d.layer == layer and self.t0 + lo <= d.step <= self.t0 + hi]
+
+    def series(self, role: str) -> dict[str, Series]:
+        """The timeline's series whose Signal declares `role`."""
+        return {q: s for q, s in self.tl.items() if s.spec.role == role}
 
     def baseline(self, q: str, t: int | None = None) -> float | None:
-        """Median of quantity q over the WINDOW steps before t (default t0)."""
+        """Median of quantity q over the baseline window before t (default t0)."""
         t = self.t0 if t is None else t
         s = self.tl.get(q)
-        vals = [v for k, v in sorted(s.values.items()) if k < t and math.isfinite(v)][-WINDOW:] if s else []
+        vals = [v for k, v in sorted(s.values.items()) if k < t and math.isfinite(v)][-self.window:] if s else []
         return statistics.median(vals) if vals else None
 
     def value(self, q: str, t: int | None = None) -> float | None:
@@ -70,38 +87,37 @@ def _vs(ctx: Context, q: str) -> str:
 
 
 # ---- the input layer ------------------------------------------------------------------------------
-CORRUPTION = {  # input quantity -> what a deviation of it means, in the order they are tested
-    "input.label_alignment": "labels misaligned or shuffled (labels[t] != tokens[t+1])",
-    "continuity.": "the data cursor broke its order (sample ids repeated, skipped or out of order)",
-    "ranks.": "a rank's inputs are not what the sharding promises (its sample ids or its local loss)",
-    "input.top_token_frac": "the most frequent token's share moved (repeated / degenerate text, or noise)",
-    "input.doc_start_frac": "rows that start no document: one overlong, unsegmented document",
-    "input.valid_frac": "the share of valid label positions moved (padding / mask / length change)",
-    "input.foreign_frac": "tokens outside their document's vocabulary block (noise, foreign or spliced text)",
-    "input.rare_frac": "tokens the run has (almost) never seen (out-of-vocabulary / foreign text)",
-    "input.entropy": "the batch's token entropy moved (noise raises it, repetition lowers it)",
-    "input.kl_running": "the batch's token histogram left the run's running histogram (another distribution)",
-    "input.content": "the batch's content is not what its sample ids name (changed after the loader)",
-}
+def meaning(d: Deviation) -> str:
+    """What a deviation of the input layer means: its Signal's hint, or the class its producer declared."""
+    sig = family(d.quantity)
+    if sig is not None and sig.fix:
+        return sig.fix
+    c = CLASSES.get(d.cls or "")
+    return c.means if c else d.describe()
+
+
+def input_deviations(ctx: Context) -> list[Deviation]:
+    """The input layer's deviations at t0 or the step before, in timeline order (an invariant first)."""
+    return sorted(ctx.near_layer(INPUT, -NEAR, 0), key=lambda d: (d.step, d.order))
 
 
 def check_input(ctx: Context) -> Check:
     """Split the loss by source, length, mask and duplicates: did the batch itself deviate?"""
-    vals = ", ".join(_vs(ctx, q) for q in CORRUPTION if q in ctx.tl and q.startswith("input."))
-    bad = [q for q in CORRUPTION if ctx.near(q, -NEAR, 0)]
+    vals = ", ".join(_vs(ctx, q) for q, s in ctx.tl.items() if s.spec.layer == INPUT and s.spec.role == "input")
+    bad = input_deviations(ctx)
     if bad:
-        return Check("corrupted input batch", True, f"{CORRUPTION[bad[0]]}; at step {ctx.t0}: {vals}")
+        return Check("corrupted input batch", True, f"{meaning(bad[0])}; at step {ctx.t0}: {vals}")
     return Check("corrupted input batch", False, f"the input layer at step {ctx.t0} is within its baseline: {vals}")
 
 
 def corruption_kind(ctx: Context) -> str | None:
-    bad = [q for q in CORRUPTION if ctx.near(q, -NEAR, 0)]
-    return bad[0] if bad else None
+    bad = input_deviations(ctx)
+    return meaning(bad[0]) if bad else None
 
 
 def check_mixture(ctx: Context) -> Check:
     """A data manifest / mixture switch at the step, and whether each source stayed on its trajectory."""
-    switched = ctx.near("input.data_fingerprint_changed", -NEAR, 0)
+    switched = ctx.near_role("switch", -NEAR, 0)
     if not switched:
         return Check("objective change (data mixture switch)", False,
                      f"the data manifest did not change at steps {ctx.t0 - NEAR}..{ctx.t0} "
@@ -195,30 +211,30 @@ def transient(ctx: Context) -> str | None:
 # ---- settings and the update ------------------------------------------------------------------------
 def check_lr(ctx: Context) -> Check:
     """Did the LR leave its schedule at the step? (record lr vs optim.schedule in config.yaml)"""
-    s = ctx.tl.get("lr/schedule")
+    s = next(iter(ctx.series("schedule").values()), None)
     if s is None:
         return Check("LR switch", None, "no optim.schedule in config.yaml: the LR cannot be compared with it")
     rec = ctx.rec()
     r = s.values.get(ctx.t0)
-    if ctx.near("lr/schedule", -NEAR, 0):
+    if ctx.near_role("schedule", -NEAR, 0):
         return Check("LR switch", True, f"lr {rec['lr']:.4g} at step {ctx.t0} is {r:.4g}× its schedule value")
     return Check("LR switch", False, f"lr {rec['lr']:.4g} at step {ctx.t0} is on its schedule (ratio {r:.9g})")
 
 
 def check_update(ctx: Context) -> Check:
     """Compare update norms: did ρ jump without a matching gradient, LR or input to explain it?"""
-    rho = ctx.near("update_ratio", 0, NEAR)
-    lr, inp = ctx.near("lr/schedule", -NEAR, 0), ctx.near("input.", -NEAR, 0)
+    rho = ctx.near_role("update", 0, NEAR)
+    lr, inp = ctx.near_role("schedule", -NEAR, 0), ctx.near_layer(INPUT, -NEAR, 0)
     ev = f"{_vs(ctx, 'update_ratio_max')}, {_vs(ctx, 'grad_norm')}"
     if rho:
         t = min(d.step for d in rho)
         # NOTE: only a gradient of the update's own step or before explains it: the next step's gradient is
         # computed with the parameters that update wrote (a bad update's consequence, not its cause)
-        grad = [d for d in ctx.near("grad_norm", -NEAR, NEAR) + ctx.near("grad_rms", -NEAR, NEAR) if d.step <= t]
+        grad = [d for d in ctx.near_role("gradient", -NEAR, NEAR) if d.step <= t]
         ev = f"at step {t}: {_vs_at(ctx, 'update_ratio_max', t)}, {_vs_at(ctx, 'grad_norm', t)}"
         # NOTE: a loss that deviated at the update's step or before was computed before that update: the
         # update cannot have caused it, and a new objective (one source's data changed) moves the update
-        loss = [d for d in ctx.near("loss", -NEAR, NEAR) if d.step <= t]
+        loss = [d for d in ctx.near_role("objective", -NEAR, NEAR) if d.step <= t]
         if not (grad or lr or inp or loss):
             return Check("corrupted optimizer state", True,
                          f"the update jumped while the gradient, the LR, the inputs and the loss stayed normal: {ev}")
@@ -238,7 +254,7 @@ def check_replica(ctx: Context) -> Check:
     if world <= 1 or not rec.get("replica"):
         why = "single process" if world <= 1 else "no replica checksums (FSDP shards differ by design)"
         return Check("rank divergence", None, f"not testable: {why}")
-    near = ctx.near("replica.", -NEAR, 0)
+    near = ctx.near_role("replica", -NEAR, 0)
     spreads = ", ".join(f"{k} {v:.4g}" for k, v in rec["replica"].items())
     if near:
         # the misdiagnosis of the symptom table is "random fluctuation": replicas hold the same bits
@@ -283,7 +299,7 @@ def resume_step(run: Run) -> int | None:
 def check_lr_too_large(ctx: Context) -> Check:
     """The common misdiagnosis (symptom table): 'the LR is too large'. It would show before the
     incident: a rising loss or grad norm, or clipping on most steps."""
-    before = [r for r in ctx.seg if ctx.t0 - WINDOW <= r["step"] < ctx.t0]
+    before = [r for r in ctx.seg if ctx.t0 - ctx.window <= r["step"] < ctx.t0]
     if len(before) < 6:
         return Check("LR too large in general", None, "too few steps before the anomaly")
     half = len(before) // 2

@@ -12,8 +12,8 @@ from __future__ import annotations
 import math
 
 from doctor.classes import symptom
-from doctor.judge import Judgement
-from doctor.rules import Diagnosis
+from doctor.diagnosis import Judgement
+from doctor.diagnosis import Diagnosis
 from doctor.timeline import LAYERS, Deviation, Run
 
 

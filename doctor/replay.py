@@ -134,14 +134,12 @@ def trajectory(records: list[dict], step: int) -> dict[int, dict]:
 
 
 def newest_before(run_dir: Path, config: dict, step: int) -> Path:
-    from checkpoint import publish
-    d = (config.get("checkpoint") or {}).get("dir")
-    root = Path(d) if d else run_dir / "checkpoints"
-    found = [p for s, p in publish.list_steps(root) if s < step and publish.check(p, verify_hashes=False) is None]
-    if not found:
-        raise ValueError(f"--step={step}: no complete checkpoint before it under {root} "
+    from doctor import checkpoints
+    found = checkpoints.before(run_dir, config, step)
+    if found is None:
+        raise ValueError(f"--step={step}: no complete checkpoint before it under {checkpoints.root(run_dir, config)} "
                          f"(rerun with checkpoint.every=K, K < {step}, or pass --checkpoint)")
-    return found[-1]
+    return found[1]
 
 
 def micro_batches(ds, config: dict, rec: dict, faults=None) -> list:

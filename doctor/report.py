@@ -43,6 +43,7 @@ def to_json(run: Run, diag: Diagnosis, devs: dict, state: dict, fix: dict, comma
         "batch": diag.batch, "state": state, "fix": fix, "commands": commands,
         "segment": diag.seg_index,
         "incidents": [{"step": i.step, "class": i.fault_class, "quantity": i.anomaly.quantity if i.anomaly else None,
+                       "kind": i.anomaly.kind if i.anomaly else None,
                        "layer": (i.layer or i.anomaly.layer) if i.anomaly else None, "model_layer": i.model_layer,
                        "segment": i.seg_index, "summary": i.summary, "judgement": i.judgement.verdict,
                        "reason": i.judgement.reason, "evidence": _plain(i.judgement.evidence)}
