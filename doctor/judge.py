@@ -2,9 +2,12 @@
 behaviour, or its recipe's instability?
 
 An incident's verdict, by the first of these that holds (VERDICTS, in order):
-  fault        an exact invariant broke, a value is non-finite, or what moved first cannot move on its own (an
-               input statistic, the optimizer state falling, a setting, a loss below its floor): a fault
-               whatever the run does after it. So is a class that names a broken invariant or a changed setting
+  fault        an exact invariant broke or a value is non-finite: a fault whatever the run does after it;
+  natural      what moved first is vouched for by a specification check that ran at its step and passed (its
+               Signal's `vouched`: an input statistic by the data check — the batch is exactly the content its
+               sample ids name, so an unusual statistic is the data's own, not a corruption);
+  fault        what moved first cannot move on its own (an input statistic, the optimizer state falling, a
+               setting, a loss below its floor): a fault whatever the run does after it. So is a class that names a broken invariant or a changed setting
                (doctor/classes: not `dynamics`), and — where no specification check ran to say the step did what
                it was told — a quantity that stepped to a new level in one reading and held it.
   natural      otherwise: the run's own dynamics. Under steps that conform to their specification (record v5
@@ -127,6 +130,7 @@ class Facts:
     rec: dict            # quantity -> recovery()
     quantity: str
     step: int
+    spec: dict | None = None  # the step's own specification checks (record v5 `spec`)
 
 
 def _exact(f: Facts) -> str | None:
@@ -135,6 +139,15 @@ def _exact(f: Facts) -> str | None:
                 "a non-finite value" if f.kind == "nonfinite" else "a specification check failed") + \
             f": {f.quantity} at step {f.step}"
     return None
+
+
+def _vouched(f: Facts) -> str | None:
+    check = f.signal.vouched if f.signal is not None else None
+    miss = (f.spec or {}).get("miss") or {}
+    if check is None or check not in miss or (f.spec or {}).get("fail") or not miss[check] <= 1:
+        return None
+    return (f"the {check} check ran at step {f.step} and passed ({miss[check]:.2g}× its tolerance): {f.quantity} "
+            f"moved with the step doing what it was told — the run's own (its data, its optimizer), not a fault")
 
 
 def _cannot_move(f: Facts) -> str | None:
@@ -173,7 +186,7 @@ def _natural(f: Facts) -> str:
 
 # the verdicts, in order: the first that holds decides (a verdict's predicate returns its reason, or None)
 VERDICTS: list[tuple[str, Callable[[Facts], str | None]]] = [
-    (FAULT, _exact), (FAULT, _cannot_move), (FAULT, _not_dynamics), (FAULT, _unchecked_step),
+    (FAULT, _exact), (NATURAL, _vouched), (FAULT, _cannot_move), (FAULT, _not_dynamics), (FAULT, _unchecked_step),
 ]
 
 
@@ -190,7 +203,9 @@ def judge(ctx: Context, diag) -> Judgement:
     rec = {q: r for q, d in moved.items() if (r := recovery(ctx, ctx.tl[q], d.step, last)) is not None}
     # NOTE: a quantity that counts only beside a run-level one (its Signal's `needs`) holds only when that one does
     rec = {q: ({**r, "held": False} if _unbacked(ctx, q, rec) else r) for q, r in rec.items()}
-    f = Facts(a.kind, family(a.quantity), CLASSES.get(diag.fault_class), conforms(ctx, t0), rec, a.quantity, t0)
+    at = ctx.rec(t0) or {}
+    f = Facts(a.kind, family(a.quantity), CLASSES.get(diag.fault_class), conforms(ctx, t0), rec, a.quantity, t0,
+              at.get("spec"))
     ev = {"recovery": rec, "conforming": f.conforming}
     for verdict, rule in VERDICTS:
         why = rule(f)

@@ -42,6 +42,7 @@ def to_json(run: Run, diag: Diagnosis, devs: dict, state: dict, fix: dict, comma
         "untestable": [vars(c) for c in diag.untestable],
         "batch": diag.batch, "state": state, "fix": fix, "commands": commands,
         "segment": diag.seg_index,
+        "judgement": diag.judgement.verdict if diag.judgement else None, "lever": diag.lever,
         "incidents": [{"step": i.step, "class": i.fault_class, "quantity": i.anomaly.quantity if i.anomaly else None,
                        "kind": i.anomaly.kind if i.anomaly else None,
                        "layer": (i.layer or i.anomaly.layer) if i.anomaly else None, "model_layer": i.model_layer,
@@ -77,21 +78,26 @@ def ground_truth(run: Run) -> str | None:
 def render(run: Run, diag: Diagnosis, report: dict) -> str:
     a, st, fix, cmd = diag.anomaly, report["state"], report["fix"], report["commands"]
     incs = report["incidents"]
-    faults = [i for i in incs if i["judgement"] == "fault"]
+    faults = [i for i in incs if i["judgement"] != "natural"]
     natural = [i for i in incs if i["judgement"] == "natural"]
-    verdict = (f"**Verdict: fault** — {diag.fault_class} at step {diag.step}" if a is not None else
+    unstable = diag.judgement is not None and diag.judgement.verdict == "instability"
+    verdict = (f"**Verdict: recipe instability** — at step {diag.step}" if a is not None and unstable else
+               f"**Verdict: fault** — {diag.fault_class} at step {diag.step}" if a is not None else
                f"**Verdict: {diag.fault_class}**" + (" — no fault" if diag.fault_class == "healthy" else ""))
     out = [f"# Doctor report: {run.dir.name}", "", verdict, "", f"{diag.summary}", ""]
     if a is not None and diag.judgement is not None:
-        out += [f"Judged a fault: {diag.judgement.reason}.", ""]
+        out += [f"Judged {'a recipe instability' if unstable else 'a fault'}: {diag.judgement.reason}.", ""]
+        if unstable and diag.lever:
+            out += [f"Lever (from the evidence): {diag.lever.get('means')} — `{diag.lever.get('override')}`: "
+                    f"{diag.lever.get('why')}.", ""]
     if run.notes:
         out += [f"> {n}" for n in run.notes] + [""]
     if natural:
-        out += ["## Natural incidents (the run learning, not faults)", ""]
+        out += ["## Natural incidents (the run's own behaviour, not faults)", ""]
         out += [f"- step {i['step']} (segment {i['segment']}): {i['class']} — `{i['quantity']}`: {i['reason']}"
                 for i in natural] + [""]
     if len(faults) > 1:
-        out += ["## Faults (execution order)", ""]
+        out += ["## Faults and recipe instabilities (execution order)", ""]
         out += [f"{k}. step {i['step']} (segment {i['segment']}): **{i['class']}** — `{i['quantity']}`: {i['reason']}"
                 for k, i in enumerate(faults, 1)]
         out += ["", "The sections below are about the first.", ""]
@@ -100,7 +106,7 @@ def render(run: Run, diag: Diagnosis, report: dict) -> str:
     out += ["## Earliest anomaly", ""]
     if a is None:
         out += ["No incident was judged a fault (the natural ones are listed above)." if natural else
-                "No quantity of the timeline left its baseline (robust z over a trailing window)."]
+                "No quantity of the timeline left its baseline (the false-alarm budget's thresholds)."]
     else:
         e = report["earliest"]
         out += [f"- step **{a.step}**, timeline layer **{diag.layer or a.layer}**, quantity `{a.quantity}`"
@@ -161,7 +167,8 @@ def verified_lines(v: dict, md: bool = False) -> list[str]:
     if v["status"] != "verified":
         return [f"verify: {v['status']}: {v['why']}"]
     a, f = v["attribution"], v["fix"]
-    what = "the natural incident" if v["judgement"] == "natural" else v["class"]
+    what = ("the natural incident" if v["judgement"] == "natural" else
+            "the recipe instability" if v["judgement"] == "instability" else v["class"])
     out = [f"verify: {what} at step {v['step']} ({v['quantity']}), rebuilt from {a['rebuilt']['from']} "
            f"(steps {a['rebuilt']['steps'][0]}..{a['rebuilt']['steps'][1]}: {a['rebuilt']['records_equal']} records "
            f"equal to the run's, bit for bit)",
@@ -173,7 +180,8 @@ def verified_lines(v: dict, md: bool = False) -> list[str]:
     if not v["counterfactuals"]:
         out.append(f"verify: counterfactuals: none run ({f.get('counterfactuals', f['why'])})")
     if f["ran"]:
-        out.append(f"verify: fix `{' '.join(f['overrides'])}` over steps {f['window'][0]}..{f['window'][1]}: {f['verdict']}")
+        out.append(f"verify: fix `{' '.join(f['overrides'])}` over steps {f['window'][0]}..{f['window'][1]} (from "
+                   f"{f.get('from', 'the state before the incident')}): {f['verdict']}")
         g = f["floor_gap"]
         out.append("verify: loss − exact floor by source (nats): " + "; ".join(
             f"{s} {g['fix'][s]:.3f} with the fix, {_f(g['before'].get(s))} before the incident, "

@@ -93,6 +93,9 @@ class Signal:
     lever: str | None = None      # the recipe lever that bounds it (doctor/levers.py), when a conforming run takes
     #                               damage and it moved first
     flags: str | None = None      # a non-finite flag: the signal whose value it reports non-finite
+    vouched: str | None = None    # the specification check (spec/) that, run and passed at its step, says the step
+    #                               did what it was told: a deviation of this quantity is then the run's own (an
+    #                               unusual batch of the data, not a corrupted one)
 
 
 SIGNALS: dict[str, Signal] = {}
@@ -203,8 +206,11 @@ def _not_skipped(r, c):
     return not r.get("skipped")
 
 
+SWITCH_TRIGGER = "input.data_fingerprint"  # the guard's trigger when the data manifest changes (stability/guard.py)
+
+
 def _fingerprint_switch(r, c):
-    return [("input.data_fingerprint_changed", float("input.data_fingerprint" in (r.get("guard") or {}).get("triggers", [])),
+    return [("input.data_fingerprint_changed", float(SWITCH_TRIGGER in (r.get("guard") or {}).get("triggers", [])),
              None, None)]
 
 
@@ -319,28 +325,28 @@ declare("input.label_alignment", INPUT, inputs_("label_alignment"), cls=CORRUPT,
 # positions, the rare and KL shares) or 2 % (entropy, in nats over a ~log 64 range): one document more or less of a
 # 16-document batch moves a share by 1/16 ≈ 6 %, which the top-token share's many ties amplify
 declare("input.top_token_frac", INPUT, inputs_("top_token_frac", _typical), cls=CORRUPT, direction="both",
-        rel_floor=0.25, recover=False, role="input",
+        rel_floor=0.25, recover=False, role="input", vouched="data",
         fix="the most frequent token's share moved (repeated / degenerate text, or noise)")
 declare("input.doc_start_frac", INPUT, inputs_("doc_start_frac"), cls=CORRUPT, direction="both", rel_floor=0.1,
-        recover=False, role="input", fix="rows that start no document: one overlong, unsegmented document")
+        recover=False, role="input", vouched="data", fix="rows that start no document: one overlong, unsegmented document")
 declare("input.valid_frac", INPUT, inputs_("valid_frac"), cls=CORRUPT, direction="both", rel_floor=0.1,
-        recover=False, role="input", fix="the share of valid label positions moved (padding / mask / length change)")
+        recover=False, role="input", vouched="data", fix="the share of valid label positions moved (padding / mask / length change)")
 declare("input.entropy", INPUT, inputs_("entropy", _typical), cls=CORRUPT, direction="both", rel_floor=0.02,
-        recover=False, role="input", fix="the batch's token entropy moved (noise raises it, repetition lowers it)")
+        recover=False, role="input", vouched="data", fix="the batch's token entropy moved (noise raises it, repetition lowers it)")
 # WARN: the running histogram starts empty in every process (it is not in the checkpoint): after a resume
 # every token is "rare" for a few steps, so kl and the rare share wait HIST_WARM steps (ReadContext.warm).
 # abs_floor: 0.02 nats of KL, 3 % of the batch rare: below one document's worth of a 16-document batch
 declare("input.kl_running", INPUT, inputs_("kl_running", _warm_typical), cls=CORRUPT, rel_floor=0.1, abs_floor=0.02,
-        recover=False, role="input", fix="the batch's token histogram left the run's running histogram (another distribution)")
+        recover=False, role="input", vouched="data", fix="the batch's token histogram left the run's running histogram (another distribution)")
 declare("input.foreign_frac", INPUT, inputs_("foreign_frac"), cls=CORRUPT, exact=0.0, rel_floor=0.0, abs_floor=0.0,
         recover=False, role="input", fix="tokens outside their document's vocabulary block (noise, foreign or spliced text)")
 declare("input.rare_frac", INPUT, inputs_("rare_frac", _warm), cls=CORRUPT, rel_floor=0.1, abs_floor=0.03,
-        recover=False, role="input", fix="tokens the run has (almost) never seen (out-of-vocabulary / foreign text)")
+        recover=False, role="input", vouched="data", fix="tokens the run has (almost) never seen (out-of-vocabulary / foreign text)")
 declare("input.data_fingerprint_changed", INPUT, _fingerprint_switch, cls="objective.mixture", exact=0.0,
         recover=False, role="switch", doc="the guard's input.data_fingerprint trigger (a mixture switch)",
         fix="the data mixture weights")
 declare("ranks.loss_spread", INPUT, _rank_loss_spread, cls="rank.data", log=True, rel_floor=0.05, recover=False,
-        role="rank", fix="one rank's local loss apart from the others' (its data, not the model's)")
+        role="rank", vouched="data", fix="one rank's local loss apart from the others' (its data, not the model's)")
 # forward: activations in model order, then what is computed from them
 declare("act_rms", FORWARD, per_layer("act_rms"), cls="numerics.activation_outlier", direction="both", log=True,
         point="up", per_layer=True, role="activation", lever="lr",
@@ -421,7 +427,7 @@ declare("nonfinite.optim_state", BACKWARD, flag("optim_state"), cls="numerics.no
 # fastest ‖v‖ can forget (β₂ = 0.95, the recipe's): three steps of it
 FLOOR_STATE = 0.15
 declare("state", BACKWARD, state_(("m", "v", "moe_bias")), cls="optim.state", direction="down", log=True,
-        rel_floor=FLOOR_STATE, recover=False, role="state", doc="‖m‖, ‖v‖ per param group, ‖bias‖ per MoE layer",
+        rel_floor=FLOOR_STATE, recover=False, role="state", vouched="optimizer", doc="‖m‖, ‖v‖ per param group, ‖bias‖ per MoE layer",
         fix="the optimizer state fell faster than its EMA can forget: lost or altered")
 # NOTE: ‖θ‖ per group moves by lr·wd·‖θ‖ of decay plus the updates each step: its per-step log change is a
 # steady small number, and a jump of it is a setting (weight decay, an update multiplier) that changed
@@ -441,17 +447,18 @@ def _weight_change(r, c):
 # abs_floor 1e-4: lr·wd at the recipe's peak (2e-3 × 0.1 = 2e-4 a step) halved: a move of the per-step log change
 # smaller than half the decay itself is not a setting that changed
 declare("state.dw", BACKWARD, _weight_change, cls="optim.settings", direction="both", rel_floor=0.0, abs_floor=1e-4,
-        recover=False, role="setting", doc="log(‖θ_t‖ / ‖θ_t−1‖) per param group (record v4 state.w/<group>)",
+        recover=False, role="setting", vouched="optimizer",
+        doc="log(‖θ_t‖ / ‖θ_t−1‖) per param group (record v4 state.w/<group>)",
         fix="the weights' step-to-step change left its trajectory (a silent weight decay or update multiplier)")
 # MoE health per layer, every step (record.moe): the effective number of experts in use and the smallest
 # expert's output against the layer's median. Floors in log units: 0.15 ≈ one expert of 8 falling out of use
 # (log 8/7 = 0.13); 0.3: an expert's output below ¾ of the median's
 declare("moe.experts_used", FORWARD, _moe("moe.experts_used", _load_entropy), cls="moe.load_collapse",
-        direction="down", log=True, rel_floor=0.15, per_layer=True, recover=False, role="routing",
+        direction="down", log=True, rel_floor=0.15, per_layer=True, recover=False, role="routing", vouched="route",
         doc="exp(entropy) of the expert load: E when balanced, k when routing collapsed onto k experts",
         fix="the router of the named layer: balancing bias / aux loss, router logits, a forced route")
 declare("moe.out_rms_min", FORWARD, _moe("moe.out_rms_min", _out_rms_min), cls="moe.dead_expert",
-        direction="down", log=True, rel_floor=0.3, per_layer=True, recover=False, role="routing",
+        direction="down", log=True, rel_floor=0.3, per_layer=True, recover=False, role="routing", vouched="forward",
         doc="the smallest expert output RMS / the layer's median", fix="the expert whose output vanished")
 # system: cross-rank consistency (exactly 0 on healthy DDP)
 declare("replica", SYSTEM, _replica, cls="system.rank_divergence", exact=0.0, rel_floor=0.0, abs_floor=0.0,
