@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 
 from doctor.classes import CLASSES
 from doctor.diagnosis import Check
-from doctor.timeline import INPUT, Deviation, Run, Series
+from doctor.scores import MIN_HISTORY, MIN_MEDIAN
+from doctor.timeline import INPUT, MAD_SIGMA, Deviation, Run, Series
 from stability.signals import family
 
 NEAR = 1  # a deviation this many steps from t0 belongs to the same incident: the step's own quantities are
@@ -46,7 +47,10 @@ class Context:
     @property
     def window(self) -> int:
         """The run's baseline window (its guard's: doctor/scores.py Budget)."""
-        return self.budget.window if self.budget is not None else 30
+        if self.budget is not None:
+            return self.budget.window
+        from stability.config import DetectorConfig
+        return DetectorConfig.__dataclass_fields__["window"].default
 
     def near(self, q: str, lo: int = -NEAR, hi: int = NEAR) -> list[Deviation]:
         """Deviations of the quantity q (a series, or every series of the family q) within [t0 + lo, t0 + hi]."""
@@ -134,15 +138,15 @@ def per_source_verdict(ctx: Context, t: int) -> tuple[str, str]:
     from labs.mixture import classify, evidence, spread, window
     recs = [r for r in ctx.seg if all(math.isfinite(v) for v in r.get("loss_by_source", {}).values())]
     i = next((k for k, r in enumerate(recs) if r["step"] >= t), len(recs))
-    lo = max(0, i - 20)
-    if i - lo < 5 or len(recs) - i < 2:
+    lo = max(0, i - ctx.window)  # the baseline window before the switch, and at least a median's worth on each side
+    if i - lo < MIN_MEDIAN or len(recs) - i < MIN_MEDIAN:
         return "untestable", "too few steps around the switch to compare per-source losses"
     # NOTE: the floors the diagnosis already built (doctor/rules.py), not the data rebuilt once more
     floors = (ctx.floors if ctx.floors is not None else source_floors(ctx.run.config)) or \
         {s: 0.0 for s in recs[i - 1]["loss_by_source"]}
     before, after = window(recs, lo, i), window(recs, i, len(recs))
     noise = spread(recs[lo:i], floors)
-    noise["mix_floor"] = noise["mix_floor"] or 1e-12  # NOTE: zero floors (real text): no floor-shift test
+    noise["mix_floor"] = noise["mix_floor"] or 1e-12  # NOTE: zero floors (real text): no floor-shift test (ε: no 0/0)
     try:
         ev = evidence(before, after, floors, noise)
         verdict = classify(before, after, floors, noise)
@@ -270,22 +274,28 @@ def check_resume(ctx: Context) -> Check:
     if r is None:
         return Check("jump after resume", False, "the run never resumed (no 'resumed from' in the records)")
     if ctx.t0 is not None:
-        if r <= ctx.t0 <= r + 2:
+        if r <= ctx.t0 <= r + 2 * NEAR:  # the resumed step, its update's consequence, and that one's
             old = next((x for x in ctx.run.superseded if x["step"] == ctx.t0), None)
             was = f"; the superseded first run had loss {old['loss']:.4g} at that step" if old else ""
             return Check("jump after resume", True, f"resumed at step {r}; the anomaly follows at step {ctx.t0}{was}")
         return Check("jump after resume", False, f"resumed at step {r}; the anomaly is at step {ctx.t0}")
-    # no point anomaly: a level shift of the loss at the resume step (median of 10 steps either side)
+    # no point anomaly: a level shift of the loss at the resume step (the medians of the optimizer's memory of steps
+    # either side, against the step-to-step noise: one-sided, at the budget's threshold for one test)
+    from doctor.budget import threshold
+    from doctor.timeline import memory
+    m = max(memory(ctx.run.config.get("optim") or {}), MIN_HISTORY)
     losses = {x["step"]: x["loss"] for x in ctx.seg if math.isfinite(x["loss"])}
-    before = [v for t, v in losses.items() if r - 10 <= t < r]
-    after = [v for t, v in losses.items() if r <= t < r + 10]
-    if len(before) < 5 or len(after) < 5:
+    before = [v for t, v in sorted(losses.items()) if r - m <= t < r]
+    after = [v for t, v in sorted(losses.items()) if r <= t < r + m]
+    if len(before) < MIN_HISTORY or len(after) < MIN_HISTORY:
         return Check("jump after resume", None, f"resumed at step {r}; too few steps around it to compare")
     mb, ma = statistics.median(before), statistics.median(after)
-    noise = 1.4826 * statistics.median(abs(v - mb) for v in before)
-    jump = ma - mb > max(3 * noise, 0.05 * abs(mb))
-    return Check("jump after resume", jump, f"resumed at step {r}: median loss {mb:.4g} over the 10 steps before, "
-                 f"{ma:.4g} over the 10 after")
+    d = [b - a for a, b in zip(before, before[1:])]
+    noise = MAD_SIGMA * statistics.median(abs(x - statistics.median(d)) for x in d) / math.sqrt(2)
+    se = noise * math.sqrt(math.pi / 2 * (1 / len(before) + 1 / len(after)))  # two medians
+    jump = se > 0 and (ma - mb) / se > threshold(1, len(d))
+    return Check("jump after resume", jump, f"resumed at step {r}: median loss {mb:.4g} over the {len(before)} steps "
+                 f"before, {ma:.4g} over the {len(after)} after")
 
 
 def resume_step(run: Run) -> int | None:
@@ -300,7 +310,7 @@ def check_lr_too_large(ctx: Context) -> Check:
     """The common misdiagnosis (symptom table): 'the LR is too large'. It would show before the
     incident: a rising loss or grad norm, or clipping on most steps."""
     before = [r for r in ctx.seg if ctx.t0 - ctx.window <= r["step"] < ctx.t0]
-    if len(before) < 6:
+    if len(before) < 2 * MIN_MEDIAN:  # two halves, a median of each
         return Check("LR too large in general", None, "too few steps before the anomaly")
     half = len(before) // 2
     g0 = statistics.median(r["grad_norm"] for r in before[:half])
@@ -308,4 +318,6 @@ def check_lr_too_large(ctx: Context) -> Check:
     clipped = sum(r.get("clip_coef", 1.0) < 1.0 for r in before) / len(before)
     ev = (f"over steps {before[0]['step']}..{before[-1]['step']} the median grad norm went {g0:.3g} -> {g1:.3g} "
           f"and {clipped:.0%} of steps were clipped")
+    # NOTE: the misdiagnosis's own signs: a gradient norm that doubled (one octave) over the window before, or
+    # clipping on most of its steps
     return Check("LR too large in general", g1 > 2 * g0 or clipped > 0.5, ev)

@@ -45,6 +45,7 @@ from doctor.budget import threshold
 from doctor.checks import NEAR, Context
 from doctor.classes import CLASSES
 from doctor.diagnosis import FAULT, INSTABILITY, NATURAL, Judgement
+from doctor.scores import MIN_HISTORY, MIN_MEDIAN
 from doctor.timeline import MAD_SIGMA, Series, memory
 from stability.signals import family
 
@@ -79,7 +80,7 @@ def recovery(ctx: Context, s: Series, t0: int, last: int) -> dict | None:
     growing over several (the model's internals move gradually as it learns; a code path switches at once)."""
     pre = [_y(s, v) for _, v in _values(s, -1, t0)][-ctx.window:]
     at = s.values.get(t0)
-    if len(pre) < 5 or at is None or not math.isfinite(at):  # a median and a MAD of fewer say nothing
+    if len(pre) < MIN_HISTORY or at is None or not math.isfinite(at):  # the budget's least baseline (scores.py)
         return None
     med = statistics.median(pre)
     floor = s.spec.rel_floor if s.spec.log else s.spec.rel_floor * abs(med)
@@ -92,15 +93,15 @@ def recovery(ctx: Context, s: Series, t0: int, last: int) -> dict | None:
     after = _values(s, t0 + 1, last + 1)
     back = None
     for i, (t, v) in enumerate(after):
-        nxt = after[i:i + 3]
-        if len(nxt) == 3 and all(z(x) < lim for _, x in nxt):
+        nxt = after[i:i + MIN_MEDIAN]
+        if len(nxt) == MIN_MEDIAN and all(z(x) < lim for _, x in nxt):
             back = t - t0
             break
     R = recover_steps(ctx, s)
     late = [_y(s, v) for _, v in _values(s, t0 + R, last + 1)]
     # the median of the late readings, in its own standard error (a median of n: σ·√(π/2n))
     level = (sign * (statistics.median(late) - med) / (scale * math.sqrt(MEDIAN_EFF / len(late)))
-             if len(late) >= 3 else None)
+             if len(late) >= MIN_MEDIAN else None)
     prev = [v for _, v in _values(s, t0 - ctx.window, t0)][-1:]
     jump = z(at) - z(prev[0]) if prev else None
     total = level * math.sqrt(MEDIAN_EFF / len(late)) if level is not None else None
@@ -273,7 +274,7 @@ def outcome(ctx: Context, incidents: list) -> list[tuple[object, str, str, dict]
     tests = max(len(series) * max((last - start) // max(w, 1), 1), 1)
     for q, g in series.items():
         steps, back, fwd, sigma, n = _levels({t: v for t, v in g.items() if t >= start - w}, w)
-        if sigma <= 0 or n < 2 * w or len(steps) < 3 * w:
+        if sigma <= 0 or n < 2 * w or len(steps) < 3 * w:  # a level before, a candidate best, the end: three windows
             continue
         end = float(np.median([g[int(t)] for t in steps[-w:]]))
         se = sigma * math.sqrt(MEDIAN_EFF * 2 / w)

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from doctor.budget import ALPHA, threshold
+from doctor.scores import MIN_HISTORY, MIN_MEDIAN
+from doctor.timeline import MAD_SIGMA
 
 
 @dataclass(frozen=True)
@@ -108,7 +110,9 @@ def _z_loss(cfg, dflt, ev):
         return None
     if d and z < d:
         return f"train.z_loss={d:g}", f"z-loss {z:g} is below the recipe's default {d:g}"
-    return (f"train.z_loss={(z or 1e-4) * OCTAVE:g}",
+    if not z and not d:
+        return None  # no z-loss and no default to go to: nothing to pull by an octave
+    return (f"train.z_loss={(z or d) * OCTAVE:g}",
             "the output logits grew" + (f" (z-loss {z:g})" if z else " without z-loss"))
 
 
@@ -200,11 +204,11 @@ def evidence(ctx, diag) -> dict:
                if t0 - w <= t < t0 and math.isfinite(x)]
         post = [(math.log(max(x, 1e-300)) if s.spec.log else x) for t, x in sorted(s.values.items())
                 if t0 < t <= last and math.isfinite(x)]
-        if len(pre) < 3 or len(post) < 3:
+        if len(pre) < MIN_HISTORY or len(post) < MIN_MEDIAN:
             continue
         m = statistics.median(pre)
-        mad = statistics.median(abs(x - m) for x in pre) * 1.4826
-        scale = max(mad, s.spec.rel_floor if s.spec.log else s.spec.rel_floor * abs(m), 1e-12)
+        mad = statistics.median(abs(x - m) for x in pre) * MAD_SIGMA
+        scale = max(mad, s.spec.rel_floor if s.spec.log else s.spec.rel_floor * abs(m), s.spec.abs_floor)
         z = (statistics.median(post) - m) / scale
         lim = threshold(len(ctx.tl), len(pre), 0.0, 1, ALPHA / 2)
         if z > lim and z > ev["grew"].get(lever, (0, None))[0]:

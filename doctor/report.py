@@ -200,7 +200,7 @@ def verified_lines(v: dict, md: bool = False) -> list[str]:
 def timeline_table(run: Run, diag: Diagnosis) -> list[str]:
     seg = run.paths[diag.seg_index]
     t0 = diag.step if diag.step is not None else seg[-1]["step"]
-    rows = [r for r in seg if t0 - 4 <= r["step"] <= t0 + 2]
+    rows = [r for r in seg if t0 - 4 <= r["step"] <= t0 + 2]  # a few steps either side: what a reader scans
     out = ["| step | input: label align / top token / doc start | forward: loss "
            "| backward/update: lr / grad norm / ρ max | system: replica spread / tokens/s |", "|---|---|---|---|---|"]
     for r in rows:
@@ -220,7 +220,7 @@ def plot(run: Run, diag: Diagnosis, path: Path) -> None:
     import matplotlib.pyplot as plt
     recs = run.paths[diag.seg_index]
     t = [r["step"] for r in recs]
-    fig, axes = plt.subplots(4, 1, figsize=(8, 9), sharex=True)
+    fig, axes = plt.subplots(4, 1, figsize=(8, 9), sharex=True)  # NOTE: layout only (one panel per timeline layer)
     panels = [("input", [(k, [r.get("inputs", {}).get(k) for r in recs]) for k in
                          ("label_alignment", "top_token_frac", "doc_start_frac", "valid_frac")], False),
               ("forward", [("loss", [r["loss"] for r in recs])] + [

@@ -30,8 +30,8 @@ from doctor.content import content_check
 from doctor.diagnosis import FAULT, INSTABILITY, Diagnosis, Judgement
 from doctor.invariants import continuity, resumed, system_change
 from doctor.judge import judge, outcome, recover_steps, settle
-from doctor.scores import MIN_MEDIAN, budget, deviations, guard_test
-from doctor.timeline import INPUT, Deviation, Run, earliest, load_run, scoring_start, timeline
+from doctor.scores import MIN_HISTORY, MIN_MEDIAN, budget, deviations, guard_test
+from doctor.timeline import INPUT, MAD_SIGMA, Deviation, Run, earliest, load_run, scoring_start, timeline
 from stability.signals import family
 
 __all__ = ["Diagnosis", "diagnose", "RULES"]
@@ -290,7 +290,7 @@ def _optim_state(ctx, first, sig, checks):
     # update leaves them on their trajectory
     moved, every = update_layers(ctx)
     lost = ctx.near_role("state", -NEAR, NEAR)
-    if every > 1 and moved * 2 >= every and not lost:
+    if every > 1 and moved * 2 >= every and not lost:  # half the layers or more: not one layer's update
         return Found("optim.settings", "corrupted optimizer state",
                      f"every layer's update moved together ({moved} of {every} update ratios at step {first.step}) "
                      f"with the LR on schedule and a normal gradient: an optimizer setting (an LR multiplier, eps, "
@@ -512,13 +512,13 @@ def no_point_anomaly(ctx: Context, env: str | None = None) -> Diagnosis:
 def slow_worsening(recs: list[dict]) -> Check:
     """Loss of the last third above the first third's, beyond its noise, while the grad norm is flat."""
     from doctor.budget import threshold
-    k = len(recs) // 3
-    if k < 10:
+    k = len(recs) // 3  # the first and the last third: a trend's two ends, each a median's sample
+    if k < MIN_HISTORY:
         return Check("slow worsening", None, f"too few steps ({len(recs)}) to see a trend")
     a, b = recs[:k], recs[-k:]
     la, lb = statistics.median(r["loss"] for r in a), statistics.median(r["loss"] for r in b)
     d = [y["loss"] - x["loss"] for x, y in zip(a, a[1:])]
-    sigma = 1.4826 * statistics.median(abs(x - statistics.median(d)) for x in d) / math.sqrt(2)
+    sigma = MAD_SIGMA * statistics.median(abs(x - statistics.median(d)) for x in d) / math.sqrt(2)
     se = sigma * math.sqrt(math.pi / 2 * 2 / k)  # two medians of k
     ga, gb = statistics.median(r["grad_norm"] for r in a), statistics.median(r["grad_norm"] for r in b)
     rose = se > 0 and (lb - la) / se > threshold(1, len(d), 0.0, 1)
@@ -534,7 +534,7 @@ def throughput_drop(recs: list[dict]) -> Check:
     """tokens/s of the last third below half the first third's, with the loss normal (half: slower than two
     processes sharing one core, which a busy machine does on its own)."""
     k = len(recs) // 3
-    if k < 10:
+    if k < MIN_HISTORY:
         return Check("throughput drop", None, f"too few steps ({len(recs)})")
     a = statistics.median(r["tokens_per_s"] for r in recs[:k])
     b = statistics.median(r["tokens_per_s"] for r in recs[-k:])

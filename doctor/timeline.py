@@ -137,7 +137,8 @@ def typical_mix(mix: dict, weights: dict) -> bool:
         return True  # nothing to compare (or a source the config does not declare: other checks say so)
     chi2 = sum((mix.get(k, 0) - n * w) ** 2 / (n * w) for k, w in live.items())
     k = len(live) - 1
-    z = 2.3263478740408408  # the standard normal's 1 − MIX_P quantile
+    from doctor.budget import norm_isf
+    z = norm_isf(MIX_P)  # the standard normal's 1 − MIX_P quantile
     return chi2 <= k * (1 - 2 / (9 * k) + z * math.sqrt(2 / (9 * k))) ** 3
 
 
@@ -152,7 +153,9 @@ def timeline(records: list[dict], config: dict, floors: dict | None = None) -> d
     """
     tl: dict[str, Series] = {}
     per_layer = dict.fromkeys(LAYERS, 0)
-    gfloor = float((((config.get("guard") or {}).get("detector") or {}).get("log_floor", 0.2)))
+    from stability.config import DetectorConfig
+    gfloor = float((((config.get("guard") or {}).get("detector") or {}).get(
+        "log_floor", DetectorConfig.__dataclass_fields__["log_floor"].default)))
     specs: dict[str, Signal] = {}
     for sig in SIGNALS.values():  # GUARD_FLOOR: one step of a guard-watched quantity is judged at its noise floor
         specs[sig.name] = replace(sig, point_floor=gfloor) if sig.point_floor == GUARD_FLOOR else sig

@@ -63,7 +63,9 @@ HYPOTHESES = {
     "moments": "the optimizer state: the moments as the optimizer's own update wrote them (a later writer undone)",
     "lr": "the schedule: step S with every group's LR on its schedule",
 }
-GOES, STAYS = 0.25, 0.5  # the deviation's remaining share: at most GOES supports, at least STAYS refutes
+# the deviation's remaining share: at most a quarter supports the hypothesis (three quarters of it gone), at least
+# half refutes it (the change left most of it); between the two it is inconclusive
+GOES, STAYS = 0.25, 0.5
 RUN_CONTROL = ("hydra.run.dir", "resume", "checkpoint.every", "checkpoint.stop_after", "checkpoint.keep_last",
                "logging.progress", "logging.wandb", "logging.plot", "intervene")
 QUIET = ["logging.progress=false", "logging.wandb=disabled", "logging.plot=false"]

@@ -351,6 +351,7 @@ declare("ranks.loss_spread", INPUT, _rank_loss_spread, cls="rank.data", log=True
 declare("act_rms", FORWARD, per_layer("act_rms"), cls="numerics.activation_outlier", direction="both", log=True,
         point="up", per_layer=True, role="activation", lever="lr",
         fix="the named layer's output grew: its inputs, norm, clamp")
+# abs_floor: one clamped pre-activation in a hundred
 declare("clamp_hit_rate", FORWARD, per_layer("clamp_hit_rate"), cls="numerics.activation_outlier", abs_floor=0.01,
         per_layer=True, role="activation", lever="lr",
         fix="the SwiGLU clamp bites more often: the MLP's pre-activations grew")

@@ -285,3 +285,28 @@ def test_a_layer_level_counts_only_beside_the_run_gradient(tmp_path, norm_follow
     rep = doctor(fake_run(tmp_path, n=140, tweak=tweak), plots=False)
     inc = next(i for i in rep["incidents"] if i["step"] == T0)
     assert inc["judgement"] == ("fault" if norm_follows else "natural"), inc
+
+
+@pytest.mark.parametrize("attention", [False, True])
+def test_the_lever_follows_the_evidence(tmp_path, attention):
+    """A conforming spike after which source b holds +0.5 (lasting damage). When block 0's attention logits jump
+    with it (×8) the lever bounds them (QK-clip at the largest logit the block held before); when nothing names a
+    mechanism, the lever of the quantity that moved first, then the LR, one octave down."""
+    def tweak(t, r):
+        conforming(r)
+        rng = random.Random(t)
+        r["layers"]["block0.attn"] = {"attn_logit_max": 4.0 * (1 + 0.05 * rng.uniform(-1, 1))}
+        spike(t, r)
+        if t >= T0 and attention:
+            r["layers"]["block0.attn"]["attn_logit_max"] *= 8
+        if t > T0:
+            r["loss_by_source"]["b"] += 0.5
+            r["loss"] = sum(r["loss_by_source"].values()) / 2
+    rep = doctor(fake_run(tmp_path, n=140, tweak=tweak), plots=False)
+    assert rep["class"] == "recipe.instability" and rep["earliest"]["step"] == T0, rep["summary"]
+    lever = rep["lever"]
+    if attention:
+        key, tau = lever["override"].split("=")
+        assert lever["lever"] == "qk" and key == "optim.qk_clip.tau" and 4.0 < float(tau) <= 4.2, lever
+    else:
+        assert lever["lever"] == "lr" and rep["fix"]["override"] == "optim.lr=0.0005", (lever, rep["fix"])

@@ -116,6 +116,33 @@ def test_cursor_jump_is_a_continuity_fault(tmp_path):
     assert rep["earliest"]["quantity"] == "continuity.sample_ids"
 
 
+@pytest.mark.parametrize("said", [False, True])
+def test_a_window_the_guard_skipped_is_no_continuity_fault(tmp_path, said):
+    """Steps 61..70 replayed after a rollback at step 70, the cursor moved one window forward: the guard's own
+    rollback event says it skipped the window (the same batch triggered again on replay) — explained; without
+    that event the same jump is a cursor that broke its order."""
+    def tweak(t, r):
+        v2(t, r)
+    d = fake_run(tmp_path, n=90, tweak=tweak)
+    recs = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
+    first = recs[:70]
+    first[-1]["guard"] = {"triggers": ["loss"], "rollback": True, "rollbacks": 1}
+    replay = []
+    for r in recs[60:90]:
+        r = json.loads(json.dumps(r))
+        r["batch"]["first"] += 8 * 10
+        r["ranks"]["first"] = [r["batch"]["first"]]
+        r["tokens"] += 0
+        if r["step"] == 61:
+            r["events"] = ["rollback: step 70 -> 60 from memory:step 60; data skip (the same batch triggered again "
+                           "on replay: the fault is in the data)"] if said else []
+        replay.append(r)
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in first + replay))
+    rep = doctor(d, plots=False)
+    cont = [i for i in rep["incidents"] if i["class"] == "data.continuity"]
+    assert (cont == []) == said, rep["incidents"]
+
+
 def test_one_rank_off_its_shard_is_a_rank_fault(tmp_path):
     def tweak(t, r):
         v2(t, r, world=2)

@@ -3,6 +3,7 @@ rounds otherwise than its specification (and their fixes)."""
 from __future__ import annotations
 
 from doctor.classes import batch_ids, declare_class, spec_fix
+from doctor.levers import OCTAVE
 
 
 def localised_fix(diag, run, ckpt, t, b, action, ck) -> dict:
@@ -18,7 +19,7 @@ def localised_fix(diag, run, ckpt, t, b, action, ck) -> dict:
         cur = model.get("swiglu_clamp")
         return {"variable": f"the SwiGLU clamp bound of {layer} (model.swiglu_clamp, now {cur})",
                 "change": f"lower it and rerun from {ck}; if the outlier persists, the input to {layer} grew: look "
-                          "upstream", "override": f"model.swiglu_clamp={(cur or 100) / 2:g}" if cur else None,
+                          "upstream", "override": f"model.swiglu_clamp={cur / OCTAVE:g}" if cur else None,
                 "expect": f"the activation RMS of {layer} within its baseline"}
     if role == "activation" and layer == "emb":
         return {"variable": "the token-embedding rows the batch used",
@@ -37,7 +38,7 @@ def localised_fix(diag, run, ckpt, t, b, action, ck) -> dict:
                 "expect": f"the gradient RMS of {layer} within its baseline"}
     clip = (run.config.get("train") or {}).get("max_grad_norm")
     return {"variable": f"the global-norm clip threshold (train.max_grad_norm, now {clip})",
-            "change": f"lower it and rerun from {ck}", "override": f"train.max_grad_norm={clip / 2:g}" if clip else None,
+            "change": f"lower it and rerun from {ck}", "override": f"train.max_grad_norm={clip / OCTAVE:g}" if clip else None,
             "expect": "the earliest anomaly gone, nothing else moved"}
 
 
