@@ -7,14 +7,14 @@ calibrated threshold. The step's StepRecord holds the worst `miss = err / tol` o
 above 1 is an execution fault at that step, of the class the check declares for the way it failed.
 
     class ClipCheck(Check):
-        name, layer = "clip", UPDATE
+        name, layer, rank = "clip", UPDATE, 40
         kinds = {"coef": Kind("optim.settings", "the clip coefficient is not the configured policy's")}
         def after_clip(self, s): self.measure(err_P, tol_P, kind="coef")   # device tensors, nothing read
 
 Everything a check measures stays on the device until the step's one read (parallel/host_scalars.py):
 `measure` packs the worst place as (miss, where, kind, err, tol) and spec/monitor.py reads it with the step's
-other numbers. Declaration order is the registry's order: within a step the first failed check in it is the
-first that broke (input before forward before backward before update).
+other numbers. `rank` orders the registry: within a step the first failed check in it is the first that broke
+(the state the step started from, 0; its data, 10; forward 20; gradient 30; update 40; the system, 60).
 """
 from __future__ import annotations
 
@@ -73,6 +73,7 @@ class Check:
     kinds: ClassVar[dict[str, Kind]]  # the first is the default
     cadence: ClassVar[str] = STEP
     phase: ClassVar[str] = BEFORE
+    rank: ClassVar[int]  # the order its failures are read within a step (lower: it broke first)
 
     def __init_subclass__(cls, **kw) -> None:
         super().__init_subclass__(**kw)
@@ -80,8 +81,8 @@ class Check:
             return
         if cls.name in CHECKS:
             raise ValueError(f"spec check {cls.name!r} declared twice")
-        if cls.layer not in LAYERS or not cls.kinds:
-            raise TypeError(f"spec check {cls.name}: layer must be one of {LAYERS} and kinds non-empty")
+        if cls.layer not in LAYERS or not cls.kinds or not isinstance(cls.__dict__.get("rank"), int):
+            raise TypeError(f"spec check {cls.name}: layer must be one of {LAYERS}, kinds non-empty and rank an int")
         CHECKS[cls.name] = cls
 
     def __init__(self, ctx: SpecContext):
@@ -111,6 +112,9 @@ class Check:
 
     def kind_name(self, index: float) -> str:
         return list(self.kinds)[int(index)]
+
+    # classify(i) -> kind name, optional: how place i missed, decided on the host after the read for a failure
+    # only (a check whose kind costs more than its comparison defines it; spec/checks/forward.py)
 
     def state_dict(self) -> dict:
         return {}

@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as tdist
 
-import spec.checks  # noqa: F401  (registers the checks, in timeline order)
-from spec.check import AFTER, BEFORE, CHECKS, REFERENCE, SpecContext
+from spec.check import AFTER, BEFORE, REFERENCE, SpecContext
+from spec.checks import registry
 from spec.probe import run_probe
 from stability.callbacks import Callback, StepState
 
@@ -40,10 +40,8 @@ class Conformance(Callback):
 
     def __init__(self, ctx: SpecContext, every: int):
         self.ctx, self.every = ctx, every
-        self.checks = [cls(ctx) for cls in CHECKS.values() if cls.applies(ctx)]
-        by_name = {c.name: c for c in self.checks}
-        if "collectives" in by_name and "continuity" in by_name:
-            by_name["collectives"].continuity = by_name["continuity"]
+        self.checks = [cls(ctx) for cls in registry().values() if cls.applies(ctx)]
+        self.rank = {c.name: c.rank for c in self.checks}
         self.phase = {BEFORE: [c for c in self.checks if c.phase == BEFORE],
                       AFTER: [c for c in self.checks if c.phase == AFTER]}
         self._probe: tuple[int, object] | None = None
@@ -135,7 +133,9 @@ class Conformance(Callback):
             spec[c.name] = miss
             if not miss > 1:
                 continue
-            kname = c.kind_name(kind)
+            classify = getattr(c, "classify", None)
+            # NOTE: how it missed, when the check decides that only for a failure (rank 0's own measurement)
+            kname = classify(int(where)) if classify is not None and rank == self.ctx.dist.rank else c.kind_name(kind)
             failing = sum(row[0] > 1 for row in ran)
             if 1 < len(per_rank) and failing < len(per_rank) and getattr(c, "rank_kind", None):
                 kname = c.rank_kind  # one rank (not all of them) broke it: that rank's inputs or gradient
@@ -143,7 +143,8 @@ class Conformance(Callback):
             fails.append({"check": c.name, "kind": kname, "class": k.cls, "layer": TIMELINE[c.layer],
                           "where": c.where[int(where)] if int(where) < len(c.where) else None, "rank": rank,
                           "err": err, "tol": tol, "miss": miss, "fix": k.fix})
-        s.spec.setdefault("fail", []).extend(fails)
+        # in the registry's order across both reads: the first failure listed is the one that broke first
+        s.spec["fail"] = sorted(s.spec.get("fail", []) + fails, key=lambda f: self.rank[f["check"]])
         for c in checks:
             for k, (names, _) in c.extra.items():
                 if f"spec/{k}" in host:

@@ -37,6 +37,7 @@ FAULTS = {
     "bias_sign": ("balance", "moe1", "rule"),
     "reduce_rank1": ("collectives", None, "reduce"),
 }
+RESUME = {"resume_lost_moments": ("continuity", None, "resume")}  # planted on a resume from step S − 1
 
 
 class Clock:
@@ -153,6 +154,16 @@ def plant(name: str, S: int) -> None:
                 for g in self.optimizer.param_groups:
                     g["lr"] *= 3.0
         LambdaLR.step = sstep
+
+    if name == "resume_lost_moments":  # a resume that loads the model but drops Adam's moments
+        from checkpoint import state as state_mod
+        orig_load = state_mod.TrainState.load
+
+        def load(self, *a, **k):
+            orig_load(self, *a, **k)
+            Clock.step = self.step
+            self.optimizer.state.clear()
+        state_mod.TrainState.load = load
 
     if name == "reduce_rank1":  # rank 1's gradient halved before the all-reduce, by a DDP communication hook
         import parallel.wrap as wrap

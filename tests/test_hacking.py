@@ -1,5 +1,5 @@
-"""docs/hacking.md's recipes, each performed on a temporary module or copy: a model option, a fault drill, a
-lab and a config option, each found (or refused) by the code and the test that guards it. (The signal
+"""docs/hacking.md's recipes, each performed on a temporary module or copy: a model option, a specification check,
+a fault drill, a lab and a config option, each found (or refused) by the code and the test that guards it. (The signal
 recipe's test is tests/test_doctor_judge.py::test_a_new_signal_is_one_declaration.)"""
 from __future__ import annotations
 
@@ -83,6 +83,54 @@ def test_a_drill_module_dropped_into_the_package_is_in_the_registry(tmp_path, mo
     assert "student_noop" not in drills.registry()
 
 
+CHECK = '''
+import torch
+
+from spec.check import BEFORE, STEP, UPDATE, Check, Kind
+
+
+class StudentLR(Check):
+    name, layer, rank, cadence, phase = "student_lr", UPDATE, 46, STEP, BEFORE
+    kinds = {"lr": Kind("optim.lr_switch", "a group's LR is not a finite positive number")}
+
+    def before_update(self, s) -> None:
+        lr = torch.tensor([float(g["lr"]) for g in self.ctx.optimizer.param_groups], dtype=torch.float64)
+        bad = (~torch.isfinite(lr) | (lr <= 0)).double()  # a miss is one group off: half a group is the tolerance
+        self.measure(bad, torch.full_like(bad, 0.5), "lr", where=[g["name"] for g in self.ctx.optimizer.param_groups])
+'''
+
+
+def test_a_check_module_dropped_into_the_package_runs_and_fails_at_its_step(tmp_path, monkeypatch):
+    """Recipe: one module in spec/checks/ (here a temporary folder on the package's path) is a registered check, in
+    its rank's place, that passes on a clean step and fails where its specification breaks."""
+    from types import SimpleNamespace
+
+    import spec.checks as checks
+    from spec.check import CHECKS, SpecContext
+
+    (tmp_path / "student_lr.py").write_text(CHECK)
+    try:
+        with monkeypatch.context() as m:
+            m.setattr(checks, "__path__", [*checks.__path__, str(tmp_path)])
+            reg = checks.registry()
+        names = list(reg)
+        assert names.index("lr") < names.index("student_lr") < names.index("optimizer")
+        groups = [{"name": "default", "lr": 1e-3}, {"name": "no_decay", "lr": 1e-3}]
+        ctx = SpecContext(cfg=None, model=None, wrapped=None, optimizer=SimpleNamespace(param_groups=groups),
+                          loader=None, dataset=None, dist=None, recipe=None, scaler=None, evals=[])
+        check = reg["student_lr"](ctx)
+        check.before_update(SimpleNamespace(step=1))
+        assert float(check.out[0]) == 0.0  # miss: none
+        groups[1]["lr"] = -1e-3
+        check.before_update(SimpleNamespace(step=2))
+        miss, where, kind = (float(x) for x in check.out[:3])
+        assert miss > 1 and check.where[int(where)] == "no_decay" and check.kind_name(kind) == "lr"
+    finally:
+        CHECKS.pop("student_lr", None)
+        sys.modules.pop("spec.checks.student_lr", None)
+    assert "student_lr" not in checks.registry()
+
+
 LAB = '''
 TITLE = "student: a claim, its check, and the table that shows it"
 
@@ -135,7 +183,7 @@ def test_a_new_config_option_composes_and_sets_only_what_it_changes(tmp_path):
 
 def test_the_recipes_are_in_hacking_md():
     text = (ROOT / "docs" / "hacking.md").read_text(encoding="utf-8")
-    for name in ("a model option", "a signal", "a fault drill", "a lab", "a config option"):
+    for name in ("a model option", "a signal", "a specification check", "a fault drill", "a lab", "a config option"):
         assert f"## Add {name}" in text, name
     assert "docs/hacking.md" in (ROOT / "README.md").read_text(encoding="utf-8")
     assert importlib.util.find_spec("test_doctor_judge") is not None  # the signal recipe's test

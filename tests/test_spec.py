@@ -12,7 +12,7 @@ import pytest
 from helpers import ROOT, TINY, env
 
 sys.path.insert(0, str(Path(__file__).parent))
-from plant import FAULTS  # noqa: E402
+from plant import FAULTS, RESUME  # noqa: E402
 
 S = 3
 PLANTED = [*TINY, f"train.steps={S + 1}", "spec.every=1", "checkpoint.every=0", "logging.plot=false"]
@@ -45,3 +45,95 @@ def test_a_planted_bug_fails_its_check_at_its_step(tmp_path, fault):
     if where is not None:
         assert got["where"] == where, got
     assert got["miss"] > 1 and got["class"]
+
+
+def test_every_check_declares_what_the_doctor_reads():
+    """A check's failure becomes a doctor incident: its layer maps onto the doctor's timeline, its rank orders it,
+    every kind names a declared class (with its fix) and says what to look at."""
+    from doctor.classes import CLASSES
+    from doctor.fixes import FIXES
+    from doctor.timeline import LAYERS
+    from spec.checks import registry
+    from spec.monitor import TIMELINE
+
+    reg = registry()
+    assert [c.rank for c in reg.values()] == sorted(c.rank for c in reg.values())
+    for name, c in reg.items():
+        assert TIMELINE[c.layer] in LAYERS, name
+        for kind, k in c.kinds.items():
+            assert k.cls in CLASSES and k.cls in FIXES and k.fix, (name, kind)
+
+
+def records(d: Path) -> list[dict]:
+    return [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines() if x.strip()]
+
+
+CLEAN = {  # configuration -> overrides: every step of a short run passes every check that runs
+    "fp16": ["precision=fp16"],
+    "muon": ["optim=muon"],
+    "moe_tiny": ["model=moe_tiny", "model.d_model=32", "model.n_heads=2", "model.n_layers=2"],
+    "activation_checkpointing": ["train.activation_checkpointing=full"],
+    "bf16": ["precision=bf16"],
+    "fp8_block": ["precision=fp8_block"],
+    "zscore_clip": ["train.clip=zscore", "train.zscore.warmup=2"],
+    "qk_clip": ["optim.qk_clip.tau=0.1"],  # below every head's logit: it clips every step
+}
+SLOW_CLEAN = {"bf16", "fp8_block", "zscore_clip", "qk_clip"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_CLEAN else n for n in CLEAN])
+def test_clean_steps_pass_every_check(tmp_path, name):
+    recs = plant(tmp_path, "none", *CLEAN[name])
+    assert len(recs) == S + 1
+    for rec in recs:
+        assert rec["spec"]["miss"] and not rec["spec"].get("fail"), (name, rec["step"], rec["spec"].get("fail"))
+    ran = set().union(*(r["spec"]["miss"] for r in recs))
+    assert {"continuity", "data", "forward", "gradient", "clip", "lr", "optimizer"} <= ran
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("parallel", ["auto", "fsdp"])
+def test_clean_steps_pass_under_ddp_and_fsdp(tmp_path, parallel):
+    recs = plant(tmp_path, "none", f"parallel={parallel}", nproc=2)
+    for rec in recs:
+        assert not rec["spec"].get("fail"), (parallel, rec["step"], rec["spec"].get("fail"))
+    assert "collectives" in recs[-1]["spec"]["miss"] or parallel == "fsdp"
+
+
+@pytest.mark.distributed
+def test_one_ranks_gradient_changed_before_the_reduction_fails_collectives(tmp_path):
+    recs = plant(tmp_path, "reduce_rank1", nproc=2)
+    for rec in recs[:S - 1]:
+        assert not rec["spec"].get("fail"), (rec["step"], rec["spec"]["fail"])
+    got = first_failure(recs[S - 1])
+    assert got is not None and got["check"] == "collectives" and got["kind"] == "reduce" and got["rank"] == 1, got
+
+
+def test_a_resume_continues_the_specification_and_a_lossy_one_fails_it(tmp_path):
+    """A run resumed from its checkpoint passes every check (the continuity check compares the resumed state with
+    the checkpoint's fingerprint); a resume that drops the optimizer's moments fails it at the first step after."""
+    import shutil
+    d = tmp_path / "none"
+    plant(tmp_path, "none", f"checkpoint.every={S - 1}", f"checkpoint.stop_after={S - 1}")
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    shutil.copytree(d, bad / "resume_lost_moments")
+    resumed = plant(tmp_path, "none", "resume=latest")
+    assert resumed[-1]["step"] == S + 1 and not any(r["spec"].get("fail") for r in resumed if r["step"] >= S)
+    recs = plant(bad, "resume_lost_moments", "resume=latest")
+    first = next(r for r in recs if r["step"] == S)
+    got = first_failure(first)
+    check, _, kind = RESUME["resume_lost_moments"]
+    assert got is not None and (got["check"], got["kind"], got["class"]) == (check, kind, "state.resume_fault"), got
+
+
+def test_a_rollback_replays_under_the_specification(tmp_path):
+    """guard=rollback: an LR spike (the transient drill) fails the lr check at its step, before the update (the guard
+    vetoes and rolls back); the replayed steps after the rollback — anticipatory routing on — pass every check."""
+    recs = plant(tmp_path, "none", "fault=lr_spike", f"fault.step={S}", "fault.lr_spike.steps=1", "guard=rollback", "guard.rollback.source=memory", "guard.rollback.margin=0",
+                 "guard.rollback.snapshot_every=1", f"train.steps={S + 3}")
+    at = [r for r in recs if r["step"] == S]
+    assert first_failure(at[0])["check"] == "lr" and at[0]["guard"]["vetoed"] and at[0]["guard"]["rollback"]
+    after = recs[recs.index(at[0]) + 1:]
+    assert after and all(not r["spec"].get("fail") for r in after), [r["spec"].get("fail") for r in after]
+    assert any(r.get("routing", {}).get("on") for r in after)

@@ -1,5 +1,20 @@
-"""The specification checks, registered in timeline order (the registry's order is the order in which a step's
-failures are read: the state the step started from, its data, its forward, its gradient, its update, the system).
-A new check is one module here, imported below in its place (docs/hacking.md)."""
-from spec.checks import state, data, forward, route, final_norm, backward, clip, schedule, optimizer, balance  # noqa: F401,E401
-from spec.checks import collectives  # noqa: F401
+"""The specification checks: one module per check in this package (spec/check.py says what a check declares).
+
+`registry()` imports every module here and returns the checks in the order their failures are read within a step
+(each check's `rank`: the state the step started from, its data, forward, gradient, update, the system). Nothing
+else lists them: a new check is one module dropped here (docs/hacking.md).
+"""
+from __future__ import annotations
+
+import importlib
+import pkgutil
+
+from spec.check import CHECKS, Check
+
+
+def registry() -> dict[str, type[Check]]:
+    """name -> check class, for every module of this package, in rank order."""
+    for m in pkgutil.iter_modules(__path__):
+        if not m.name.startswith("_"):
+            importlib.import_module(f"{__name__}.{m.name}")  # defining the class registers it
+    return dict(sorted(CHECKS.items(), key=lambda kv: (kv[1].rank, kv[0])))

@@ -13,13 +13,14 @@ from __future__ import annotations
 import torch
 
 from spec.check import AFTER, BACKWARD, REFERENCE, Check, Kind
-from spec.checks.forward import ForwardCheck
+from spec.checks.forward import ForwardCheck, kind_of
 from spec.probe import reference_grads
 from spec.reference import Reference
 
 
 class GradientCheck(Check):
     name, layer, cadence, phase = "gradient", BACKWARD, REFERENCE, AFTER
+    rank = 35
     doc = "each parameter's gradient of the probe objective against the FP64 reference's autograd"
     kinds = {
         "mismatch": Kind("optim.gradient_mismatch", "the backward of the named parameter computes another "
@@ -44,13 +45,16 @@ class GradientCheck(Check):
         fwd = ForwardCheck(self.ctx)
         rel = self.tolerance(fwd, ref, run)
         names = list(want)
-        rows = [fwd.compare(run.grads[n], want[n], rel) for n in names]
-        err, tol, kind = (torch.stack([r[i] for r in rows]) for i in range(3))
-        # ForwardCheck's kinds, read as this check's: scaled and nonfinite keep their meaning, the rest is a mismatch
-        names_f = list(fwd.kinds)
-        own = {names_f.index(k): list(self.kinds).index(k) for k in ("scaled", "nonfinite")}
-        kind = sum((torch.where(kind == i, float(j), 0.0) for i, j in own.items()), torch.zeros_like(kind))
-        self.measure(err, tol, kind, where=names)
+        got, ref_g = [run.grads[n] for n in names], [want[n] for n in names]
+        err = torch.stack(torch._foreach_norm(torch._foreach_sub(got, ref_g)))
+        tol = rel.to(err) * torch.stack(torch._foreach_norm(ref_g)) + 1e-300
+        self.places = (got, ref_g, tol)
+        self.measure(err, tol, where=names)
+
+    def classify(self, i: int) -> str:
+        got, want, tol = self.places
+        kind = kind_of(got[i], want[i], tol[i])
+        return kind if kind in self.kinds else "mismatch"
 
     def tolerance(self, fwd: ForwardCheck, ref: Reference, run) -> torch.Tensor:
         """2·(every layer's forward tolerance + the head's): the forward's rounding, then the backward's."""

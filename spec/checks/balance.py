@@ -15,6 +15,7 @@ from spec.tolerance import U32
 
 class BalanceCheck(Check):
     name, layer, cadence, phase = "balance", UPDATE, STEP, AFTER
+    rank = 55
     doc = "each MoE layer's balancing bias against b + γ·sign(mean(load) − load) from the step's loads"
     kinds = {"rule": Kind("moe.balancing", "the named MoE layer's balancing bias did not follow its rule")}
 

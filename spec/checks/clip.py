@@ -29,6 +29,7 @@ def _is_shard(g) -> bool:
 
 class ClipCheck(Check):
     name, layer, cadence, phase = "clip", UPDATE, STEP, BEFORE
+    rank = 40
     doc = "the measured gradient norm and the applied clip coefficient against the configured policy"
     kinds = {
         "gradient": Kind("optim.gradient_spike", "the gradient changed between the backward and the clip"),

@@ -4,7 +4,8 @@ reduce     each rank's local gradient on probe elements of every parameter is ke
            (a tensor hook sees each micro-batch's contribution before DDP's reducer adds it up), gathered from every rank after the backward, and
            their mean compared with the gradient the reduction left: the micro-batches are summed in FP32, DDP
            divides by the world size and sums in FP32, 3·u32 of the terms' magnitudes per element (λ of it).
-replicas   the parameters' end-of-step fingerprint (spec/checks/state.py) is the same bits on every rank.
+replicas   the parameters' end-of-step fingerprint (norms and sample sums, as spec/checks/state.py takes them)
+           is the same bits on every rank.
 
 Under FSDP2 a parameter is a shard and its gradient a reduce-scatter of unsharded gradients no hook holds: the
 gradient checks there are the loss_grad check's (the gain's gradient against its closed form over every rank)
@@ -18,6 +19,7 @@ import torch
 import torch.distributed as tdist
 
 from spec.check import AFTER, STEP, SYSTEM, Check, Kind
+from spec.checks.state import STRIDE, _bits
 from spec.tolerance import LAMBDA, U32
 
 K = 4
@@ -25,6 +27,7 @@ K = 4
 
 class CollectivesCheck(Check):
     name, layer, cadence, phase = "collectives", SYSTEM, STEP, AFTER
+    rank = 60
     doc = "DDP's reduced gradient against the mean of the ranks' local gradients; replicas equal after the step"
     kinds = {"reduce": Kind("system.rank_divergence", "the gradient all-reduce did not return the ranks' mean"),
              "replicas": Kind("system.rank_divergence", "the replicas stopped holding the same parameters")}
@@ -43,7 +46,6 @@ class CollectivesCheck(Check):
         self.where = [n for n, _ in self.params] + ["replicas"]
         self.local: dict[str, torch.Tensor] = {}
         self.hooks = []
-        self.continuity = None  # the continuity check, whose end fingerprint the replicas compare
 
     def before_forward(self, s) -> None:
         self.local = {}
@@ -82,13 +84,14 @@ class CollectivesCheck(Check):
                        torch.stack([t[j] for t, j in zip(tol.split(sizes), worst)]))
 
     def end_step(self, s) -> None:
-        fp = self.continuity.end if self.continuity is not None else None
-        rep = torch.zeros((), dtype=torch.float64)
-        if fp is not None:
-            hi, lo = fp.clone(), fp.clone()
-            tdist.all_reduce(hi, op=tdist.ReduceOp.MAX)
-            tdist.all_reduce(lo, op=tdist.ReduceOp.MIN)
-            rep = (hi != lo).any().double()  # the same bits on every rank, norms and sample sums alike
+        ps = [p.detach().reshape(-1) for _, p in self.params]
+        # each parameter's FP32 norm and the exact sum of a strided sample of its bits (spec/checks/state.py)
+        fp = torch.cat([torch.stack(torch._foreach_norm(ps, 2)).double(),
+                        torch.stack([_bits(p[::STRIDE]).to(torch.int64).sum() for p in ps]).double()])
+        hi, lo = fp.clone(), fp.clone()
+        tdist.all_reduce(hi, op=tdist.ReduceOp.MAX)
+        tdist.all_reduce(lo, op=tdist.ReduceOp.MIN)
+        rep = (hi != lo).any().double()  # the same bits on every rank: the same computation on the same numbers
         err = torch.cat([self.reduce[0], rep.reshape(1).to(self.reduce[0].device)])
         tol = torch.cat([self.reduce[1], torch.tensor([0.5], dtype=torch.float64, device=err.device)])
         kinds = torch.tensor([0.0] * len(self.params) + [1.0])

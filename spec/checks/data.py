@@ -26,19 +26,24 @@ ASPECTS = ("ids", "definition", "tokens", "labels", "sources", "leak")
 _P = 0x100000001B3  # the FNV-1a 64-bit prime: a row's hash is Σ_t (token_t + 1)·P^t (mod 2^64)
 
 
+_POWERS: dict[tuple[int, str], Tensor] = {}
+
+
 def row_hashes(tokens_BT: Tensor) -> Tensor:
     """(B,) int64: each row's polynomial hash (int64 arithmetic wraps: exact mod 2^64, in any summation order)."""
-    T = tokens_BT.shape[1]
-    powers = torch.empty(T, dtype=torch.int64)
-    acc = 1
-    for t in range(T):
-        powers[t] = acc - (1 << 64) if acc >= (1 << 63) else acc
-        acc = (acc * _P) % (1 << 64)
-    return ((tokens_BT.long() + 1) * powers.to(tokens_BT.device)).sum(-1)
+    T, dev = tokens_BT.shape[1], tokens_BT.device
+    if (T, str(dev)) not in _POWERS:
+        powers, acc = [], 1
+        for _ in range(T):
+            powers.append(acc - (1 << 64) if acc >= (1 << 63) else acc)
+            acc = (acc * _P) % (1 << 64)
+        _POWERS[T, str(dev)] = torch.tensor(powers, dtype=torch.int64, device=dev)
+    return ((tokens_BT.long() + 1) * _POWERS[T, str(dev)]).sum(-1)
 
 
 class DataCheck(Check):
     name, layer, cadence, phase = "data", INPUT, STEP, BEFORE
+    rank = 10
     doc = "the micro-batches are the samples the plan names, exactly; no training row is a validation row"
     kinds = {
         "corrupted": Kind("data.corrupted_batch", "the batch the forward reads is not its samples' content: the "
@@ -130,7 +135,7 @@ class DataCheck(Check):
 
     def rolled_back(self, cursor: int) -> None:
         """A guard rollback put the cursor at `cursor` (its declared data policy): the plan continues from there."""
-        self.next_first, self.last = cursor, None
+        self.next_first, self.last, self.resumed = cursor, None, False
 
     def state_dict(self) -> dict:
         return {"next_first": self.next_first}

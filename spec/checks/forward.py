@@ -9,7 +9,8 @@ FP32 accumulation), the softmax's sensitivity (1 + the largest |logit|, bounded 
 elementwise ops. The measured relative error of every layer is recorded as well (StepRecord.spec.ref_err): the
 recipe's numerical error, per layer, every reference step.
 
-How a layer missed decides the class (declared rules on what the comparison measured), on the device:
+How a layer missed decides the class (declared rules on what the comparison measured), read for a failing layer
+only, after the step's read (spec/monitor.py calls classify):
   nonfinite    a non-finite output
   scaled       the output is the reference times a factor (what is left after the best factor is within tol)
   leak         (attention) the output is the reference without its causal mask: the model sees the future
@@ -35,6 +36,7 @@ ROUNDING_ONLY = 2.0 ** -3  # unit roundoff of FP8 E5M2, the coarsest float forma
 
 class ForwardCheck(Check):
     name, layer, cadence, phase = "forward", FORWARD, REFERENCE, AFTER
+    rank = 20
     doc = "each layer's output on the probe against the FP64 reference fed the same input"
     kinds = {
         "mismatch": Kind("numerics.mismatch", "the named layer computes another function than its math: its "
@@ -56,9 +58,23 @@ class ForwardCheck(Check):
         ref = Reference(self.ctx.model.cfg, {k: v.detach() for k, v in run.ref_w.items()}, run.bias)
         rows = list(self.layers(ref, run))
         names = [r[0] for r in rows]
-        err, tol, kind, scale = (torch.stack([r[i] for r in rows]) for i in range(1, 5))
-        self.measure(err, tol, kind, where=names)
+        err, tol, scale = (torch.stack([r[i] for r in rows]) for i in (1, 2, 3))
+        self.places = [r[4] for r in rows]  # what classify() reads, for a layer that failed
+        self.measure(err, tol, where=names)
         self.extra["ref_err"] = (names, err / scale.clamp(min=1e-300))
+
+    def classify(self, i: int) -> str:
+        """The kind of layer i's miss (after the read, on a failure only): the declared rules of this module's doc."""
+        got, want, tol, extra = self.places[i]
+        if "pairs" in extra:  # a block's composition: its worst pair
+            j = int(extra["ratios"].argmax())
+            (got, want, _), tol = extra["pairs"][j], extra["tols"][j]
+        if "attention" in extra and bool((got - extra["attention"](causal=False)).norm() <= tol):
+            return "leak"
+        kind = kind_of(got, want, tol)
+        if "moe" in extra and kind != "nonfinite":
+            return moe_kind(got.reshape(-1, got.shape[-1]), extra["moe"], extra["rel"]) or kind
+        return kind
 
     # --- tolerances -------------------------------------------------------------------------------------
     def u_in(self) -> float:
@@ -96,11 +112,11 @@ class ForwardCheck(Check):
 
     # --- the layers --------------------------------------------------------------------------------------
     def layers(self, ref: Reference, run):
-        """(layer, err, tol, kind index, ‖ref‖) for every layer, in forward order: err = ‖train − ref‖, tol the bound."""
+        """(layer, err, tol, ‖ref‖, (got, want, tol, extra)) for every layer, in forward order: err = ‖train − ref‖,
+        tol the bound on it; the last is what classify() reads if the layer fails."""
         c, io = self.ctx.model.cfg, run.taken.io
         u_p = u(getattr(torch, self.ctx.cfg.parallel.param_dtype, torch.float32))
-        emb = ref.embed(run.tokens)
-        yield ("emb", *self.compare(io["emb"][1].to(F64), emb, torch.full((), LAMBDA * u_p, dtype=F64)))
+        yield ("emb", *self.compare(io["emb"][1].to(F64), ref.embed(run.tokens), torch.full((), LAMBDA * u_p, dtype=F64)))
         for i in range(c.n_layers):
             tol = self.layer_tolerances(ref, run, i)
             x_in, x_out = io[f"block{i}"][0].to(F64), io[f"block{i}"][1][0].to(F64)
@@ -108,83 +124,74 @@ class ForwardCheck(Check):
             m_in, m_raw = io[f"block{i}.mlp"]
             m_in, m_out = m_in.to(F64), (m_raw.y if hasattr(m_raw, "y") else m_raw).to(F64)
             ids = run.ids.get(i)
-            err, t, kind, scale = self.compare(a_out, ref.attention(i, a_in), tol["attn"])
-            leak = (a_out - ref.attention(i, a_in, causal=False)).norm() <= t  # the same output, unmasked
-            yield (f"block{i}.attn", err, t, torch.where(leak & (err > t), self.index("leak"), kind), scale)
+            yield (f"block{i}.attn", *self.compare(a_out, ref.attention(i, a_in), tol["attn"],
+                                                   attention=lambda causal, i=i, a_in=a_in: ref.attention(i, a_in, causal)))
             if ref.is_moe(i):
                 B, T, D = m_in.shape
                 parts = ref.moe(i, m_in.reshape(B * T, D), ids, None)
-                err, t, kind, scale = self.compare(m_out, parts.y.reshape(B, T, D), tol["mlp"])
-                moe = self.moe_kind(m_out.reshape(B * T, D), parts, tol["mlp"])
-                kind = torch.where((err > t) & (moe >= 0) & (kind != self.index("nonfinite")), moe, kind)
+                yield (f"block{i}.mlp", *self.compare(m_out, parts.y.reshape(B, T, D), tol["mlp"], moe=parts,
+                                                      rel=tol["mlp"]))
             else:
-                err, t, kind, scale = self.compare(m_out, ref.dense_mlp(i, m_in), tol["mlp"])
-            yield (f"block{i}.mlp", err, t, kind, scale)
+                yield (f"block{i}.mlp", *self.compare(m_out, ref.dense_mlp(i, m_in), tol["mlp"]))
             yield (f"block{i}", *self.block_composition(ref, i, x_in, a_in, a_out, m_in, m_out, x_out, tol["norm"]))
         logits = ref.head(io["norm"][0].to(F64))
         ce, z = losses(logits, run.labels)
         lse = torch.logsumexp(logits, -1)
         at = logits.gather(-1, run.labels.clamp(min=0)[..., None])[..., 0]
         mag = torch.where(run.labels != IGNORE, lse.abs() + at.abs(), 0.0).sum()  # the CE sum's terms, unsigned
-        tol = self.head_tolerance(logits.shape[-1])
+        tol = self.head_tolerance(logits.shape[-1]) * mag + 1e-300
         err = torch.maximum((run.loss["ce"] - ce).abs(), (run.loss["z"] - z).abs() * mag / (2 * z).clamp(min=1e-300))
-        bad = ~torch.isfinite(run.loss["ce"])
-        yield ("loss", err, tol * mag + 1e-300, torch.where(bad, self.index("nonfinite"), self.index("mismatch")),
-               ce.abs())
+        got, want = torch.stack([run.loss["ce"], run.loss["z"]]), torch.stack([ce, z])
+        yield ("loss", err, tol, ce.abs(), (got, want, tol, {}))
 
     def block_composition(self, ref: Reference, i: int, x_in, a_in, a_out, m_in, m_out, x_out, rel_norm: Tensor):
         """Block i's own work around its two layers, from what the training path's layers took and gave: the norm
-        before each (RMSNorm of the residual stream), and the residual adds x + attn + mlp. (err, tol, kind, scale)
+        before each (RMSNorm of the residual stream), and the residual adds x + attn + mlp. (err, tol, scale, place)
         of the worst of the three, as a share of its tolerance times the output's norm."""
         c, pre = ref.cfg, f"blocks.{i}."
         mid = x_out - m_out  # the residual after the attention (one rounding of x_out away from the path's own)
         pairs = [(a_in, rms_norm(x_in, ref.p(pre + "attn_norm.weight"), c.norm_eps), rel_norm),
                  (m_in, rms_norm(mid, ref.p(pre + "mlp_norm.weight"), c.norm_eps), rel_norm + LAMBDA * 2 * U32),
                  (x_out, x_in + a_out + m_out, torch.full_like(rel_norm, LAMBDA * 2 * U32))]
-        ratios = torch.stack([(got - want).norm() / (rel * want.norm() + 1e-300) for got, want, rel in pairs])
-        j = ratios.argmax()
+        tols = [rel * want.norm() + 1e-300 for _, want, rel in pairs]
+        ratios = torch.stack([(got - want).norm() / t for (got, want, _), t in zip(pairs, tols)])
         scale = x_out.norm()
-        err = ratios[j] * scale
-        kinds = torch.stack([self.kind(g, w, (g - w).norm(), r * w.norm() + 1e-300) for g, w, r in pairs])
-        return err, scale + 1e-300, kinds[j], torch.stack([w.norm() for _, w, _ in pairs])[j]
+        # every pair is kept: classify() picks the worst, on a failure only
+        return ratios.max() * scale, scale + 1e-300, scale, (None, None, None, {"pairs": pairs, "tols": tols,
+                                                                                "ratios": ratios})
 
-    def index(self, kind: str) -> Tensor:
-        return torch.tensor(float(list(self.kinds).index(kind)), dtype=F64)
-
-    def compare(self, got: Tensor, want: Tensor, rel_tol: Tensor):
-        """(err, tol, kind index, scale) of one layer's output against its reference, normwise, on the device."""
+    @staticmethod
+    def compare(got: Tensor, want: Tensor, rel_tol: Tensor, **extra):
+        """(err, tol, scale, place) of one layer's output against its reference, normwise, on the device."""
         scale = want.norm()
-        err = (got - want).norm()
         tol = rel_tol.to(scale) * scale + 1e-300
-        return err, tol, self.kind(got, want, err, tol), scale
+        return (got - want).norm(), tol, scale, (got, want, tol, extra)
 
-    def kind(self, got: Tensor, want: Tensor, err: Tensor, tol: Tensor) -> Tensor:
-        """The kind of a miss (whatever it is for a pass: it is not read), decided without reading the device."""
-        scale = want.norm().clamp(min=1e-300)
-        c = (got * want).sum() / scale.square()  # the best factor: got ≈ c·want
-        scaled = ((got - c * want).norm() <= tol * torch.clamp(c.abs(), min=1.0)) & ((c - 1).abs() > 0)
-        finite = torch.isfinite(got).all()
-        return torch.where(~finite, self.index("nonfinite"),
-                           torch.where(scaled, self.index("scaled"),
-                                       torch.where(err / scale < ROUNDING_ONLY, self.index("precision"),
-                                                   self.index("mismatch"))))
 
-    def moe_kind(self, y: Tensor, parts, rel_tol: Tensor) -> Tensor:
-        """gates / dead_expert (their index) when the training output is a gate-weighted sum of the chosen experts'
-        outputs with other weights (least squares per token on its k expert outputs); −1 otherwise."""
-        N, k = parts.ids.shape
-        E = parts.scores.shape[-1]
-        A, b = parts.outs.transpose(1, 2), (y - parts.shared)[..., None]  # (N, D, k), (N, D, 1)
-        g = torch.linalg.lstsq(A, b).solution[..., 0]                     # (N, k)
-        fits = (A @ g[..., None] - b).norm() <= rel_tol * y.norm() + 1e-300
-        gone = (g.abs() <= rel_tol * parts.gates.abs().max()) & (parts.gates > 0)  # a chosen expert weighted 0
-        # dead: some expert whose every assignment here fitted 0
-        hits = torch.zeros(E, dtype=F64, device=y.device).index_add(0, parts.ids.flatten(),
-                                                                     torch.ones(N * k, dtype=F64, device=y.device))
-        zeros = torch.zeros(E, dtype=F64, device=y.device).index_add(0, parts.ids.flatten(), gone.flatten().to(F64))
-        dead = ((hits > 0) & (zeros == hits)).any()
-        none = torch.tensor(-1.0, dtype=F64, device=y.device)
-        return torch.where(fits, torch.where(dead, self.index("dead_expert"), self.index("gates")), none)
+def kind_of(got: Tensor, want: Tensor, tol: Tensor) -> str:
+    """How an output missed its reference (read on the host: a failure's only): non-finite, a scaled copy (what is
+    left after the best factor is within tolerance), a coarser rounding (below 2^-3 relative), or another function."""
+    if not bool(torch.isfinite(got).all()):
+        return "nonfinite"
+    scale = want.norm().clamp(min=1e-300)
+    c = float((got * want).sum() / scale.square())  # the best factor: got ≈ c·want
+    if c != 1 and bool((got - c * want).norm() <= tol * max(abs(c), 1.0)):
+        return "scaled"
+    return "precision" if bool((got - want).norm() / scale < ROUNDING_ONLY) else "mismatch"
+
+
+def moe_kind(y: Tensor, parts, rel_tol: Tensor) -> str | None:
+    """gates / dead_expert when the training output is a gate-weighted sum of the chosen experts' outputs with
+    other weights (least squares per token on its k expert outputs); None otherwise."""
+    A, b = parts.outs.transpose(1, 2), (y - parts.shared)[..., None]  # (N, D, k), (N, D, 1)
+    g = torch.linalg.lstsq(A, b).solution[..., 0]                     # (N, k)
+    if not bool((A @ g[..., None] - b).norm() <= rel_tol * y.norm() + 1e-300):
+        return None
+    gone = (g.abs() <= rel_tol * parts.gates.abs().max()) & (parts.gates > 0)  # a chosen expert weighted 0
+    for e in parts.ids.unique().tolist():  # dead: an expert whose every assignment here fitted 0
+        if bool(gone[parts.ids == e].all()):
+            return "dead_expert"
+    return "gates"
 
 
 def logit_bound(ref: Reference, i: int, a_in: Tensor) -> Tensor:

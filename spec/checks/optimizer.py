@@ -46,6 +46,7 @@ def _local(t: Tensor) -> Tensor:
 
 class OptimizerCheck(Check):
     name, layer, cadence, phase = "optimizer", UPDATE, STEP, AFTER
+    rank = 50
     doc = "probe elements of every parameter and its state against the optimizer's algebra in FP64"
     kinds = {"state": Kind("optim.state", "the named parameter's optimizer state is not its algebra's: the "
                                           "moments or the step count were altered or lost"),

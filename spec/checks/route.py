@@ -19,6 +19,7 @@ from spec.tolerance import LAMBDA, U32, stage
 
 class RouteCheck(Check):
     name, layer, cadence, phase = "route", FORWARD, REFERENCE, AFTER
+    rank = 25
     doc = "the probe tokens' experts against the router's top-k (with the bias), or the given routes"
     kinds = {"topk": Kind("moe.routing", "the named MoE layer's experts are not its router's top-k"),
              "collapse": Kind("moe.load_collapse", "the named MoE layer routes every token to the same k experts")}

@@ -16,6 +16,7 @@ TOL = 1e-12
 
 class ScheduleCheck(Check):
     name, layer, cadence, phase = "lr", UPDATE, STEP, BEFORE
+    rank = 45
     doc = "every group's LR against the configured schedule at this step"
     kinds = {"lr": Kind("optim.lr_switch", "the named group's LR left its schedule"),
              "resume": Kind("state.resume_fault", "the schedule after the resume is not the saved one")}
@@ -36,3 +37,6 @@ class ScheduleCheck(Check):
 
     def load_state_dict(self, sd: dict) -> None:
         self.resumed = True
+
+    def rolled_back(self, cursor: int) -> None:
+        self.resumed = False  # the snapshot's state came back with load_state_dict: a rollback is no resume

@@ -1,15 +1,21 @@
 """continuity: each step starts from the state the previous one ended with — across a resume and a rollback too.
 
-At the end of every step (after the balancing update, every lever and drill) the check takes a fingerprint of
-the whole training state: per tensor (parameters, persistent buffers such as the MoE bias, every optimizer
-state tensor) the exact sum of a strided sample of its bit patterns (every 61st element, so any row of the
-model is sampled: an integer sum is exact in any order, and a sign flip or a moved row shows where a norm
-cannot), and the scheduler's counter. Right before the next step's first forward (after its batch is loaded: a
-loader that writes into the model is caught) the same fingerprint must come out again, exactly. A checkpoint
-(or a rollback snapshot) carries its state's fingerprint with each tensor's FP32 norm besides, compared within
-the rounding of its own summation, λ·√n·u32 (another process may sum with other threads), and
-the config keys a resume must match, so the first step after a resume or a rollback compares with what was
-saved: a resumed state that is not the saved one, or a config changed without resume.allow_config_change,
+Between two steps of one process nothing may write the training state: every parameter, persistent buffer (the
+MoE bias) and optimizer state tensor, and the scheduler's counter. PyTorch counts the in-place writes to a
+tensor's storage that its ops make (its version counter, shared by all views of it; a write through .data, or a
+fused kernel's, is not counted), so at the end of a step the check notes each tensor's identity, storage and
+version, and the FP32 norm of every parameter and buffer; right before the next step's first forward (after its
+batch is loaded: a loader that writes into the model is caught) they must be the same — exactly: the same
+kernel on the same numbers gives the same bits, and nothing is read from the device. A tensor replaced (an
+optimizer state lost) or written (a moment divided, an embedding row scaled) in between is named; a moment
+written through .data shows in the optimizer check's probe elements (spec/checks/optimizer.py).
+
+A checkpoint (or a rollback snapshot) carries a fingerprint of its state besides: per tensor its FP32 norm and
+the exact sum of a strided sample of its bit patterns (every 61st element, so any row of the model is sampled; an
+integer sum is exact in any order and shows a sign flip or a moved row where a norm cannot), and the config keys
+a resume must match. The first step after a resume or a rollback compares its state with that: the sample sums
+exactly, the norms within the rounding of their own summation, λ·√n·u32 (another process may sum with other
+threads). A resumed state that is not the saved one, or a config changed without resume.allow_config_change,
 is a resume fault at that step.
 """
 from __future__ import annotations
@@ -31,7 +37,8 @@ def _local(t: Tensor) -> Tensor:
 
 class ContinuityCheck(Check):
     name, layer, cadence, phase = "continuity", BACKWARD, STEP, BEFORE
-    doc = "the state a step starts from against the fingerprint the previous step (or the checkpoint) left"
+    rank = 0
+    doc = "the state a step starts from against what the previous step (or the checkpoint) left"
     kinds = {"state": Kind("state.continuity", "the named tensor changed between two steps, outside any update"),
              "optimizer": Kind("optim.state", "the named optimizer state changed between two steps"),
              "schedule": Kind("optim.lr_switch", "the scheduler's counter is not the step's"),
@@ -40,124 +47,120 @@ class ContinuityCheck(Check):
 
     def __init__(self, ctx):
         super().__init__(ctx)
-        model, opt = ctx.model, ctx.optimizer
-        self.tensors: list[tuple[str, str]] = []  # (name, kind) in fingerprint order
-        self.end: Tensor | None = None       # (2, n) the last step's end: norms, sample sums (device)
-        self.saved: list | None = None       # the checkpoint's (host), at a resume or a rollback
-        self.config_saved: dict | None = None
+        model = ctx.model
         self.names = {id(p): n for n, p in model.named_parameters()}
         keys = set(model.state_dict())
         self.buffers = [n for n, _ in model.named_buffers() if n in keys]  # persistent ones: training state
-        self._listed: tuple[int, list[Tensor]] | None = None
+        self.end: list[tuple] | None = None  # each tensor's (id, storage, version) at the last step's end
+        self.saved: dict | None = None       # the checkpoint's fingerprint, at a resume or a rollback
+        self.config_saved: dict | None = None
 
-    def collect(self) -> list[Tensor]:
-        """The state's tensors, flat (re-listed only when the optimizer's state gained or lost a tensor)."""
+    def collect(self) -> list[tuple[str, str, Tensor]]:
+        """(name, kind, tensor) of the whole training state, parameters and buffers first (the tensors themselves,
+        not views: their identity is part of what is compared)."""
         model, opt = self.ctx.model, self.ctx.optimizer
-        size = sum(len(st) for st in opt.state.values())
-        if self._listed is not None and self._listed[0] == size:
-            return self._listed[1]
-        out, names = [], []
-        for n, p in model.named_parameters():
-            out.append(_local(p.detach()).reshape(-1))
-            names.append((n, "state"))
+        out = [(n, "state", p) for n, p in model.named_parameters()]
         buffers = dict(model.named_buffers())
-        for n in self.buffers:
-            out.append(_local(buffers[n]).reshape(-1))
-            names.append((n, "state"))
+        out += [(n, "state", buffers[n]) for n in self.buffers]
         for p, st in opt.state.items():
-            for k, v in st.items():
-                if torch.is_tensor(v):
-                    out.append(_local(v).reshape(-1))
-                    names.append((f"{self.names.get(id(p), '?')}.{k}", "optimizer"))
-        self.tensors = names
-        self.n_max = max(f.numel() for f in out)
-        self.lengths = torch.tensor([len(f[::STRIDE]) for f in out])
-        self._listed = (size, out)
+            out += [(f"{self.names.get(id(p), '?')}.{k}", "optimizer", v) for k, v in st.items() if torch.is_tensor(v)]
         return out
 
-    def fingerprint(self, norms: bool = True) -> Tensor:
-        """(2, tensors + 1): each tensor's FP32 norm (0 when `norms` is off: between two steps of one process the
-        exact sample sums suffice) and its sample sum; the scheduler's counter last."""
-        flat = self.collect()
-        dev = flat[0].device
-        sample = torch.cat([_bits32(f[::STRIDE]) for f in flat])
-        # exact: at most 2^31 × (n / STRIDE) per tensor, far below 2^53
-        sums = torch.segment_reduce(sample.double(), "sum", lengths=self.lengths.to(dev))
-        n = (torch.stack(torch._foreach_norm([f if f.dtype == torch.float32 else f.float() for f in flat], 2)).double()
-             if norms else torch.zeros_like(sums))
-        counter = self.counter = float(self.ctx.scheduler.last_epoch) if self.ctx.scheduler is not None else 0.0
-        return torch.stack([torch.cat([n.to(dev), torch.tensor([counter], dtype=torch.float64, device=dev)]),
-                            torch.cat([sums, torch.zeros(1, dtype=torch.float64, device=dev)])])
+    def marks(self) -> tuple[list[tuple], Tensor]:
+        """Each tensor's (name, identity, storage, version), and the FP32 norms of the parameters and buffers: a
+        write through .data (which PyTorch does not count) changes a value, and a norm of it, computed by the same
+        kernel on the same numbers, comes out the same bits or the write is there."""
+        items = self.collect()
+        marks = [(n, id(t), _local(t).data_ptr(), t._version) for n, _, t in items]
+        model = [_local(t.detach()).reshape(-1) for _, k, t in items if k == "state"]
+        return marks, torch.stack(torch._foreach_norm([f if f.dtype == torch.float32 else f.float() for f in model], 2))
+
+    def counter(self) -> float:
+        return float(self.ctx.scheduler.last_epoch) if self.ctx.scheduler is not None else 0.0
+
+    def fingerprint(self) -> dict:
+        """The checkpoint's: names, FP32 norms and exact sample sums (host lists), the scheduler's counter."""
+        items = self.collect()
+        flat = [t.reshape(-1) for _, _, t in items]
+        norms = torch.stack(torch._foreach_norm([f if f.dtype == torch.float32 else f.float() for f in flat], 2))
+        sums = torch.stack([_bits(f[::STRIDE]).to(torch.int64).sum() for f in flat])
+        return {"names": [n for n, _, _ in items], "norms": norms.double().tolist(), "sums": sums.tolist(),
+                "n_max": max(f.numel() for f in flat), "counter": self.counter()}
 
     def before_forward(self, s) -> None:
-        resumed = self.saved is not None
-        now = self.fingerprint(norms=resumed)  # the norms: against a checkpoint only (another process, threads)
-        against = self.end
-        if resumed:
-            # NOTE: another world size shards the tensors otherwise: their local fingerprints are not comparable
-            against = (torch.tensor(self.saved["end"], dtype=torch.float64, device=now.device)
-                       if self.saved["end"] is not None and self.saved["world"] == self.ctx.dist.world else None)
-        names = [n for n, _ in self.tensors] + ["scheduler.last_epoch"]
-        kinds = [list(self.kinds).index("resume" if resumed else k) for _, k in self.tensors]
-        kinds.append(list(self.kinds).index("resume" if resumed else "schedule"))
-        rel = LAMBDA * (math.sqrt(self.n_max) + 2) * U32
-        if against is None or against.shape != now.shape:
-            if against is not None:  # another set of tensors than was saved: a state lost or added
-                self.measure(torch.tensor([1.0], dtype=torch.float64), torch.tensor([0.5], dtype=torch.float64),
-                             "resume" if resumed else "state", where=["tensor set"])
+        f64 = dict(dtype=torch.float64)
+        counter_off = abs(self.counter() - (s.step - 1))  # after t − 1 steps the scheduler stepped t − 1 times
+        if self.saved is not None:
+            self.measure_saved(s, counter_off)
+        elif self.end is not None:
+            (now, norms), (then, norms_then) = self.marks(), self.end
+            if [m[0] for m in now] != [m[0] for m in then]:  # a tensor of the state appeared or went
+                gone = sorted(set(m[0] for m in then) ^ set(m[0] for m in now))
+                self.measure(torch.tensor([1.0], **f64), torch.tensor([0.5], **f64), "state", where=gone[:1])
             else:
-                counter_err = torch.tensor(abs(self.counter - (s.step - 1)), dtype=torch.float64)
-                self.measure(counter_err, torch.tensor(0.5, dtype=torch.float64), "resume" if resumed else "schedule",
-                             where=["scheduler.last_epoch"])
-        else:
-            norm_err = (now[0] - against[0]).abs()
-            norm_tol = rel * against[0].abs() + 1e-300
-            norm_tol[-1] = 0.5  # the counter: an integer
-            sum_err = (now[1] - against[1]).abs()
-            err = torch.maximum(norm_err / norm_tol, sum_err / 0.5)  # exact sums: half an integer is a miss
-            counter = torch.tensor(abs(self.counter - (s.step - 1)), dtype=torch.float64, device=err.device)
-            err[-1] = torch.maximum(err[-1], counter / 0.5)
-            self.measure(err, torch.ones_like(err), torch.tensor(kinds, dtype=torch.float64), where=names)
-        config_off = self.config_changes() if self.config_saved is not None else []
-        if config_off:
-            self.measure(torch.tensor([1.0], dtype=torch.float64), torch.tensor([0.5], dtype=torch.float64), "resume",
-                         where=[f"config {config_off[0]}"])
+                kinds = [list(self.kinds).index(k) for _, k, _ in self.collect()] + [list(self.kinds).index("schedule")]
+                err = torch.tensor([float(a[1:] != b[1:]) for a, b in zip(now, then)] + [float(counter_off)], **f64)
+                moved = (norms != norms_then).double().to(err.device)  # the parameters and buffers come first
+                err = torch.cat([torch.maximum(err[:len(moved)], moved), err[len(moved):]])
+                self.measure(err, torch.full_like(err, 0.5), torch.tensor(kinds, **f64),
+                             where=[m[0] for m in now] + ["scheduler.last_epoch"])
+        else:  # the run's first step
+            self.measure(torch.tensor(float(counter_off), **f64), torch.tensor(0.5, **f64), "schedule",
+                         where=["scheduler.last_epoch"])
         self.saved = self.config_saved = None
 
+    def measure_saved(self, s, counter_off: float) -> None:
+        """The first step after a resume or a rollback: the state against the checkpoint's fingerprint."""
+        f64, saved = dict(dtype=torch.float64), self.saved
+        off = self.config_changes() if self.config_saved is not None else []
+        if off:
+            self.measure(torch.tensor([1.0], **f64), torch.tensor([0.5], **f64), "resume", where=[f"config {off[0]}"])
+            return
+        # NOTE: another world size shards the tensors otherwise: their local fingerprints are not comparable
+        if saved.get("fp") is None or saved.get("world") != self.ctx.dist.world:
+            self.measure(torch.tensor(float(counter_off), **f64), torch.tensor(0.5, **f64), "resume",
+                         where=["scheduler.last_epoch"])
+            return
+        now, then = self.fingerprint(), saved["fp"]
+        if now["names"] != then["names"]:
+            gone = sorted(set(now["names"]) ^ set(then["names"]))
+            self.measure(torch.tensor([1.0], **f64), torch.tensor([0.5], **f64), "resume", where=gone[:1])
+            return
+        rel = LAMBDA * (math.sqrt(then["n_max"]) + 2) * U32
+        a_n, b_n = torch.tensor(now["norms"], **f64), torch.tensor(then["norms"], **f64)
+        sums_off = torch.tensor([float(a != b) for a, b in zip(now["sums"], then["sums"])], **f64)  # exact integers
+        err = torch.maximum((a_n - b_n).abs() / (rel * b_n.abs() + 1e-300), sums_off / 0.5)
+        err = torch.cat([err, torch.tensor([max(counter_off, abs(now["counter"] - then["counter"])) / 0.5], **f64)])
+        self.measure(err, torch.ones_like(err), "resume", where=now["names"] + ["scheduler.last_epoch"])
+
     def end_step(self, s) -> None:
-        self.end = self.fingerprint(norms=False)
+        self.end = self.marks()
 
     def config_changes(self) -> list[str]:
-        now, declared = config_keys(self.ctx.cfg), list(self.ctx.cfg.resume.allow_config_change
-                                                        if hasattr(self.ctx.cfg.resume, "allow_config_change") else [])
+        now = config_keys(self.ctx.cfg)
+        declared = list(getattr(self.ctx.cfg.resume, "allow_config_change", None) or [])
         keys = set(now) | set(self.config_saved)
         return sorted(k for k in keys if now.get(k) != self.config_saved.get(k)
                       and not any(k == d or k.startswith(d + ".") for d in declared))
 
     def rolled_back(self, cursor: int) -> None:
-        """A rollback restored a snapshot whose end fingerprint came back with it (load_state_dict): compare with
-        it, as at a resume, except for the config (a rollback keeps it)."""
+        """A rollback restored a snapshot whose fingerprint came back with it (load_state_dict): compare with it,
+        as at a resume, except for the config (a rollback keeps it)."""
         self.config_saved = None
 
     def state_dict(self) -> dict:
-        """Taken at a checkpoint or a rollback snapshot, after a step: the state is the step's end, fingerprinted
-        in full (norms too) for the comparison at a resume."""
-        end = self.fingerprint(norms=True) if self.end is not None else None
-        return {"end": None if end is None else end.tolist(), "world": self.ctx.dist.world,
+        """Taken at a checkpoint or a rollback snapshot, after a step: the fingerprint of the step's end."""
+        return {"fp": self.fingerprint() if self.end is not None else None, "world": self.ctx.dist.world,
                 "config": config_keys(self.ctx.cfg)}
 
     def load_state_dict(self, sd: dict) -> None:
-        self.saved, self.config_saved = {"end": sd.get("end"), "world": sd.get("world")}, sd.get("config")
+        self.saved, self.config_saved = {"fp": sd.get("fp"), "world": sd.get("world")}, sd.get("config")
+        self.end = None
 
 
-def _bits32(t: Tensor) -> Tensor:
-    """A tensor's elements' bit patterns as int32 (a 4-byte dtype as it is, a narrower one widened; float64 folded
-    to its high word), so that their sum is exact in any order."""
-    if t.element_size() == 4:
-        return t.contiguous().view(torch.int32)
-    if t.element_size() == 8:
-        return t.contiguous().view(torch.int32)[1::2]
-    return t.contiguous().view({2: torch.int16, 1: torch.int8}[t.element_size()]).to(torch.int32)
+def _bits(t: Tensor) -> Tensor:
+    """A flat tensor's elements' bit patterns as integers of their width (their sum is exact in any order)."""
+    return t.contiguous().view({8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}[t.element_size()])
 
 
 def config_keys(cfg) -> dict:

@@ -1,0 +1,72 @@
+"""The specification checks' cost: the default job's step time with spec.enabled=false and at its default cadence
+(every step's checks, the probe every telemetry.every steps), measured on train.py itself. Goal (issue 35):
+≤ 5 % of the default job's step.
+
+    python -m bench.speed.spec_overhead                              # 3 rounds, 40 steps an arm, threads=1
+    python -m bench.speed.spec_overhead --rounds 4 --steps 60 --out docs/results/spec_overhead.md
+
+Each arm is one train.py run of the quickstart (its own 400-step schedule, stopped by checkpoint.stop_after),
+the two taking turns every round in alternating order (off, on; on, off; ...) so the drift of a shared machine
+hits both alike. A step's time is the StepRecord's time_s.total (wall) and time_s.cpu (this process's CPU time:
+other jobs on the machine move it less than the wall clock), over steps 2.. (step 1 warms the kernels up) without
+the last (it evaluates and saves). The figure is the median over rounds of the per-round ratio on / off − 1.
+NOTE: on a shared 2-core machine pass threads=1 (the default here): two intra-op threads competing with other
+jobs drown any overhead.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from bench import ROOT
+from bench.report import Report
+
+COMMON = ["logging.wandb=disabled", "logging.progress=false", "logging.plot=false", "checkpoint.every=0",
+          "train.eval_every=1000"]
+
+
+def run(out: Path, steps: int, on: bool, extra: list[str]) -> tuple[float, float]:
+    """(mean wall ms, mean CPU ms) per step of one run."""
+    cmd = [sys.executable, "train.py", f"hydra.run.dir={out}", *COMMON, f"checkpoint.stop_after={steps}",
+           f"spec.enabled={str(on).lower()}", *extra]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    if r.returncode != 0:
+        sys.exit(f"spec_overhead: {' '.join(cmd)} failed ({r.returncode}): {(r.stderr or r.stdout)[-500:]}")
+    recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()][1:-1]
+    return (statistics.fmean(x["time_s"]["total"] for x in recs) * 1e3,
+            statistics.fmean(x["time_s"]["cpu"] for x in recs) * 1e3)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=41, help="steps an arm runs (a multiple of telemetry.every, + 1)")
+    p.add_argument("--out", help="also write the figures (markdown) to this file")
+    p.add_argument("overrides", nargs="*", default=["threads=1"], help="Hydra overrides for both arms")
+    args = p.parse_args()
+    rep = Report("The specification checks' overhead on the default job", "python -m bench.speed.spec_overhead")
+    rep.add(f"{args.rounds} rounds, {args.steps} steps an arm (steps 2..{args.steps - 1} timed), overrides: "
+            f"{' '.join(args.overrides) or 'none'}; the arms alternate, their order flipping every round.")
+    rows, ratios = [], {"wall": [], "cpu": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for k in range(args.rounds):
+            order = (False, True) if k % 2 == 0 else (True, False)
+            got = {on: run(Path(tmp) / f"r{k}-{on}", args.steps, on, args.overrides) for on in order}
+            (w0, c0), (w1, c1) = got[False], got[True]
+            ratios["wall"].append(w1 / w0 - 1)
+            ratios["cpu"].append(c1 / c0 - 1)
+            rows.append([k + 1, f"{w0:.1f}", f"{w1:.1f}", f"{100 * (w1 / w0 - 1):+.1f} %", f"{c0:.1f}", f"{c1:.1f}",
+                         f"{100 * (c1 / c0 - 1):+.1f} %"])
+    rep.table(["round", "off wall ms", "on wall ms", "wall", "off CPU ms", "on CPU ms", "CPU"], rows)
+    rep.add(f"overhead, median over rounds: wall {100 * statistics.median(ratios['wall']):+.1f} %, "
+            f"CPU {100 * statistics.median(ratios['cpu']):+.1f} % (goal ≤ 5 %)")
+    rep.write(args.out)
+
+
+if __name__ == "__main__":
+    main()
