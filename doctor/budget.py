@@ -16,8 +16,11 @@ values (its asymptotic efficiency), so the score is Student-t with ν = EFF_MAD 
 widened by √(1 + π / (2n)) for the median's own error (the median's variance is πσ²/2n). Baseline values
 that are autocorrelated (an Adam moment, a slowly drifting norm) carry fewer independent draws: n is the
 effective count n·(1 − ρ)/(1 + ρ) of an AR(1) series with the series' own lag-one autocorrelation ρ
-(timeline.Series: measured on the run itself). A score with too few effective values for a finite-variance
-tail (ν ≤ 2) is never scored.
+(measured on the run itself). A series whose noise is itself heavier-tailed than Gaussian (one layer's attention
+logits flipping between two levels, a gradient that bursts) shows it in its own scores: crossing Z_REF anew more
+than once in a run, where Gaussian noise almost never does. Its ν is then the one whose tail crosses Z_REF as often
+(`tail_dof`, leaving one excursion out: a fault's own spike does not make its series heavy-tailed). A score with
+too few effective values for a finite-variance tail (ν ≤ 2) is never scored.
 
     t = threshold(tests=40_000, n=30, rho=0.2, sides=2)     # the score above which a value deviates
 
@@ -33,6 +36,7 @@ ALPHA = 0.05   # expected incidents judged faults on a clean run (issue 36: "few
 EFF_MAD = 0.3675  # asymptotic efficiency of the MAD as a σ-estimate under Gaussian noise: Var(σ̂_MAD) ≈
 #                   1.3605 σ²/n against σ²/(2n) for the standard deviation (Hampel 1974)
 MIN_DOF = 2.0  # a t with ν ≤ 2 has infinite variance: a baseline that short says nothing about its tail
+Z_REF = 4.0    # a point in the tail: Gaussian noise crosses |z| = 4 with probability 6e-5 (once in ~16 000 steps)
 
 
 def _betacf(a: float, b: float, x: float) -> float:
@@ -118,10 +122,29 @@ def dof(n: float, rho: float = 0.0) -> float:
     return EFF_MAD * n * (1.0 - rho) / (1.0 + rho) - 1.0
 
 
-def threshold(tests: int, n: float, rho: float = 0.0, sides: int = 1, alpha: float = ALPHA / 2) -> float:
+def tail_dof(crossings: int, n: int) -> float:
+    """The ν of a t whose two tails cross ±Z_REF at the series' own rate, one crossing left out (inf: none to
+    speak of). Bisection on ν over (MIN_DOF, 1000]: the tail's mass at Z_REF falls as ν grows."""
+    rate = (crossings - 1) / max(n, 1)
+    if crossings <= 1 or rate <= 2 * t_sf(Z_REF, 1000.0):
+        return math.inf
+    if rate >= 2 * t_sf(Z_REF, MIN_DOF):
+        return MIN_DOF
+    lo, hi = MIN_DOF, 1000.0
+    for _ in range(60):  # to a few parts in a million of the ν range
+        mid = 0.5 * (lo + hi)
+        if 2 * t_sf(Z_REF, mid) > rate:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def threshold(tests: int, n: float, rho: float = 0.0, sides: int = 1, alpha: float = ALPHA / 2,
+              nu_max: float = math.inf) -> float:
     """The robust z a null value exceeds with probability alpha / (sides · tests): inf when the baseline's
-    effective size gives ν ≤ MIN_DOF (too short to bound the tail)."""
-    nu = dof(n, rho)
+    effective size gives ν ≤ MIN_DOF (too short to bound the tail). `nu_max`: the series' own tail (tail_dof)."""
+    nu = min(dof(n, rho), nu_max)
     if nu <= MIN_DOF:
         return math.inf
     # NOTE: rounded so the cache holds few entries, each way to a higher threshold: ν down to a multiple of

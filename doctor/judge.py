@@ -181,7 +181,8 @@ def _natural(f: Facts) -> str:
            f"{held[0]} held a new level (the model's internals moving as it learns)" if held else
            "no return can be seen before the run's end")
     checked = ("every step conformed to its specification" if f.conforming else
-               "the records carry no specification check")
+               "the records carry no specification check" if f.conforming is None else
+               "a specification check failed at its steps (an incident of its own)")
     return f"{how}; {checked}, and the run took no lasting damage: the run's own behaviour"
 
 

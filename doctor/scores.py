@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from doctor.budget import EFF_MAD, MIN_DOF, bound, threshold
+from doctor.budget import EFF_MAD, MIN_DOF, Z_REF, bound, tail_dof, threshold
 from doctor.timeline import MAD_SIGMA, Deviation, Series
 from stability.signals import BUDGET, family, guard_defaults
 
@@ -117,6 +117,7 @@ class Scores:
     big: np.ndarray | None = None  # the point test's move is at least its signal's floor (an effect size)
     rho: float = 0.0             # the series' own lag-one autocorrelation
     sides: int = 1               # 2: the point test counts moves both ways
+    nu_tail: float = math.inf    # the t-tail its own scores show (doctor/budget.py tail_dof)
 
 
 def point_sides(spec) -> int:
@@ -162,7 +163,13 @@ def scores(s: Series, window: int, guard: GuardTest | None = None, name: str = "
         gden = (np.maximum(MAD_SIGMA * gmad, guard.log_floor) if spec.log
                 else MAD_SIGMA * gmad + guard.rel_floor * np.abs(glev)) + 1e-12  # the detector's own ε
         z["guard"] = signed((y - glev) / gden * _sample_size(s, steps[:nf], guard.window, guard.min_history), direction)
-    return Scores(steps, x, nf, lev, z, n, big, rho, point_sides(spec))
+    # NOTE: excursions, not values: a level that shifted once keeps its innovations high for a few steps while its
+    # median catches up — one event; a series that bursts again and again crosses anew each time
+    pz = np.abs(move / (MAD_SIGMA * emad + spec.abs_floor))
+    fin = np.isfinite(pz) & (n >= MIN_HISTORY)
+    over = fin & (pz > Z_REF)
+    onsets = int((over & ~np.concatenate([[False], over[:-1]])).sum())
+    return Scores(steps, x, nf, lev, z, n, big, rho, point_sides(spec), tail_dof(onsets, int(fin.sum())))
 
 
 def _sample_size(s: Series, steps: np.ndarray, window: int, min_history: int = MIN_MEDIAN) -> np.ndarray | float:
@@ -190,7 +197,7 @@ class Budget:
         """The point test's threshold at every index of a series (inf where the baseline is too short)."""
         out = np.full(len(sc.n), np.inf)
         for k in np.unique(sc.n[sc.n >= MIN_HISTORY]):
-            out[sc.n == k] = threshold(self.tests, float(k), 0.0, max(sc.sides, 1))
+            out[sc.n == k] = threshold(self.tests, float(k), 0.0, max(sc.sides, 1), nu_max=sc.nu_tail)
         return out
 
 

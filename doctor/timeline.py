@@ -228,6 +228,7 @@ class Deviation:
             return (f"{self.quantity}{where} = {self.value:.4g} at step {self.step}, past its bound "
                     f"{self.baseline:.4g}: better than the exact floor allows")
         z = ("off its exact value" if math.isinf(self.z) else
+             "its baseline without spread: any move is out of it" if self.z > 1e6 else
              f"the guard's own test: robust z {self.z:.1f}" if self.kind == "guard" else
              f"innovation robust z {self.z:.1f}")
         return (f"{self.quantity}{where} = {self.value:.4g} at step {self.step} vs baseline "

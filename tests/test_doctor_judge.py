@@ -275,7 +275,7 @@ def test_a_layer_level_counts_only_beside_the_run_gradient(tmp_path, norm_follow
     def tweak(t, r):
         learning_onset(t, r)
         spike(t, r)
-        r["layers"]["block0.attn"] = {"grad_rms": 0.02 * (1 + 0.05 * ((t * 7919) % 13 - 6) / 6)}
+        r["layers"]["block0.attn"] = {"grad_rms": 0.02 * (1 + 0.05 * random.Random(7919 * t).uniform(-1, 1))}
         if t == T0:
             r["layers"]["block0.attn"]["grad_rms"] *= 20
         elif t > T0:

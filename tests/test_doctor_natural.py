@@ -10,6 +10,8 @@ doctor's own scoring start is still found, by the guard's own test.
 """
 from __future__ import annotations
 
+import random
+
 import pytest
 import yaml
 
@@ -30,7 +32,7 @@ def test_one_layer_gradient_burst_counts_only_with_the_run_gradient(tmp_path, wi
     """One layer's gradient RMS ×20 for a step: alone it is the heavy tail a clean run shows (healthy);
     with the run's gradient norm ×10 at the same step it is a gradient spike, located in that layer."""
     def tweak(t, r):
-        r["layers"]["block0.attn"] = {"act_rms": 0.2, "grad_rms": 0.02 * (1 + 0.05 * ((t * 7919) % 13 - 6) / 6),
+        r["layers"]["block0.attn"] = {"act_rms": 0.2, "grad_rms": 0.02 * (1 + 0.05 * random.Random(7919 * t).uniform(-1, 1)),
                                       "update_ratio": 0.01}
         if t == 70:
             r["layers"]["block0.attn"]["grad_rms"] *= 20
