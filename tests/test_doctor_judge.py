@@ -310,3 +310,17 @@ def test_the_lever_follows_the_evidence(tmp_path, attention):
         assert lever["lever"] == "qk" and key == "optim.qk_clip.tau" and 4.0 < float(tau) <= 4.2, lever
     else:
         assert lever["lever"] == "lr" and rep["fix"]["override"] == "optim.lr=0.0005", (lever, rep["fix"])
+
+
+def test_the_recipe_default_is_the_run_without_its_lever_overrides(tmp_path):
+    """doctor/levers.py composes the run's own experiment again without the command line's lever overrides: a run
+    at ten times the default LR sits on the LR's unstable side, and the LR lever pulls it back to the default."""
+    from types import SimpleNamespace
+
+    from doctor.levers import LEVERS, recipe_default
+    (tmp_path / "environment.json").write_text(json.dumps({"argv": ["optim.lr=2e-2", "seed=3", "+experiment=dense_tiny"]}))
+    default = recipe_default(SimpleNamespace(dir=tmp_path))
+    assert default["optim"]["lr"] == 2e-3 and default["seed"] == 3 and default["model"]["moe"] is None, default["optim"]
+    cfg = {**default, "optim": {**default["optim"], "lr": 2e-2}}
+    assert [lv.name for lv in LEVERS.values() if lv.unstable(cfg, default)] == ["lr"]
+    assert LEVERS["lr"].pull(cfg, default, {})[0] == "optim.lr=0.002"
