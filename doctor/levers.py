@@ -243,6 +243,8 @@ def pick(ctx, diag, default: dict | None) -> dict:
         got = lv.pull(cfg, dflt, ev)
         if got:
             over, why = got
+            # NOTE: a change of the model's architecture or of its precision recipe changes the state itself (new
+            # weights, another dtype): its proof reruns from step 0
             reshapes = lv.reshapes or over.startswith(("model.", "precision="))
             return {"lever": lv.name, "key": lv.key, "override": over, "why": why, "reshapes": reshapes,
                     "means": lv.means, "grew": {k: [round(v[0], 1), v[1]] for k, v in ev["grew"].items()},
