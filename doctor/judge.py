@@ -1,4 +1,4 @@
-"""Judgement by cause, not coincidence (docs/design.md §9): is an incident an execution fault, the run's own
+"""Judgement by cause, not coincidence (docs/design.md §7): is an incident an execution fault, the run's own
 behaviour, or its recipe's instability?
 
 An incident's verdict, by the first of these that holds (VERDICTS, in order):
