@@ -6,7 +6,7 @@ It reads every segment of the run (split where a rollback or resume sends the st
 the earliest deviating quantity across the four layers of the timeline (input → forward →
 backward/update → system; point, change-point, sustained and guard tests, doctor/scores.py) and the exact
 invariants (sample ids, tokens, per-rank sharding, doctor/invariants.py), walks the decision tree
-(docs/course.md §5) and symptom table (doctor/rules.py, doctor/checks.py), and writes the report
+(docs/course.md §5) and symptom table (doctor/classify.py, doctor/checks.py), and writes the report
 (doctor/report.py): every incident in order, then for the first the earliest anomaly, the reproducible
 batch and its replay command (doctor/replay.py), state and environment versions, the rejected
 hypotheses with their evidence, one single-variable fix and the regression command.

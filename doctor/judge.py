@@ -261,7 +261,7 @@ def _levels(g: dict[int, float], w: int) -> tuple[np.ndarray, np.ndarray, np.nda
 def outcome(ctx: Context, incidents: list) -> list[tuple[object, str, str, dict]]:
     """The run's outcome tests on one segment: [(the incident it began at or None, kind, reason, evidence)]. Only on
     a segment whose steps ran their specification checks: without them a run's damage may be an execution fault
-    the records cannot show, and the slow symptoms (doctor/rules.py no_point_anomaly) speak for it instead."""
+    the records cannot show, and the slow symptoms (doctor/symptoms.py) speak for it instead."""
     w, start = ctx.window, ctx.start
     last = ctx.seg[-1]["step"]
     found = []

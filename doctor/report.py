@@ -13,7 +13,7 @@ import json
 import math
 from pathlib import Path
 
-from doctor.rules import Diagnosis
+from doctor.diagnosis import Diagnosis
 from doctor.timeline import LAYERS, Run
 
 SECTIONS = ("Earliest anomaly", "Diagnosis", "Reproducible batch", "State and environment", "Rejected hypotheses",

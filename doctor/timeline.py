@@ -9,7 +9,7 @@ first one an alarm fired on).
 
 After a guard rollback (or a resume from an older checkpoint) the step numbers in metrics.jsonl go
 back and repeat; the records split there into segments (`run.segments`, execution order; `run.first`
-is the first). Every segment is read: each may hold incidents (doctor/rules.py diagnose_all), and a
+is the first). Every segment is read: each may hold incidents (doctor/rules.py diagnose), and a
 later segment is also evidence about an earlier one (did the same batch fail again on replay?).
 
 The tests that say a quantity left its baseline (the point test on the series' own noise model, the guard's own)

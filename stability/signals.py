@@ -23,7 +23,7 @@ from typing import Callable, Iterable
 LAYERS = ("input", "forward", "backward/update", "system")
 INPUT, FORWARD, BACKWARD, SYSTEM = LAYERS
 GUARD_FLOOR = "guard"  # point_floor placeholder: the run's guard.detector.log_floor
-# what a quantity is, as the doctor's declared rules read it (doctor/rules.py RULES, doctor/judge.py): never its name
+# what a quantity is, as the doctor's declared rules read it (doctor/classify.py RULES, doctor/judge.py): never its name
 ROLES = ("input",       # a statistic of the batch before any forward
          "switch",      # the data mixture switched (the guard's input.data_fingerprint trigger)
          "rank",        # one rank's inputs against the others'

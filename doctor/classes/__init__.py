@@ -7,7 +7,7 @@
 
 A Signal (stability/signals.py) names the class it implies when it moves first; a specification check (spec/)
 names the class its way of failing implies; a drill (stability/drills/) names the class it must produce; the
-doctor's declared rules (doctor/rules.py) name the classes its context decides. tests/test_signals.py checks that
+doctor's declared rules (doctor/classify.py RULES) name the classes its context decides. tests/test_signals.py checks that
 every one of those names is declared. The classes of this package are declared by area, one module each.
 
 A fix's `override` is the config overrides (space-separated) that make the change on a rerun, or None when the
