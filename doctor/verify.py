@@ -83,7 +83,8 @@ class Launch:
 @dataclass
 class Verifier:
     run_dir: Path
-    budget: int = 1000         # replayed optimizer steps, all runs together
+    budget: int = 1000         # replayed optimizer steps, all runs together: a rebuild, the replays and a fix to the
+    #                            end of a default-job run (400 steps) fit twice over
     say: object = print
     launches: list[Launch] = field(default_factory=list)
 
