@@ -57,7 +57,10 @@ def slow_worsening(recs: list[dict]) -> Check:
     sigma = MAD_SIGMA * statistics.median(abs(x - statistics.median(d)) for x in d) / math.sqrt(2)
     se = sigma * math.sqrt(math.pi / 2 * 2 / k)  # two medians of k
     ga, gb = statistics.median(r["grad_norm"] for r in a), statistics.median(r["grad_norm"] for r in b)
-    rose = se > 0 and (lb - la) / se > threshold(1, len(d), 0.0, 1)
+    # NOTE: past the budget's threshold in its noise AND by the loss signal's own floor (an effect size: a move
+    # under it is below what any fix could be checked against)
+    from stability.signals import SIGNALS
+    rose = se > 0 and (lb - la) / se > threshold(1, len(d), 0.0, 1) and lb - la > SIGNALS["loss"].rel_floor * abs(la)
     # NOTE: "flat": the gradient norm's median within a factor e of itself (one log unit): a gradient that grew or
     # collapsed by more is the gradient's own story, not the data's
     flat = abs(math.log(max(gb, 1e-300) / max(ga, 1e-300))) < 1.0
