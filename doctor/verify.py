@@ -45,9 +45,8 @@ from doctor.diagnosis import FAULT, INSTABILITY, NATURAL, Diagnosis
 from doctor.rules import diagnose
 from doctor.timeline import Run
 from doctor.replay import trajectory
-from doctor.budget import threshold
-from doctor.verify_records import (VerifyError, first_record, gap_by_source, noise_by_source, record_diff, value_in,
-                                   without_inputs)
+from doctor.verify_records import (VerifyError, compare_gaps, first_record, gap_by_source, noise_by_source,
+                                   record_diff, value_in, without_inputs)
 from run.argv import without
 from stability.record import read_records
 from stability.signals import family
@@ -330,21 +329,10 @@ class Verifier:
         before = gap_by_source(list(self.path.values()), S - max((end - S) // 2, 1) - 1, S - 1)
         without = gap_by_source(list(self.path.values()) + tail, half, end)
         noise = noise_by_source(self.path, S, window)
-        lim = threshold(max(len(after), 1), window, 0.0, 1)
-
-        def apart(x, y) -> float:
-            return lim * noise.get(s, 0.0) * math.sqrt(1 / x[1] + 1 / y[1])
-        worse = {s: (after[s][0], before[s][0]) for s in after if s in before
-                 and after[s][0] > before[s][0] + apart(after[s], before[s])}
         damaged = {e.get("series") for e in (target.judgement.evidence.get("outcome") or []) if e.get("series")} \
             if unstable else set()
-        damaged = {q.split("/", 1)[1] if "/" in q else q for q in damaged if q}
-        # a recipe instability's fix must remove its damage: the damaged source ends nearer its floor than without
-        better = {s: (after[s][0], without[s][0]) for s in damaged if s in after and s in without
-                  and after[s][0] < without[s][0] - apart(after[s], without[s])}
-        missing = sorted(s for s in damaged if s in without and s not in better) if unstable else []
-        if unstable:  # the damage is what the fix is for: a source that was not damaged may end anywhere nearer
-            worse = {}
+        worse, better, missing = compare_gaps(after, before, without, noise, window,
+                                              {q.split("/", 1)[-1] for q in damaged})
         if not again and not new and not worse and not missing:
             verdict = (f"worked: {target.fault_class} gone, no new fault from step {S} to {end}, and "
                        + ("the damaged source(s) " + ", ".join(f"{s} {a:+.3f} against {b:+.3f} without the fix"

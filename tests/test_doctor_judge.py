@@ -324,3 +324,19 @@ def test_the_recipe_default_is_the_run_without_its_lever_overrides(tmp_path):
     cfg = {**default, "optim": {**default["optim"], "lr": 2e-2}}
     assert [lv.name for lv in LEVERS.values() if lv.unstable(cfg, default)] == ["lr"]
     assert LEVERS["lr"].pull(cfg, default, {})[0] == "optim.lr=0.002"
+
+
+@pytest.mark.parametrize("fixed", [False, True])
+def test_a_levers_rerun_must_remove_the_damage(fixed):
+    """doctor/verify.py's comparison of the fix's window with the run's: the damaged source (copy, 1.2 nats above
+    its floor without the fix) counts as repaired only when the fix's window ends nearer its floor beyond the
+    noise; an undamaged source may end anywhere nearer."""
+    from doctor.verify_records import compare_gaps
+    after = {"copy": (0.02 if fixed else 1.19, 30), "markov": (0.3, 30)}
+    without = {"copy": (1.2, 30), "markov": (0.05, 30)}
+    before = {"copy": (1.6, 30), "markov": (0.1, 30)}
+    worse, better, missing = compare_gaps(after, before, without, {"copy": 0.05, "markov": 0.05}, 30, {"copy"})
+    assert worse == {} and (set(better), missing) == (({"copy"}, []) if fixed else (set(), ["copy"]))
+    # a fault's fix (nothing damaged): a source left above where it was before the incident counts against it
+    worse, _, _ = compare_gaps(after, before, without, {"copy": 0.05, "markov": 0.05}, 30, set())
+    assert set(worse) == {"markov"} | (set() if fixed else set())
