@@ -11,10 +11,12 @@ it: the fix is a recipe setting, never code. Which one follows from the evidence
      a model that learns sharpens its logits too);
   4. the lever of the quantity that moved first (a gradient: the clip threshold; anything else: the LR).
 
-    pick(ctx, diag) -> {"lever", "key", "override", "why", "reshapes"}
+    pick(ctx, diag) -> {"lever", "key", "override", "why", "from_start"}
 
-A signal names its lever (stability/signals.py `lever`); a lever that changes the state's shape (QK-norm adds
-weights) is proved by a rerun from step 0 (`reshapes`), the others from the state before the incident.
+A signal names its lever (stability/signals.py `lever`); a lever a resume cannot apply is proved by a rerun from
+step 0 (`from_start`): one that changes the model's state (QK-norm adds weights, a precision recipe another
+dtype) or one the checkpoint itself restores (the LR and its warm-up live in the scheduler's state, which a
+resume loads as it was saved). The others are proved from the state before the incident.
 """
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ class Lever:
     unstable: Callable[[dict, dict], bool]     # (run config, recipe default) -> the run sits on its unstable side
     pull: Callable[[dict, dict, dict], tuple[str, str] | None]  # (config, default, evidence) -> (override, why)
     specific: bool = False  # its signals show one mechanism (the attention logits, the output logits, the scale)
-    reshapes: bool = False  # the change alters the model's state (a rerun from step 0 proves it)
+    from_start: bool = False  # a resume cannot apply it (a rerun from step 0 proves it)
 
 
 LEVERS: dict[str, Lever] = {}
@@ -144,10 +146,10 @@ declare_lever(Lever("precision", "precision", "keep the loss scale's headroom (a
                     lambda c, d: get(c, "precision.name") == "fp16" and get(d, "precision.name") != "fp16", _precision,
                     specific=True))
 declare_lever(Lever("lr", "optim.lr", "the learning rate", lambda c, d: (_num(get(c, "optim.lr")) or 0) >
-                    (_num(get(d, "optim.lr")) or math.inf), _lr))
+                    (_num(get(d, "optim.lr")) or math.inf), _lr, from_start=True))
 declare_lever(Lever("warmup", "optim.schedule.warmup_steps", "the LR warm-up",
                     lambda c, d: (_num(get(c, "optim.schedule.warmup_steps")) or 0) <
-                    (_num(get(d, "optim.schedule.warmup_steps")) or 0), _warmup))
+                    (_num(get(d, "optim.schedule.warmup_steps")) or 0), _warmup, from_start=True))
 declare_lever(Lever("clip", "train.max_grad_norm", "the gradient clip threshold",
                     lambda c, d: (_num(get(c, "train.max_grad_norm")) or math.inf) >
                     (_num(get(d, "train.max_grad_norm")) or math.inf), _clip))
@@ -245,9 +247,9 @@ def pick(ctx, diag, default: dict | None) -> dict:
             over, why = got
             # NOTE: a change of the model's architecture or of its precision recipe changes the state itself (new
             # weights, another dtype): its proof reruns from step 0
-            reshapes = lv.reshapes or over.startswith(("model.", "precision="))
-            return {"lever": lv.name, "key": lv.key, "override": over, "why": why, "reshapes": reshapes,
+            from_start = lv.from_start or over.startswith(("model.", "precision="))
+            return {"lever": lv.name, "key": lv.key, "override": over, "why": why, "from_start": from_start,
                     "means": lv.means, "grew": {k: [round(v[0], 1), v[1]] for k, v in ev["grew"].items()},
                     "moved": sorted(moved)}
     return {"lever": "lr", "key": "optim.lr", "override": None, "why": "no lever can be pulled from the config",
-            "reshapes": False, "means": LEVERS["lr"].means, "grew": {}, "moved": sorted(moved)}
+            "from_start": False, "means": LEVERS["lr"].means, "grew": {}, "moved": sorted(moved)}

@@ -20,7 +20,8 @@ For the first incident judged a fault (or, on a healthy run, the first natural o
    the exact floor by source no worse than the run's; a natural incident gets no fix (the run recovered by itself).
    A recipe instability's lever (doctor/levers.py) runs to the run's last step (its damage is what lasts): it
    worked when the doctor finds no fault and no instability in its rerun and the damaged source ends nearer its
-   floor than the run did, beyond its noise — from step 0 when the lever reshapes the model's state (QK-norm).
+   floor than the run did, beyond its noise — from step 0 when a resume cannot apply the lever (QK-norm reshapes
+   the model; the LR and its warm-up live in the scheduler state a resume restores).
    A spike the rerun meets on another path is judged like any other: natural unless it does lasting damage.
 
 Every run is a directory under runs/<run>/verify/ with its config and records; report.json gains `verified`
@@ -293,7 +294,7 @@ class Verifier:
         # recipe instability's damage is what lasts, so its window is the rest of the run
         end = min(last if unstable else S + 2 * window, int(self.config["train"]["steps"]), last)
         at = [int(o.split("=", 1)[1]) for o in over if o.startswith("intervene.step=")]
-        start = 0 if unstable and (target.lever or {}).get("reshapes") else min([S - 1, *(t - 1 for t in at)])
+        start = 0 if unstable and (target.lever or {}).get("from_start") else min([S - 1, *(t - 1 for t in at)])
         if start and start not in cps:
             return {"ran": False, "fix": fx, "why": f"the fix acts at step {start + 1}, before the rebuilt state"}
         left = self.budget - sum(x.steps for x in self.launches)
@@ -307,7 +308,7 @@ class Verifier:
             seed = [r for t, r in sorted(self.path.items()) if t <= start]
             out = self.launch("fix", [f"resume.path={cps[start].resolve()}", f"checkpoint.stop_after={end}",
                                       "checkpoint.every=0", *allow, *over], end - start, seed_records=seed)
-        else:  # the lever reshapes the state: the run's own command line from step 0, with it
+        else:  # a resume cannot apply the lever (doctor/levers.py): the run's own command line from step 0, with it
             out = self.launch("fix", [f"checkpoint.stop_after={end}", "checkpoint.every=0", *over], end)
         _, fdiag, _ = diagnose(out)
         # NOTE: a spike the rerun meets on its own path is judged like any other (natural unless it does lasting

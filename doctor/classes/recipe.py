@@ -7,7 +7,7 @@ from doctor.classes import declare_class, no_fix
 def _instability(diag, run, ckpt, t, b, action, ck) -> dict:
     lv = diag.lever or {}
     over = lv.get("override")
-    where = "from step 0 (the change reshapes the model's state)" if lv.get("reshapes") else f"from {ck}"
+    where = "from step 0 (a resume cannot apply it: doctor/levers.py)" if lv.get("from_start") else f"from {ck}"
     return {"variable": f"the recipe's lever: {lv.get('means', '?')} ({lv.get('key', '?')})",
             "change": (f"{over}: {lv.get('why', '')}; rerun {where} — every step did what the recipe told it, so the "
                        f"recipe is what to change, not the code" if over else lv.get("why", "")),
