@@ -13,7 +13,8 @@ transfer (parallel/host_scalars.py; two when the guard can veto: docs/host_reads
 """
 from __future__ import annotations
 
-from run import omp_wait  # noqa: F401  (first: how OpenMP threads wait is fixed when torch loads)
+from run import startup  # noqa: F401  (first: a Ctrl-C while the imports run is one line, not a traceback)
+from run import omp_wait  # noqa: F401  (before torch: how OpenMP threads wait is fixed when torch loads)
 
 import sys
 import time
@@ -24,21 +25,21 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from checkpoint import FinalCheckpointWithheld, RunComplete
+from checkpoint import CheckpointFailed, FinalCheckpointWithheld, RunComplete
 
 from optim.accumulate import count_valid_tokens, forward_backward, reduce_sums
+from optim.schedule import record as lr_record
 from parallel import Dist, HostScalars, all_reduce_sum, destroy, init_distributed, release
 from precision.step import apply_update, prepare_update
 from run.build import Run, build_run
 from run.argv import normalise
-from run.config import preflight, register
-from run.lifecycle import CannotStart, Exit, Interrupted, Interrupts, RunDir, RunDirBusy, note_new_dirs, say
-from run.config_errors import ConfigError
+from run.config import register
+from run.lifecycle import (CannotStart, Exit, Interrupted, Interrupts, RunDir, RunDirBusy, before_hydra, say,
+                           start_failed, write_failed)
 from stability.callbacks import StepState
 from stability.guard import GuardAbort
 from stability.inputs import InputBaseline, input_tensors
-from stability.plots import plot_losses
-from stability.record import config_fingerprint, read_records, step_record
+from stability.record import config_fingerprint, step_record
 from stability.resume_fields import cpu_clock, rank_tensors, state_nonfinite, state_tensors, state_values
 from stability.step_numbers import judge
 from stability.telemetry import moe_summary
@@ -68,12 +69,12 @@ def job(cfg: DictConfig, dist: Dist) -> int:
                 return say(dist, f"ballast: {e}", Exit.OK)
             except ValueError as e:  # every config, data or resume problem: one line naming the key or file
                 return say(dist, f"ballast: config error: {e}", Exit.START)
-            except OSError as e:  # e.g. a run directory that cannot be written
-                return say(dist, f"ballast: cannot start: {e}", Exit.START)
+            except OSError as e:  # e.g. a run directory that cannot be written, a full disk
+                return say(dist, *start_failed(e))
             owner.started()
             return train_and_close(run, stop)
     except (RunDirBusy, CannotStart) as e:
-        return say(dist, f"ballast: {e}", Exit.BUSY if isinstance(e, RunDirBusy) else Exit.START)
+        return say(dist, f"ballast: {e}", Exit.BUSY if isinstance(e, RunDirBusy) else e.exit)
 
 
 def train_and_close(run: Run, stop: Interrupts) -> int:
@@ -85,6 +86,8 @@ def train_and_close(run: Run, stop: Interrupts) -> int:
         return say(run.dist, f"ballast: {e}", Exit.GUARD)
     except Interrupted as e:
         return say(run.dist, f"ballast: {e}", Exit.INTERRUPTED)
+    except (CheckpointFailed, OSError) as e:  # a save that did not publish, a full disk: the job is not done
+        return say(run.dist, *write_failed(e, run.ckpt))
     finally:
         run.close()
         release(run.wrapped)  # DDP's reducer first, in case a cycle outlives the run: parallel.dist.release
@@ -159,9 +162,7 @@ def train(run: Run, stop: Interrupts) -> None:
                   spec=run.spec)  # no veto
         s.result = res = res._replace(norm=host["grad_norm"], coef=host["clip_coef"],
                                       skipped=bool(host["overflow"]) if torch.is_tensor(res.skipped) else res.skipped)
-        failed = run.spec.read(s, host, "after") if run.spec is not None else []
-        if run.spec is not None:
-            run.spec.after_read(s)
+        failed = run.spec.read(s, host, "after") if run.spec is not None else []  # the checks read after it
         if res.skipped and not res.vetoed:  # NOTE: a non-finite gradient would poison the weights and moments
             s.events.append(f"non-finite grad norm ({res.norm}) at loss scale {res.loss_scale}: optimizer "
                             f"step skipped ({res.skipped_total if res.skipped_total is not None else 1} so far)")
@@ -192,17 +193,16 @@ def train(run: Run, stop: Interrupts) -> None:
         s.events += run.events.pop() + ckpt.pop_events()
         rec = step_record(s, tokens=tokens_seen, world=run.dist.world, batch_size=tc.batch_size,
                           seq_len=run.dataset.seq_len, names=names, guard=guard.record(), ckpt_id=ckpt.ckpt_id,
-                          device=dev, fingerprint={**cfg_fp, "data": loader.dataset.fingerprint[:12]})
+                          device=dev, fingerprint={**cfg_fp, "data": loader.dataset.fingerprint[:12]},
+                          schedule=lr_record(run.scheduler))
         for sink in run.sinks:
             sink.write(rec)
         if verdict.rollback:  # restore a recent good TrainState; the loop continues from its step
             step = guard.rollback(step)
             tokens_seen = ckpt.state.tokens
-            if run.spec is not None:  # the plan continues from the restored state and the guard's data policy
-                run.spec.rolled_back(loader.samples_consumed)
         guard.end_step(step)
     ckpt.close()
-    finish(run)
+    run.finish()
 
 
 @torch.no_grad()
@@ -231,27 +231,8 @@ def evaluate(model, batches, names, device) -> dict:
     return result
 
 
-def finish(run: Run) -> None:
-    for sink in run.sinks:
-        sink.close()
-    if not run.sinks:
-        return
-    records = read_records(run.run_dir / "metrics.jsonl")
-    last = next(r["eval"] for r in reversed(records) if r.get("eval"))
-    if run.cfg.logging.plot:
-        plot_losses(records, run.run_dir / "loss.png", last["floor"])
-    floor = (f" | exact floor {last['floor']:.4f} | gap {last['loss'] - last['floor']:+.4f} nats"
-             if last["floor"] is not None else "")
-    by_src = "  ".join(f"{n} {v:.4f}" for n, v in last["by_source"].items())
-    print(f"final eval loss {last['loss']:.4f}{floor}\n  by source: {by_src}\n"
-          f"  metrics: {run.run_dir / 'metrics.jsonl'}")
-
-
 if __name__ == "__main__":
     sys.argv[1:] = normalise(sys.argv[1:])  # resume=X → resume.path=X, for Hydra too
-    try:  # one line for a bad key or value, before Hydra's multi-line message or any file is written
-        note_new_dirs(preflight(sys.argv[1:], str(Path(__file__).resolve().parent / "conf")))
-    except ConfigError as e:
-        print(f"ballast: config error: {e}", file=sys.stderr)
-        sys.exit(Exit.START)
+    # one line for a bad key or value, before Hydra's multi-line message or any file is written
+    before_hydra(sys.argv[1:], str(Path(__file__).resolve().parent / "conf"))
     main()

@@ -9,10 +9,11 @@ import warnings
 # is a supported world size of the same code path, not a fallback.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
-from checkpoint.checkpointer import Checkpointer, FinalCheckpointWithheld, RunComplete, resume_options
+from checkpoint.checkpointer import (CheckpointFailed, Checkpointer, FinalCheckpointWithheld, RunComplete,
+                                     resume_options)
 from checkpoint.publish import check, resolve, step_name
 from checkpoint.saver import Saver
 from checkpoint.state import TrainState, read_blobs, read_tensors
 
-__all__ = ["Checkpointer", "FinalCheckpointWithheld", "RunComplete", "Saver", "TrainState", "check", "read_blobs",
+__all__ = ["CheckpointFailed", "Checkpointer", "FinalCheckpointWithheld", "RunComplete", "Saver", "TrainState", "check", "read_blobs",
            "read_tensors", "resolve", "resume_options", "step_name"]

@@ -2,14 +2,22 @@
 
     ckpt = Checkpointer(cfg.checkpoint, cfg.resume, cfg.train.steps, dist, run_dir, state)
     ckpt.resume()                                      # no-op unless resume=... is set
+    ckpt.begin(console.say)                            # what the start did, said once
     for step in range(ckpt.state.step + 1, ckpt.last_step + 1):
         ...optimizer step...
         stall_s = ckpt.maybe_save(step, tokens)       # the snapshot point: after the update
         rec.ckpt_id, rec.events = ckpt.ckpt_id, events + ckpt.pop_events()
     ckpt.close()                                       # waits for the last async write
+
+A save that does not publish stops the run (CheckpointFailed: the checkpoint, the cause, and the last good
+checkpoint checked against its marker): a job whose state is not on disk is not done, and a scheduler must be
+able to trust exit 0. One process stops at the first step boundary after the background write failed; a
+launch at its next save or at the end, where every rank has waited for the write and knows (every rank must
+stop at the same step: the saves are collectives).
 """
 from __future__ import annotations
 
+import copy
 import datetime
 import json
 from pathlib import Path
@@ -19,9 +27,11 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from checkpoint import publish
 from checkpoint.config import CheckpointConfig, ResumeConfig
+from checkpoint.failure import SaveError
 from checkpoint.resume import check_config, check_data, check_model, check_progress, check_versions
 from checkpoint.saver import Saver
 from checkpoint.state import TrainState, read_blobs, versions
+from optim.schedule import follow, resumed, schedule_of
 from parallel.dist import broadcast_object
 from stability.record import read_records_partial
 
@@ -30,6 +40,14 @@ AUTO = "auto"  # resume=auto: resume when a complete checkpoint exists, else sta
 
 class FinalCheckpointWithheld(RuntimeError):
     """The last step of train.steps was vetoed by the guard: there is no healthy step left to save."""
+
+
+class CheckpointFailed(RuntimeError):
+    """A save did not publish. The message names the checkpoint, the cause and the last good checkpoint."""
+
+    def __init__(self, line: str, disk_full: bool):
+        super().__init__(line)
+        self.disk_full = disk_full
 
 
 class RunComplete(Exception):
@@ -66,6 +84,11 @@ class Checkpointer:
         self.root = Path(ck.dir) if ck.dir else run_dir / "checkpoints"
         self.dist, self.run_dir, self.state = dist, run_dir, state
         self.ckpt_id: str | None = None  # the checkpoint this run last published or resumed from
+        self.ckpt_path: Path | None = None  # ... and where it is
+        self._failed: tuple[str, SaveError] | None = None  # the first save that did not publish
+        self._schedule: tuple | None = None  # (Schedule, base LRs) a declared change at the resume moved to
+        self._raised = False
+        self._stall: dict[str, float] = {}  # checkpoint name -> the training stall of its snapshot
         self._events: list[str] = []
         self._plan: tuple | None = None  # check_resume(): (path, skipped notes, notes, meta), () = nothing
         self._fresh = False  # resume=auto found no checkpoint
@@ -76,14 +99,25 @@ class Checkpointer:
         if saving and not self.spec and publish.list_steps(self.root):  # every rank sees it and stops
             raise ValueError(f"checkpoint.dir={self.root} already holds checkpoints of another run; "
                              f"pass resume=latest to continue it, or choose another checkpoint.dir")
-        if dist.is_main:
-            for name in publish.clean_stale(self.root):
-                self._note(f"checkpoint: removed {name}, left by an interrupted save")
+        self._unsaid: list[str] = []  # notes from before the first step, printed by begin()
+        self._live = False
+        self.say = print
 
     def _note(self, line: str) -> None:
-        if self.dist.is_main:
-            print(line, flush=True)
+        """A line for the step's record (its events). Before the first step it is printed at once by begin();
+        after, the console prints it on the step's line: one line each, never twice."""
         self._events.append(line)
+        if not self._live:
+            self._unsaid.append(line)
+
+    def begin(self, say=print) -> None:
+        """The loop starts: the notes of the start (a resume, a clean-up) printed now on rank 0 through `say`
+        (train.py's console sink, which then leaves them off the first step's line)."""
+        self.say = say
+        if self.dist.is_main:
+            for line in self._unsaid:
+                say(line)
+        self._unsaid, self._live = [], True
 
     def check_resume(self) -> None:
         """Everything resume() checks, before anything is written: which checkpoint, and that it is this
@@ -132,7 +166,11 @@ class Checkpointer:
         self._plan = (path, skipped, notes, meta)
 
     def resume(self) -> None:
-        """Load the checkpoint `resume` names into the state, after checking it is the same run."""
+        """Load the checkpoint `resume` names into the state, after checking it is the same run. First, what
+        a killed save left behind is swept (one line each)."""
+        if self.dist.is_main:
+            for name in publish.clean_stale(self.root):
+                self._note(f"checkpoint: removed {name}, left by an interrupted save")
         self.check_resume()
         if not self._plan:
             if self._fresh:
@@ -142,13 +180,19 @@ class Checkpointer:
         name = path.name
         for line in skipped:
             self._note(f"checkpoint: {line}")
+        sched = self.state.scheduler
+        configured, base = copy.copy(schedule_of(sched)), list(sched.base_lrs)  # the load overwrites both
         self.state.load(path, meta["world"], self.allow_data_change)
+        # the checkpoint's LR schedule, unless a declared change moves it (check_config refused any other)
+        lines, self._schedule = resumed(sched, configured, base, self.state.step,
+                                        declared=any(": optim.schedule." in n for n in notes))
+        notes += lines
         if self.dist.is_main:
             moved = supersede_records(self.run_dir / "metrics.jsonl", self.state.step)
             if moved:
                 notes.append(f"resume: moved {moved} record(s) after step {self.state.step} "
                              f"to metrics.superseded.jsonl")
-        self.ckpt_id = name
+        self.ckpt_id, self.ckpt_path = name, path
         self._note(f"resumed from {path} (step {self.state.step}, {self.state.tokens} tokens)")
         for line in notes:
             self._note(line)
@@ -194,6 +238,7 @@ class Checkpointer:
         """
         self.saver.wait()
         self._collect()
+        self._raise_failed()
         found = None
         if self.dist.is_main:
             for step, path in sorted(publish.list_steps(self.root), reverse=True):
@@ -206,6 +251,8 @@ class Checkpointer:
         path = Path(found)
         self.state.load(path, read_blobs(path, ("meta",))["meta"]["world"], allow_data_change=True,
                         skip_extras=skip_extras)
+        if self._schedule is not None:  # a checkpoint from before this process's resume changed the schedule
+            follow(self.state.scheduler, *self._schedule)
         return path.name
 
     def has_before(self, max_step: int) -> bool:
@@ -234,6 +281,7 @@ class Checkpointer:
                 if step >= self.steps:
                     self.saver.wait()  # name the newest complete one, async writes included
                     self._collect()
+                    self._raise_failed()
                     raise FinalCheckpointWithheld(
                         f"checkpoint: the last step {step} (train.steps) was vetoed by the guard, so no final "
                         f"checkpoint was written; last complete: {self.ckpt_id or 'none'}")
@@ -247,10 +295,11 @@ class Checkpointer:
         name = publish.step_name(step)
         info = {"name": name, "step": step, "tokens": tokens, "world": self.dist.world,
                 "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-        stall = self.saver.save(name, self.state.state_dict(), info)
+        self.saver.wait()  # the previous write first: a failed one stops the run before another starts
         self._collect()
-        if self.saver.mode == "async":
-            self._note(f"checkpoint {name}: snapshot taken, writing in the background (stall {stall:.3f} s)")
+        self._raise_failed()
+        stall = self._stall[name] = self.saver.save(name, self.state.state_dict(), info)
+        self._collect()
         return stall
 
     def save_interrupted(self, step: int, tokens: int, healthy: bool) -> Path | None:
@@ -264,25 +313,72 @@ class Checkpointer:
             self._save(step, tokens)
         self.saver.wait()
         self._collect()
-        return self.root / self.ckpt_id if self.ckpt_id else None
+        self._raise_failed()
+        return self.ckpt_path
 
     def _collect(self) -> None:
         for name, seconds, error in self.saver.finished():
             if error is None:
-                self.ckpt_id = name
-                self._note(f"checkpoint {name} published to {self.root} ({seconds:.2f} s)")
-            else:
-                self._note(f"checkpoint {name} FAILED ({error}); last complete: {self.ckpt_id}")
+                self.ckpt_id, self.ckpt_path = name, self.root / name
+                stall = self._stall.pop(name, seconds)
+                self._note(f"checkpoint {name} published to {self.root} ({seconds:.2f} s" +
+                           (f", training stalled {stall:.3f} s)" if stall < seconds else ")"))
+            elif self._failed is None:
+                self._failed = (name, error)
+                if self.dist.world > 1:  # every rank stops at the same step: the next save (module docstring)
+                    self._note(f"checkpoint {name} was not saved: {error.line}; the run stops at its next save")
+
+    def _raise_failed(self) -> None:
+        """A save that did not publish ends the run, once: CheckpointFailed naming it, its cause, and the last
+        good checkpoint as checked now."""
+        if self._failed is None or self._raised:
+            return
+        self._raised = True
+        name, error = self._failed
+        raise CheckpointFailed(f"checkpoint {name} was not saved: {error.line}; {self.last_good()}",
+                               error.disk_full)
+
+    def failure(self) -> CheckpointFailed | None:
+        """After the run stopped on another error: wait for the write in flight; the failed save not yet
+        reported (raised), if any."""
+        self.saver.wait()
+        self._collect()
+        try:
+            self._raise_failed()
+        except CheckpointFailed as e:
+            return e
+        return None
+
+    def last_good(self) -> str:
+        """The newest checkpoint this run published or resumed from, checked now against its marker (the
+        size and sha256 of every file): what a resume will load. Rank 0 reads; the others say nothing."""
+        if self.ckpt_path is None:
+            return "no earlier checkpoint of this run to resume from"
+        if not self.dist.is_main:
+            return f"the last good checkpoint is {self.ckpt_id}"
+        reason = publish.check(self.ckpt_path, verify_hashes=True)
+        if reason is None:
+            return f"the last good checkpoint {self.ckpt_path} is intact (every file matches its marker)"
+        return f"the last good checkpoint {self.ckpt_path} is damaged too: {reason}"
 
     def pop_events(self) -> list[str]:
         self._collect()
+        if self.dist.world == 1:  # one process stops at once; a launch at its next wait (the module docstring)
+            self._raise_failed()
         events, self._events = self._events, []
         return events
 
     def close(self) -> list[str]:
-        """Wait for the last write (the run is not over until it is published); return its events."""
+        """Wait for the last write (the run is not over until it is published); say and return what no step
+        record took (the final save's line). Raises CheckpointFailed when a save did not publish."""
         self.saver.wait()
-        return self.pop_events()
+        self._collect()
+        self._raise_failed()
+        events = self.pop_events()
+        if self.dist.is_main:
+            for line in events:
+                self.say(line)
+        return events
 
 
 def supersede_records(path: Path, step: int) -> int:

@@ -95,16 +95,27 @@ def read_marker(ckpt: Path) -> dict:
     return json.loads((ckpt / MARKER).read_text())
 
 
+def write_atomic(path: Path, text: str) -> None:
+    """Replace the file `path` with `text` so that a reader, or a crash, or a full disk, sees the old content or
+    the new one, never a truncated file: written beside it, fsync'd, renamed over it."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)  # atomic: readers see the old content or the new one
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
 def set_latest(root: Path, name: str) -> None:
     if (root / LATEST).is_dir():  # damage (a directory where the pointer file belongs): out of the way
         _discard(root / LATEST)
-    tmp = root / f".{LATEST}.tmp"
-    with open(tmp, "w") as f:
-        f.write(name + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, root / LATEST)  # atomic: readers see the old name or the new one
-    _fsync_dir(root)
+    write_atomic(root / LATEST, name + "\n")
 
 
 def read_latest(root: Path) -> str | None:

@@ -62,6 +62,14 @@ def _clone(x):
     return x.detach().clone() if isinstance(x, torch.Tensor) else copy.deepcopy(x)
 
 
+def _schedule_from_config(scheduler, config: dict) -> None:
+    """A checkpoint whose scheduler state holds no Schedule trained under the one its own config describes."""
+    from optim.schedule import Schedule
+    cfg, steps = (config.get("optim") or {}).get("schedule"), (config.get("train") or {}).get("steps")
+    if cfg is not None and steps and hasattr(scheduler, "lr_lambdas"):
+        scheduler.lr_lambdas = [Schedule(cfg, int(steps))] * len(scheduler.lr_lambdas)
+
+
 def read_tensors(path) -> dict[str, torch.Tensor]:
     """Every tensor of a checkpoint, full (unsharded) and keyed by its flat DCP name
     ("model.tok_emb.weight", "optim.state.tok_emb.weight.exp_avg"), for offline comparison."""
@@ -137,6 +145,8 @@ class TrainState:
         set_state_dict(self.model, self.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
         blobs = {k: pickle.loads(sd[k]) for k in BLOBS}
         self.scheduler.load_state_dict(blobs["scheduler"])
+        if not any(blobs["scheduler"].get("lr_lambdas") or [None]):  # saved before the Schedule travelled with it
+            _schedule_from_config(self.scheduler, blobs["meta"]["config"])
         self.loader.load_state_dict(blobs["loader"], allow_data_change=allow_data_change)
         self.step, self.tokens = blobs["progress"]["step"], blobs["progress"]["tokens"]
         if self.guard is not None and blobs["guard"]:

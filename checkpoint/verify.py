@@ -123,10 +123,16 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
 
     straight, resumed = out / "straight", out / "resumed"
-    must(launch(straight, [*common, f"checkpoint.every={total}"], n_a, out / "straight.log"), "straight",
-         out / "straight.log")
-    must(launch(resumed, [*common, f"checkpoint.stop_after={A}"], n_a, out / "part_a.log"), "part A",
-         out / "part_a.log")
+    phases = 4 if args.data_change else 3
+
+    def phase(i: int, what: str, log: Path) -> Path:  # one line per run: each is minutes on a CPU
+        print(f"verify [{i}/{phases}] {what} (log {log}; {time.perf_counter() - t0:.0f} s so far)", flush=True)
+        return log
+
+    log = phase(1, f"the straight run: {total} steps on {n_a} process(es)", out / "straight.log")
+    must(launch(straight, [*common, f"checkpoint.every={total}"], n_a, log), "straight", log)
+    log = phase(2, f"part A: {A} steps, then save", out / "part_a.log")
+    must(launch(resumed, [*common, f"checkpoint.stop_after={A}"], n_a, log), "part A", log)
 
     part_b = [*common, f"checkpoint.every={total}"]
     if n_b != n_a:  # keep the samples per micro-batch, so each micro-batch is the same computation
@@ -136,12 +142,14 @@ def main(argv=None) -> int:
         part_b.append(f"train.micro_batches={micro * n_a // n_b}")
     refused = None
     if args.data_change:
-        r = launch(resumed, [*part_b, *args.data_change, "resume.path=latest"], n_b, out / "part_b_refused.log")
+        log = phase(3, "part B on new data, undeclared: must be refused", out / "part_b_refused.log")
+        r = launch(resumed, [*part_b, *args.data_change, "resume.path=latest"], n_b, log)
         refused = r.returncode != 0 and "allow_data_change" in r.stderr
         part_b += [*args.data_change, "resume.path=latest", "resume.allow_data_change=true"]
     else:
         part_b.append("resume=latest")
-    must(launch(resumed, part_b, n_b, out / "part_b.log"), "part B (resumed)", out / "part_b.log")
+    log = phase(phases, f"part B: resume in a fresh process, {B} steps on {n_b} process(es)", out / "part_b.log")
+    must(launch(resumed, part_b, n_b, log), "part B (resumed)", log)
 
     print(f"verify: {A}+{B} steps straight ({n_a} proc) vs {A} -> save -> fresh process -> {B} ({n_a} -> {n_b} proc)"
           f"{' with a data change' if args.data_change else ''}; rtol {rtol:g}; runs under {out}")

@@ -7,6 +7,7 @@ offset drawn by the sample's own rng: inputs = w[:-1], labels = w[1:], every lab
 from __future__ import annotations
 
 import hashlib
+import math
 import re
 from pathlib import Path
 from typing import Sequence
@@ -16,7 +17,7 @@ import torch
 
 from data.batch import Batch
 from data.ids import fingerprint_of, sample_rngs, split_code
-from data.tokenizers import build_tokenizer
+from data.tokenizers import UnknownChar, build_tokenizer
 
 FORMATS = ("text", "json", "parquet")
 _EXT_FORMAT = {".txt": "text", ".text": "text", ".md": "text", ".json": "json", ".jsonl": "json",
@@ -44,7 +45,14 @@ def load_text(path: str, fmt: str | None = None, text_field: str = "text") -> st
             _check_utf8(p, path)
         # A .txt file is one document (one stream), not one document per line.
         extra = {"sample_by": "document"} if fmt == "text" else {}
-        ds = datasets.load_dataset(fmt, data_files=str(p), split="train", **extra)
+        bars = datasets.utils.logging.is_progress_bar_enabled()
+        if fmt == "text":  # NOTE: its "Generating train split" bar counts one document: a line of noise
+            datasets.disable_progress_bars()
+        try:
+            ds = datasets.load_dataset(fmt, data_files=str(p), split="train", **extra)
+        finally:
+            if bars:
+                datasets.enable_progress_bars()
     elif _HUB_NAME.match(path) and p.suffix.lower() not in _EXT_FORMAT:
         try:
             ds = datasets.load_dataset(path, split="train")
@@ -76,6 +84,29 @@ def _check_utf8(p: Path, path: str) -> None:
                          f"({e.reason}); convert it, e.g. iconv -f latin1 -t utf-8") from None
 
 
+def too_small(path: str, text: str, cut: int, split: str, tokens: int, seq_len: int, val_fraction: float) -> str:
+    """The one line for a split shorter than one sample, with the sizes and what to change."""
+    chars = cut if split == "train" else len(text) - cut
+    per_token = max(chars, 1) / max(tokens, 1)  # this tokenizer's characters per token on this file
+    need = math.ceil((seq_len + 1) * per_token / min(val_fraction, 1.0 - val_fraction))  # both splits hold one
+    which = (f"the training split (the first {1 - val_fraction:.0%}" if split == "train" else
+             f"the validation split (the last {val_fraction:.0%}")
+    return (f"data.path={path} is too small for one sample: {which} of its {len(text)} characters) holds "
+            f"{tokens} tokens, and a sample needs data.seq_len + 1 = {seq_len + 1}; use a file of at least about "
+            f"{need} characters, or a smaller data.seq_len")
+
+
+def unseen_char(path: str, text: str, cut: int, e: UnknownChar) -> str:
+    """The one line for a validation character the char vocabulary (the training text's) lacks: which, where,
+    and the fix."""
+    at = cut + e.index
+    line = text.count("\n", 0, at) + 1
+    return (f"data.path={path}: data.tokenizer=char builds its vocabulary from the training text (the first "
+            f"{cut} of {len(text)} characters), which lacks {e.char!r} (U+{ord(e.char):04X}) found at character {at} "
+            f"(line {line}) in the validation text; use data.tokenizer=byte (it encodes any text), or a larger file "
+            f"whose training part holds every character")
+
+
 class TextDataset:
     source_names = ["text"]
 
@@ -87,16 +118,18 @@ class TextDataset:
         self.n_chars = len(text)
         self.content_sha256 = hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
         cut = int(round(len(text) * (1.0 - val_fraction)))
-        train_text, val_text = text[:cut], text[cut:]
-        self.tokenizer = build_tokenizer(tokenizer, train_text, vocab_size)
+        splits = {"train": text[:cut], "val": text[cut:]}
+        self.tokenizer = build_tokenizer(tokenizer, splits["train"], vocab_size)
         self.vocab_size = self.tokenizer.vocab_size
         dtype = np.int32 if self.vocab_size < 2**31 else np.int64
-        self._streams = {"train": self.tokenizer.encode(train_text).astype(dtype),
-                         "val": self.tokenizer.encode(val_text).astype(dtype)}
-        for split, stream in self._streams.items():
-            if len(stream) < seq_len + 1:
-                raise ValueError(f"data.seq_len={seq_len}: the {split} split of {path} has only {len(stream)} "
-                                 f"tokens (a window needs seq_len + 1)")
+        self._streams = {}
+        for split, part in splits.items():  # sizes first: a file too small is the problem to name, whatever else
+            try:
+                self._streams[split] = self.tokenizer.encode(part).astype(dtype)
+            except UnknownChar as e:
+                raise ValueError(unseen_char(path, text, cut, e)) from None
+            if len(self._streams[split]) < seq_len + 1:
+                raise ValueError(too_small(path, text, cut, split, len(self._streams[split]), seq_len, val_fraction))
         self._manifest = {"kind": "text", "version": 1, "content_sha256": self.content_sha256,
                           "seq_len": seq_len, "seed": seed, "val_fraction": val_fraction,
                           "tokenizer": self.tokenizer.state()}

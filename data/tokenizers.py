@@ -38,6 +38,14 @@ class ByteTokenizer:
         return {"name": self.name}
 
 
+class UnknownChar(ValueError):
+    """A character the char vocabulary (built on the training text) does not hold; `index`: its position."""
+
+    def __init__(self, char: str, index: int):
+        super().__init__(f"data.tokenizer=char: character {char!r} (U+{ord(char):04X}) is not in the training text")
+        self.char, self.index = char, index
+
+
 class CharTokenizer:
     """One id per distinct character of the training text, in code-point order."""
 
@@ -54,8 +62,7 @@ class CharTokenizer:
         ids = np.minimum(np.searchsorted(self._codes, codes), self.vocab_size - 1)
         bad = np.flatnonzero(self._codes[ids] != codes)
         if bad.size:
-            c = chr(codes[bad[0]])
-            raise ValueError(f"data.tokenizer=char: character {c!r} (U+{ord(c):04X}) is not in the training text")
+            raise UnknownChar(chr(codes[bad[0]]), int(bad[0]))
         return ids.astype(np.int64)
 
     def decode(self, ids) -> str:

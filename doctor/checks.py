@@ -218,11 +218,16 @@ def check_lr(ctx: Context) -> Check:
     s = next(iter(ctx.series("schedule").values()), None)
     if s is None:
         return Check("LR switch", None, "no optim.schedule in config.yaml: the LR cannot be compared with it")
-    rec = ctx.rec()
+    off = ctx.near_role("schedule", -NEAR, 0)
+    if off:  # NOTE: the step that left it, which need not be t0 (nor be compared at t0)
+        d = min(off, key=lambda d: d.step)
+        return Check("LR switch", True, f"lr {_fmt((ctx.rec(d.step) or {}).get('lr'))} at step {d.step} is "
+                                        f"{d.value:.4g}× its schedule value")
     r = s.values.get(ctx.t0)
-    if ctx.near_role("schedule", -NEAR, 0):
-        return Check("LR switch", True, f"lr {rec['lr']:.4g} at step {ctx.t0} is {r:.4g}× its schedule value")
-    return Check("LR switch", False, f"lr {rec['lr']:.4g} at step {ctx.t0} is on its schedule (ratio {r:.9g})")
+    if r is None:
+        return Check("LR switch", None, f"step {ctx.t0}'s lr has no schedule to compare with (a record without "
+                                        f"one, after a declared change)")
+    return Check("LR switch", False, f"lr {ctx.rec()['lr']:.4g} at step {ctx.t0} is on its schedule (ratio {r:.9g})")
 
 
 def check_update(ctx: Context) -> Check:

@@ -156,6 +156,8 @@ def main(argv=None) -> int:
         if e is None or (i["step"], i["segment"]) != (e["step"], report["segment"]):
             print(f"{WORDS[i['judgement']]}: {i['class']} at step {i['step']} "
                   f"({i['quantity']}, segment {i['segment']}): {i['reason']}")
+    for c in report.get("declared", []):
+        print(f"declared: {c}")
     if e:
         print(f"earliest anomaly: step {e['step']}, {e['layer']} layer, {e['quantity']}"
               + (f" ({e['model_layer']})" if e["model_layer"] else "") + f"; rank {e['rank']}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 
+from doctor.checks import Check
 from doctor.classes import symptom
 from doctor.diagnosis import Judgement
 from doctor.diagnosis import Diagnosis
@@ -42,8 +43,9 @@ def incident(rec: dict, f: dict, seg_index: int, n_failed: int) -> Diagnosis:
     rank = "0 (single process)" if rec.get("world", 1) <= 1 else f"rank {f.get('rank')} (world {rec.get('world')})"
     dev = Deviation(f"spec.{f['check']}", layer, LAYERS.index(layer), t, miss, 1.0, math.inf, where, kind="spec")
     others = f"; {n_failed - 1} more check(s) failed at this step after it" if n_failed > 1 else ""
+    on = f" on rank {f.get('rank')}" if rec.get("world", 1) > 1 else ""
     summary = (f"{cls} at step {t}: the step broke its specification — check {f['check']} ({f.get('kind')}) at "
-               f"{where}: off by {_fmt(f.get('err'))} where the recipe allows {_fmt(f.get('tol'))} ({_fmt(miss)}× its "
+               f"{where}{on}: off by {_fmt(f.get('err'))} where the recipe allows {_fmt(f.get('tol'))} ({_fmt(miss)}× its "
                f"tolerance){others}. {f.get('fix', '')}".rstrip())
     diag = Diagnosis(cls, summary, dev, t, rank, {"step": t, **(rec.get("batch") or {})}, symptom(cls),
                      model_layer=where, layer=layer)
@@ -54,6 +56,12 @@ def incident(rec: dict, f: dict, seg_index: int, n_failed: int) -> Diagnosis:
                                                                "where": where, "err": f.get("err"),
                                                                "tol": f.get("tol"), "miss": miss})
     diag.tree = [("specification", f"check {f['check']} failed at step {t} ({where}): {_fmt(miss)}× its tolerance")]
+    # the checks that held at this step are the hypotheses the record rejects, each with how close it came
+    held = {c: m for c, m in ((rec.get("spec") or {}).get("miss") or {}).items()
+            if isinstance(m, (int, float)) and m <= 1}
+    diag.rejected = [Check(f"spec.{c}", False, f"check {c} held at step {t}: {_fmt(m)}× its tolerance")
+                     for c, m in held.items()]
+    diag.confirmed = [Check(f"spec.{f['check']}", True, summary)]
     return diag
 
 

@@ -55,7 +55,10 @@ class ReplayResult:
         return abs(self.loss - self.logged_loss)
 
 
-def replay(run_dir, step: int, dtype: str = "float32", checkpoint=None, train_to: bool = True) -> ReplayResult:
+def replay(run_dir, step: int, dtype: str = "float32", checkpoint=None, train_to: bool = True,
+           say=None) -> ReplayResult:
+    """say: a line per phase (the command line prints them: re-running steps from an older checkpoint takes
+    minutes on a CPU), with a bar over the re-run steps on a terminal; None: silent."""
     # NOTE: torch and the model stack are imported here, not at module level: a bad command line fails
     # in a fraction of a second instead of after the torch import.
     import torch
@@ -75,6 +78,8 @@ def replay(run_dir, step: int, dtype: str = "float32", checkpoint=None, train_to
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
     path_of = trajectory(read_records(run_dir / "metrics.jsonl"), step)
     ckpt = Path(checkpoint) if checkpoint else newest_before(run_dir, config, step)
+    quiet, say = say is None, say or (lambda line: None)
+    say(f"replay: checking {ckpt} against its marker (sha256 of every file)")
     reason = publish.check(ckpt, verify_hashes=True)
     if reason:
         raise ValueError(f"--checkpoint={ckpt}: not a complete checkpoint: {reason}")
@@ -103,11 +108,17 @@ def replay(run_dir, step: int, dtype: str = "float32", checkpoint=None, train_to
     if missing:
         raise ValueError(f"--step={step}: no record of step(s) {missing[:3]} between the checkpoint (step {k}) and it")
     retrained = list(range(k + 1, step)) if train_to else []
-    for t in retrained:
+    if retrained:
+        say(f"replay: re-running steps {retrained[0]}..{retrained[-1]} from {ckpt.name} "
+            f"({len(retrained)} optimizer step(s))")
+    from tqdm.auto import tqdm  # NOTE: a bar on a terminal only, as train.py's; off one, the line above
+    for t in tqdm(retrained, desc="replay", unit="step", file=sys.stderr,
+                  disable=quiet or not sys.stderr.isatty()):
         notes += train_step(model, optimizer, scheduler, ds, config, path_of[t], faults)
     if not train_to and k < step - 1:
         notes.append(f"--no-train-to: the parameters are those of step {k}, not {step - 1}: an approximate replay")
     rec = path_of[step]
+    say(f"replay: step {step}'s forward in {dtype}")
     if rec.get("routing", {}).get("on"):
         notes.append("the run used anticipatory routes at this step; the replay routes with the current parameters")
     out = forward(model.to(getattr(torch, dtype)), micro_batches(ds, config, rec, faults), len(ds.source_names), ds)
@@ -265,7 +276,8 @@ def main(argv=None) -> int:
                     help="re-run the steps between the checkpoint and --step (default: on)")
     args = ap.parse_args(argv)
     try:
-        r = replay(args.run_dir, args.step, args.dtype, args.checkpoint, args.train_to)
+        r = replay(args.run_dir, args.step, args.dtype, args.checkpoint, args.train_to,
+                   say=lambda line: print(line, flush=True))
     except ValueError as e:
         print(f"replay: {e}", file=sys.stderr)
         return 2

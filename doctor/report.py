@@ -1,7 +1,8 @@
 """The doctor's fault report (docs/course.md §11's deliverable): report.md for people, report.json for
 tools and tests, doctor_timeline.png for the eye — all written into the run directory.
 
-report.md sections (SECTIONS): the earliest anomaly; the diagnosis (symptom-table row, decision-tree
+report.md sections (SECTIONS), after the natural incidents and the changes a resume declared (when there are
+any): the earliest anomaly; the diagnosis (symptom-table row, decision-tree
 walk); the reproducible batch with its replay command; state and environment versions; the rejected
 hypotheses with their evidence; one single-variable fix; the regression command; the timeline around
 the incident. A drill's ground truth, when events.jsonl holds one, is a separate last line that the
@@ -49,7 +50,7 @@ def to_json(run: Run, diag: Diagnosis, devs: dict, state: dict, fix: dict, comma
                        "segment": i.seg_index, "summary": i.summary, "judgement": i.judgement.verdict,
                        "reason": i.judgement.reason, "evidence": _plain(i.judgement.evidence)}
                       for i in (diag.incidents or [])],
-        "environment": diag.environment, "notes": list(run.notes),
+        "environment": diag.environment, "notes": list(run.notes), "declared": run.declared,
         "ground_truth": ground_truth(run),
     }
 
@@ -92,6 +93,8 @@ def render(run: Run, diag: Diagnosis, report: dict) -> str:
                     f"{diag.lever.get('why')}.", ""]
     if run.notes:
         out += [f"> {n}" for n in run.notes] + [""]
+    if run.declared:  # NOTE: changes the run was told of: each segment is judged against its own settings
+        out += ["## Declared changes", ""] + [f"- {c}" for c in run.declared] + [""]
     if natural:
         out += ["## Natural incidents (the run's own behaviour, not faults)", ""]
         out += [f"- step {i['step']} (segment {i['segment']}): {i['class']} — `{i['quantity']}`: {i['reason']}"

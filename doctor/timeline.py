@@ -24,7 +24,7 @@ from pathlib import Path
 
 import yaml
 
-from optim.schedule import factor_fn  # plain arithmetic: the optim package loads torch only on use
+from optim.schedule import Schedule, factor_fn  # plain arithmetic: the optim package loads torch only on use
 from stability.events import read_events
 from stability.signals import (BACKWARD, FORWARD, GUARD_FLOOR, INPUT, LAYERS, SIGNALS, SYSTEM,  # noqa: F401
                                ReadContext, Signal, family)  # (the layer names: re-exported for doctor/)
@@ -40,6 +40,12 @@ MIX_P = 0.01      # a batch's source mix less probable than this under the decla
                   # the mix's, not the data's
 
 
+# what a resume says of a change it was told of (checkpoint/resume.py, optim/schedule.py continued(),
+# checkpoint/checkpointer.py): the config and data changes declared, and the schedule's answer to them
+DECLARED = ("resume: config changed", "resume: data changed", "resume: train.steps", "resume: the LR schedule",
+            "resume: the base LRs")
+
+
 @dataclass
 class Run:
     dir: Path
@@ -50,6 +56,13 @@ class Run:
     config: dict                  # resolved config.yaml ({} when absent)
     superseded: list[dict]        # metrics.superseded.jsonl (records a resume replaced)
     notes: list[str] = field(default_factory=list)  # what the records lack (truncated, older version)
+
+    @cached_property
+    def declared(self) -> list[str]:
+        """The changes a resume declared (resume.allow_*_change) and what it did with them (the LR schedule),
+        as the run said them, with their step: the report names them, so a change is never read as a fault."""
+        return [f"step {r['step']}: {e}" for r in self.records for e in r.get("events", [])
+                if str(e).startswith(DECLARED)]
 
     @property
     def first(self) -> list[dict]:
@@ -80,10 +93,10 @@ def load_run(run_dir) -> Run:
     old = sorted({r.get("version", 1) for r in records if r.get("version", 1) < RECORD_VERSION})
     if old:
         lacks = (([*V2_FIELDS, "inputs.entropy/kl_running/rare_frac", "time_s.cpu"] if old[0] < 2 else [])
-                 + (list(V3_FIELDS) if old[0] < 3 else [])
-                 + ([*V4_FIELDS, *V4_SUBFIELDS] if old[0] < 4 else []) + list(V5_FIELDS))
+                 + (list(V3_FIELDS) if old[0] < 3 else []) + ([*V4_FIELDS, *V4_SUBFIELDS] if old[0] < 4 else [])
+                 + list(V5_FIELDS))
         notes.append(f"{path}: record version {old[0]} < {RECORD_VERSION}: no {', '.join(lacks)}; "
-                     f"their checks are skipped")
+                     f"their checks are skipped (the LR is judged against config.yaml's schedule)")
     events = read_events(run_dir / "events.jsonl")
     cfg_path = run_dir / "config.yaml"
     config = yaml.safe_load(cfg_path.read_text()) if cfg_path.is_file() else {}
@@ -160,8 +173,9 @@ def timeline(records: list[dict], config: dict, floors: dict | None = None) -> d
     for sig in SIGNALS.values():  # GUARD_FLOOR: one step of a guard-watched quantity is judged at its noise floor
         specs[sig.name] = replace(sig, point_floor=gfloor) if sig.point_floor == GUARD_FLOOR else sig
     schedule = lr_schedule(config)
-    # NOTE: config.yaml is the last process's: LR records from before a declared config change (a resume with
-    # resume.allow_config_change, e.g. a longer train.steps) followed another schedule, and are not compared
+    # NOTE: a record (version 5) names the schedule it trained under, and is judged against it. An older one is
+    # judged against config.yaml's, which is the last process's: those from before a declared config change (a
+    # resume with resume.allow_config_change, e.g. a longer train.steps) followed another, and are not compared
     declared = max((i for i, r in enumerate(records) if any(str(e).startswith("resume: config changed")
                                                             for e in r.get("events", []))), default=0)
     restart = -HIST_WARM  # the step of the last process start (a resume)
@@ -175,7 +189,8 @@ def timeline(records: list[dict], config: dict, floors: dict | None = None) -> d
         ctx.warm = t - restart >= HIST_WARM
         nf = r.get("nonfinite", {})
         ctx.overflow = bool(r.get("loss_scale") is not None and math.isfinite(r.get("loss", math.nan)) and nf.get("grads"))
-        ctx.lr_expected = schedule(t) if schedule is not None and r.get("lr") is not None and i_rec >= declared else None
+        ctx.lr_expected = (None if r.get("lr") is None else scheduled_lr(r) if r.get("schedule") else
+                           schedule(t) if schedule is not None and i_rec >= declared else None)
         ctx.prev = records[i_rec - 1] if i_rec and records[i_rec - 1]["step"] == t - 1 else None
         for name, sig in specs.items():
             for series, value, layer_name, count in sig.read(r, ctx):
@@ -189,6 +204,12 @@ def timeline(records: list[dict], config: dict, floors: dict | None = None) -> d
                 if count:
                     s.counts[t] = float(count)
     return tl
+
+
+def scheduled_lr(rec: dict) -> float:
+    """The LR the record's own schedule gives the update of its step (the factor at index step − 1)."""
+    sched = rec["schedule"]
+    return float(sched["lr"]) * Schedule.from_record(sched)(rec["step"] - 1)
 
 
 def lr_schedule(config: dict):

@@ -381,4 +381,5 @@ def moments_step(target: Diagnosis) -> int:
     """The step whose update wrote the moments in question: the incident's own when its quantity is the
     optimizer state it recorded after that update, else the step before (its update used them)."""
     q = target.anomaly.quantity
-    return target.step if q.startswith("state.") else target.step - 1
+    # the state a step recorded after its update, or the optimizer check's finding at the end of that step
+    return target.step if q.startswith(("state.", "spec.optimizer")) else target.step - 1

@@ -140,8 +140,10 @@ def _drop_mesh_groups() -> None:
         from torch.distributed.device_mesh import DeviceMesh
     except ImportError:  # a torch built without distributed tensors holds no meshes
         return
+    # NOTE: issubclass on the type, not isinstance: DeviceMesh's isinstance check reads an attribute of every
+    # object it is asked about, and torch's deprecated `reduce_op` object warns when read (a FutureWarning per run)
     for obj in gc.get_objects():
-        if isinstance(obj, DeviceMesh) and isinstance(getattr(obj, "_pg_registry", None), dict):
+        if issubclass(type(obj), DeviceMesh) and isinstance(getattr(obj, "_pg_registry", None), dict):
             obj._pg_registry.clear()
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 import warnings
 
 import torch
@@ -31,12 +32,19 @@ def wrap_model(model: nn.Module, cfg: ParallelConfig, dist: Dist) -> nn.Module:
         raise ValueError(f"parallel.mode=none with {dist.world} processes: gradients would never be reduced")
     if mode == "fsdp":
         return shard_model(model, dist, cfg.param_dtype, cfg.reduce_dtype, cfg.reshard_after_forward)
-    # NOTE: broadcast_buffers=False. Every buffer is either a constant (RoPE tables) or updated from
+    # NOTE: no buffer sync in the forward. Every buffer is either a constant (RoPE tables) or updated from
     # all-reduced statistics (MoE balancing bias), so ranks never disagree and the per-forward
     # broadcast would be pure overhead. find_unused_parameters stays off: the MoE layer runs every
     # expert, even on zero tokens, so every parameter is in every graph.
     device_ids = [dist.device.index] if dist.device.type == "cuda" else None
-    return DDP(model, device_ids=device_ids, broadcast_buffers=False, gradient_as_bucket_view=True)
+    return DDP(model, device_ids=device_ids, gradient_as_bucket_view=True, **NO_FORWARD_BUFFER_SYNC)
+
+
+# NOTE: torch 2.13 renamed broadcast_buffers (now a FutureWarning) to forward_sync_buffers, which still syncs the
+# buffers once at init: harmless, every rank builds them from the same seed. Older torch knows only the old name.
+NO_FORWARD_BUFFER_SYNC = ({"forward_sync_buffers": False}
+                          if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
+                          else {"broadcast_buffers": False})
 
 
 def shard_model(model: nn.Module, dist: Dist, param_dtype: str = "float32", reduce_dtype: str = "float32",

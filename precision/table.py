@@ -62,6 +62,7 @@ class PrecisionTable:
                 "notes": list(self.notes)}
 
     def save(self, run_dir: Path | str) -> None:
+        from checkpoint.publish import write_atomic  # a resume rewrites them: never a truncated file
         run_dir = Path(run_dir)
-        (run_dir / "precision.json").write_text(json.dumps(self.to_dict(), indent=1) + "\n")
-        (run_dir / "precision.md").write_text(self.to_markdown() + "\n")
+        write_atomic(run_dir / "precision.json", json.dumps(self.to_dict(), indent=1) + "\n")
+        write_atomic(run_dir / "precision.md", self.to_markdown() + "\n")

@@ -20,6 +20,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from checkpoint import Checkpointer, TrainState, resume_options
+from checkpoint.publish import write_atomic
 from checkpoint.state import versions
 from data import build_data
 from data.loader import Loader, eval_batches
@@ -38,7 +39,9 @@ from stability.events import EventLog
 from stability.faults import FaultDrill, FaultInjector
 from stability.guard import Guard
 from stability.intervene import Intervene
-from stability.sinks import build_sinks
+from stability.plots import plot_losses
+from stability.record import read_records
+from stability.sinks import ConsoleSink, build_sinks
 from stability.telemetry import StepTelemetry, Telemetry
 
 
@@ -67,8 +70,32 @@ class Run:
     sinks: list
 
     def close(self) -> None:
-        self.ckpt.close()  # the run is not over until its last async save is published
-        self.events.close()
+        """After the loop, or after an error: the last async save waited for, the files closed. A save that
+        failed under another error (the guard gave up) is said here, after that error's line."""
+        failed = self.ckpt.failure()  # the run is not over until its last async save is published
+        if failed is not None and self.dist.is_main:
+            print(f"ballast: {failed}", file=sys.stderr, flush=True)
+        for f in [*self.sinks, self.events]:
+            try:
+                f.close()
+            except OSError:  # NOTE: a full disk fails the flush of a record the error was already about
+                pass
+
+    def finish(self) -> None:
+        """After the last step: the sinks closed, loss.png, and the final evaluation beside the exact floor."""
+        for sink in self.sinks:
+            sink.close()
+        if not self.sinks:
+            return
+        records = read_records(self.run_dir / "metrics.jsonl")
+        last = next(r["eval"] for r in reversed(records) if r.get("eval"))
+        if self.cfg.logging.plot:
+            plot_losses(records, self.run_dir / "loss.png", last["floor"])
+        floor = (f" | exact floor {last['floor']:.4f} | gap {last['loss'] - last['floor']:+.4f} nats"
+                 if last["floor"] is not None else "")
+        by_src = "  ".join(f"{n} {v:.4f}" for n, v in last["by_source"].items())
+        print(f"final eval loss {last['loss']:.4f}{floor}\n  by source: {by_src}\n"
+              f"  metrics: {self.run_dir / 'metrics.jsonl'}")
 
 
 def build_run(cfg: DictConfig, dist: Dist) -> Run:
@@ -131,7 +158,11 @@ def build_run(cfg: DictConfig, dist: Dist) -> Run:
         write_header(cfg, typed, dist, run_dir, dataset, model, model_cfg, group_table, recipe)
     sinks = build_sinks(typed.logging, run_dir, typed.train.steps, floor, typed.run_name, config) if dist.is_main else []
     guard.ckpt = ckpt
+    if spec is not None:  # a rollback's restored state and its data policy are the plan the checks go on from
+        guard.restored.append(spec.rolled_back)
     ckpt.resume()  # last: restores every RNG stream just before the first step
+    console = next((s for s in sinks if isinstance(s, ConsoleSink)), None)
+    ckpt.begin(console.say if console else print)  # what the start did, said once (not again on step 1's line)
     guard.start(state.step)
     barrier()
     return Run(cfg=cfg, train=typed.train, dist=dist,
@@ -143,9 +174,10 @@ def build_run(cfg: DictConfig, dist: Dist) -> Run:
 def write_header(cfg, typed, dist: Dist, run_dir: Path, dataset, model, model_cfg, group_table, recipe) -> None:
     """Rank 0: the resolved config, the environment, and the tables a reader checks before the loss."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
+    # NOTE: atomic: a resume rewrites these, and a full disk must not leave the run a truncated config.yaml
+    write_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
     env = {**versions(), "world": dist.world, "device": str(dist.device), "argv": sys.argv[1:]}
-    (run_dir / "environment.json").write_text(json.dumps(env, indent=1) + "\n")  # for the doctor's report
+    write_atomic(run_dir / "environment.json", json.dumps(env, indent=1) + "\n")  # for the doctor's report
     print(f"run dir {run_dir} | {dist.world} process(es) on {dist.device} | data {dataset.fingerprint[:12]}")
     print(dataset.describe())
     print(f"model: {model.num_params() / 1e6:.3f}M parameters, "
@@ -156,4 +188,7 @@ def write_header(cfg, typed, dist: Dist, run_dir: Path, dataset, model, model_cf
     table = recipe.table(sharded=is_sharded(model))  # FSDP2's param_dtype reaches the fp32 modules too
     print(table.to_markdown())
     table.save(run_dir)
+    if typed.train.compile:  # NOTE: the first step waits for it: a minute or more on a CPU, else a silent wait
+        print("train.compile=true: the first step compiles the model first (torch.compile); "
+              "train.compile=false runs it eagerly")
 

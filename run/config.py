@@ -17,6 +17,7 @@ default. OmegaConf then refuses an unknown or mistyped key; `python train.py --c
 from __future__ import annotations
 
 import os
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -26,6 +27,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from checkpoint.config import CheckpointConfig, ResumeConfig
+from checkpoint.failure import NO_SPACE
 from data.config import DataConfig, read_keys
 from model.config import ModelConfig, default_model
 from optim.config import CLIP_MODES, OptimConfig, ZScoreConfig
@@ -188,8 +190,20 @@ def preflight(argv: list[str], config_dir: str) -> Path | None:
     are Hydra's own business."""
     if any(a.startswith("-") for a in argv):
         return None
-    run_dir = Path(_compose(list(argv), config_dir)[1]).absolute()
+    cfg, run_dir = _compose(list(argv), config_dir)
+    run_dir = Path(run_dir).absolute()
     parent = next(p for p in [run_dir, *run_dir.parents] if p.exists())
     if not (parent.is_dir() and os.access(parent, os.W_OK | os.X_OK)):
         raise ConfigError(f"hydra.run.dir={run_dir}: cannot create it: {parent} is not a writable directory")
+    if parent != run_dir:  # NOTE: root passes os.access on /proc and /sys, where mkdir fails: try one
+        try:
+            os.rmdir(tempfile.mkdtemp(prefix=".ballast-", dir=parent))
+        except OSError as e:
+            if e.errno in NO_SPACE:
+                raise OSError(e.errno, e.strerror, str(parent)) from None  # a full disk: its own exit status
+            raise ConfigError(f"hydra.run.dir={run_dir}: cannot create it under {parent}: {e.strerror}") from None
+    if cfg.device == "cuda":
+        import torch  # NOTE: here, not at the top: the schema is read without torch (the doctor)
+        if not torch.cuda.is_available():
+            raise ConfigError("device=cuda: CUDA is not available on this machine (use device=cpu or auto)")
     return run_dir

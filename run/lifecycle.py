@@ -1,5 +1,5 @@
 """The run's life around the loop: one writer per run directory, an interrupt that saves, a start that fails
-leaving nothing behind, and the exit statuses that say which.
+leaving nothing behind, a write that fails (a full disk) said in one line, and the exit statuses that say which.
 
     with RunDir(run_dir, dist) as owner, Interrupts(dist) as stop:   # train.py job()
         run = build_run(cfg, dist)
@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from checkpoint.checkpointer import CheckpointFailed
+from checkpoint.failure import is_disk_full, one_line
 from checkpoint.publish import step_name
 from parallel.dist import Dist, all_gather_object, all_reduce_max, broadcast_object
 from run.argv import without
@@ -41,12 +43,22 @@ class Exit(IntEnum):
     START = 2         # the run cannot start: a config, data or resume problem, an unwritable directory
     GUARD = 3         # the guard gave up, or the last step was vetoed (the last good checkpoint stands)
     BUSY = 4          # another live process owns the run directory
+    NO_SPACE = 5      # the disk filled (ENOSPC, EDQUOT): at the start, in a save, writing the records; free space, resume
+    IO = 74           # EX_IOERR: a checkpoint or a record could not be written for another reason (permission, I/O)
     INTERRUPTED = 75  # EX_TEMPFAIL: stopped by SIGINT/SIGTERM at a step boundary and saved; resume=auto goes on
-    ABORTED = 130     # a second interrupt: out at once (128 + SIGINT); the atomic publish keeps checkpoints whole
+    ABORTED = 130     # a second interrupt, or one before the run began (run/startup.py): out at once (128 + SIGINT)
 
 
 class RunDirBusy(RuntimeError):
     """Another live process holds the run directory's lock."""
+
+
+class CannotStart(RuntimeError):
+    """The run directory cannot be taken (e.g. not writable, or the disk is full)."""
+
+    def __init__(self, line: str, disk_full: bool = False):
+        super().__init__(line)
+        self.exit = Exit.NO_SPACE if disk_full else Exit.START
 
 
 class RunDir:
@@ -62,25 +74,28 @@ class RunDir:
         self.fd: int | None = None
         self.running = False
         self.previous: dict | None = None  # the stale holder a dead process left, if any
-        self.new: Path | None = None  # the topmost directory this launch made (note_new_dirs)
+        self.new: Path | bool | None = None  # the topmost directory this launch made (note_new_dirs)
 
     def __enter__(self) -> "RunDir":
         answer = None
         if self.dist.is_main:
             try:
                 self._acquire()
-            except (RunDirBusy, OSError) as e:
-                answer = (type(e).__name__, str(e))
+            except RunDirBusy as e:
+                answer = (type(e).__name__, str(e), False)
+            except OSError as e:
+                full = is_disk_full(e)
+                answer = (type(e).__name__, f"disk full: {e}; free space on that filesystem, then rerun" if full
+                          else str(e), full)
         answer = broadcast_object(answer)  # every rank of the launch goes on or stops together
         # the first rank to make the directory saw it missing: the union of what the ranks saw is what to remove
-        self.new = min((p for p in all_gather_object(_NEW[0]) if p is not None), key=lambda p: len(p.parts),
-                       default=None)
+        self.new = topmost(all_gather_object(_NEW[0]))
         if answer is not None:
-            kind, line = answer
+            kind, line, full = answer
             if kind == RunDirBusy.__name__:
                 raise RunDirBusy(line)
             remove_if_empty(self.dir, self.new)
-            raise CannotStart(f"cannot start: {line}")
+            raise CannotStart(f"cannot start: {line}", full)
         if self.previous and self.dist.is_main:
             print(f"run dir {self.dir}: the lock of {_holder(self.previous)} was released when it exited; "
                   f"taking it over", flush=True)
@@ -111,8 +126,13 @@ class RunDir:
         me = {"pid": os.getpid(), "host": socket.gethostname(), "launch": os.environ.get("TORCHELASTIC_RUN_ID"),
               "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "argv": sys.argv[1:]}
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, (json.dumps(me) + "\n").encode(), 0)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, (json.dumps(me) + "\n").encode(), 0)
+        except OSError as e:  # a full disk: a start that cannot run leaves no lock (the file is ours: we hold it)
+            self.path.unlink(missing_ok=True)
+            os.close(fd)
+            raise OSError(e.errno, e.strerror, str(self.path)) from None
         self.fd = fd
 
     def started(self) -> None:
@@ -128,22 +148,60 @@ class RunDir:
             remove_if_empty(self.dir, self.new)
 
 
-_NEW: list[Path | None] = [None]  # the topmost directory this start will create (note_new_dirs)
+_NEW: list[Path | bool | None] = [None]  # the topmost directory this start will create (note_new_dirs)
+_RUN_DIR: list[Path | None] = [None]      # ... and the run directory itself
 
 
 def note_new_dirs(run_dir: Path | None) -> None:
     """Before Hydra makes the run directory (mkdir -p): the topmost part of it that does not exist yet, which
-    a failed start removes again. Unknown (None) → only the run directory itself, when empty."""
+    a failed start removes again; False when it all exists (a failed start removes nothing: an empty directory
+    the user made stays). Unknown (None) → only the run directory itself, when empty."""
+    _RUN_DIR[0] = run_dir
     if run_dir is None:
         _NEW[0] = None
         return
     missing = [p for p in [run_dir, *run_dir.parents] if not p.exists()]
-    _NEW[0] = missing[-1] if missing else None
+    _NEW[0] = missing[-1] if missing else False
 
 
-def remove_if_empty(path: Path, top: Path | None) -> None:
+def topmost(seen: list) -> Path | bool | None:
+    """What a launch made, from what each rank noted: the first rank to make the directory saw it missing."""
+    made = [p for p in seen if isinstance(p, Path)]
+    if made:
+        return min(made, key=lambda p: len(p.parts))
+    return False if any(p is False for p in seen) else None
+
+
+def remove_new_dirs() -> None:
+    """An interrupt before the run began: what this start made, while still empty (run/startup.py)."""
+    if isinstance(_NEW[0], Path) and _RUN_DIR[0] is not None:
+        remove_if_empty(_RUN_DIR[0], _NEW[0])
+
+
+def before_hydra(argv: list[str], config_dir: str) -> None:
+    """The command line checked before @hydra.main runs (run/config.py preflight): a bad key or value, a run
+    directory that cannot be made, a device this machine lacks: one line (rank 0's, under torchrun: every rank
+    fails the same way) and exit 2, or 5 for a full disk, before anything is written."""
+    from run.config import preflight
+    from run.config_errors import ConfigError
+
+    try:
+        note_new_dirs(preflight(argv, config_dir))
+        return
+    except ConfigError as e:
+        line, code = f"ballast: config error: {e}", Exit.START
+    except OSError as e:
+        line, code = start_failed(e)
+    if os.environ.get("RANK", "0") == "0":
+        print(line, file=sys.stderr, flush=True)
+    sys.exit(code)
+
+
+def remove_if_empty(path: Path, top: Path | bool | None) -> None:
     """A start that failed leaves no directory: the run dir and the parents this start made for it, each
-    only while empty."""
+    only while empty. top=False: the start made none of them."""
+    if top is False:
+        return
     path = path.absolute()
     stop = top.absolute() if top is not None and (top == path or top in path.parents) else path
     for p in [path, *path.parents]:
@@ -257,10 +315,6 @@ def resume_command(run_dir: Path, argv: list[str]) -> str:
     return " ".join([launcher, *keep, f"hydra.run.dir={run_dir}", "resume=auto"])
 
 
-class CannotStart(RuntimeError):
-    """The run directory cannot be taken (e.g. not writable)."""
-
-
 class Interrupted(RuntimeError):
     """The loop stopped at a step boundary on a signal; the message says where it saved and how to go on."""
 
@@ -271,6 +325,32 @@ class Interrupted(RuntimeError):
                  f"it)" if saved is not None else "no checkpoint to continue from (nothing was saved)")
         go_on = f"; continue with: {resume_command(run_dir, sys.argv[1:])}" if saved is not None else ""
         return cls(f"{stop.name} after step {step}: {where}{go_on}")
+
+
+def start_failed(error: OSError) -> tuple[str, Exit]:
+    """One line and the exit status of a start that could not write (an unwritable directory, a full disk)."""
+    full = is_disk_full(error)
+    if full:
+        return f"ballast: cannot start: disk full: {error}; free space on that filesystem, then rerun", Exit.NO_SPACE
+    return f"ballast: cannot start: {error}", Exit.START
+
+
+def write_failed(error: BaseException, ckpt) -> tuple[str, Exit]:
+    """One line and the exit status of a run stopped by a write that failed: a save that did not publish
+    (CheckpointFailed), or an OSError while training or writing the records, events or plot (then the save in
+    flight is waited for, and the last good checkpoint checked against its marker). A full disk has its own
+    status: free space, then the same resume=auto command continues from the last good checkpoint."""
+    if isinstance(error, CheckpointFailed):
+        line, full = str(error), error.disk_full
+    else:
+        full = is_disk_full(error)
+        saved = ckpt.failure()
+        line = (f"{'disk full' if full else 'cannot write'} after step {ckpt.state.step}: {one_line(error)}; "
+                + (str(saved) if saved else ckpt.last_good()))
+        full = full or bool(saved and saved.disk_full)
+    fix = "free space on that filesystem" if full else "fix that"
+    return (f"ballast: {line}; {fix}, then continue with: {resume_command(ckpt.run_dir, sys.argv[1:])}",
+            Exit.NO_SPACE if full else Exit.IO)
 
 
 def say(dist: Dist, line: str, code: Exit) -> Exit:

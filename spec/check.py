@@ -32,9 +32,12 @@ BEFORE, AFTER = "before", "after"      # verdict known before the update (the gu
 
 @dataclass(frozen=True)
 class Kind:
-    """One way a check can fail: the doctor class it implies and what to look at."""
+    """One way a check can fail: the doctor class it implies and what to look at; `layer`, when this way of
+    failing belongs to another timeline layer than the check's (a non-finite activation found by a gradient
+    check is the forward's)."""
     cls: str
     fix: str
+    layer: str | None = None
 
 
 @dataclass
@@ -60,6 +63,7 @@ class SpecContext:
     probe: Any = None        # the monitor's probe(s): the step's probe run, on a reference step
     coef_spec: Any = None    # the clip coefficient the policy gives (spec/checks/clip.py), a device tensor
     norm_finite: Any = None  # whether the gradient's norm is finite (a non-finite one skips the step)
+    schedule: Any = None     # the LR schedule in force (spec/schedule.py fields): the lr check's, across a resume
 
 
 CHECKS: dict[str, type["Check"]] = {}
@@ -103,7 +107,11 @@ class Check:
         if where is not None:
             self.where = where
         err, tol = torch.atleast_1d(err).double(), torch.atleast_1d(tol).double().to(err.device)
-        miss = torch.where(err.isnan(), torch.inf, err / tol.clamp(min=1e-300))
+        # NOTE: a tolerance that came out NaN (its scale is non-finite: upstream's miss) judges nothing; a NaN or
+        # infinite error is a miss whatever the tolerance
+        tol = torch.where(tol.isnan(), torch.inf, tol)
+        miss = err / tol.clamp(min=1e-300)
+        miss = torch.where(err.isnan() | miss.isnan(), torch.inf, miss)
         at = miss.argmax()
         names = list(self.kinds)
         k = (torch.atleast_1d(kind).to(err.device)[at].double() if torch.is_tensor(kind)

@@ -10,7 +10,7 @@ Cheap checks run every step; the reference checks (the probe through the FP64 re
 the step's first read when the guard can veto, so a step that broke them never reaches the weights; the rest
 (the optimizer's algebra, the balancing bias, the replicas, the probe) are read after the update, where
 guard=rollback undoes the step. Every rank runs every check on its own share; the worst rank's result is kept,
-and a failure on some ranks only takes the check's rank class (rank.data, rank.gradient).
+and a failure on some ranks only takes the check's rank class (rank.data; the ranks disagreeing after a reduction: system.rank_divergence).
 
 The monitor's state (each check's: the data cursor of the plan, the fingerprint the state ended with, the
 update count) rides in the checkpoint as a TrainState extra, so a resume and a rollback are checked against
@@ -140,22 +140,20 @@ class Conformance(Callback):
             if 1 < len(per_rank) and failing < len(per_rank) and getattr(c, "rank_kind", None):
                 kname = c.rank_kind  # one rank (not all of them) broke it: that rank's inputs or gradient
             k = c.kinds[kname]
-            fails.append({"check": c.name, "kind": kname, "class": k.cls, "layer": TIMELINE[c.layer],
+            fails.append({"check": c.name, "kind": kname, "class": k.cls, "layer": TIMELINE[k.layer or c.layer],
                           "where": c.where[int(where)] if int(where) < len(c.where) else None, "rank": rank,
                           "err": err, "tol": tol, "miss": miss, "fix": k.fix})
         # in the registry's order across both reads: the first failure listed is the one that broke first
         s.spec["fail"] = sorted(s.spec.get("fail", []) + fails, key=lambda f: self.rank[f["check"]])
+        if phase == AFTER:  # the step's outcome is on the host now: the checks that count updates go on from it
+            for c in checks:
+                if c.out is not None and hasattr(c, "after_read"):
+                    c.after_read(s)
         for c in checks:
             for k, (names, _) in c.extra.items():
                 if f"spec/{k}" in host:
                     s.spec[k] = dict(zip(names, host[f"spec/{k}"]))
         return fails
-
-    def after_read(self, s: StepState) -> None:
-        for c in self.checks:
-            hook = getattr(c, "after_read", None)
-            if hook is not None and c.out is not None:
-                hook(s)
 
     def rolled_back(self, cursor: int) -> None:
         """The guard restored an earlier state (its snapshot brought the checks' state back with it) and put the

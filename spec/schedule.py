@@ -4,27 +4,36 @@ LR rewritten in a param group) cannot also move the answer.
 
     warmup  s < W: (s + 1)/W        then, with p = clamp((s − s₀ + 1)/D, 0, 1) and r = min_lr_ratio:
     cosine  r + (1 − r)·½(1 + cos πp)      linear / wsd's tail  1 − (1 − r)·p      constant  1
-    s₀ = W (wsd: T − D); (W, D) = the config's schedule clamped to the run (ScheduleConfig.fit)
+    s₀ = W (wsd: T − D); (W, D) = the config's schedule clamped to its horizon T (ScheduleConfig.fit)
 
-Step s counts optimizer steps from 0: the loop's step t trains at factor(t − 1).
+Step s counts optimizer steps from 0: the loop's step t trains at factor(t − 1). A schedule is its fields
+{name, steps (the horizon T), warmup, decay, min_lr_ratio}: the config's over train.steps for a new run; after
+a resume, the one the checkpoint's specification carried, continued by the documented rule for a declared
+change (optim/schedule.py continued(): a longer run keeps a decaying schedule's horizon).
 """
 from __future__ import annotations
 
 import math
 
 
-def factor(s: int, sched, total_steps: int) -> float:
-    warmup, decay = sched.fit(total_steps)
-    if s < warmup:
-        return (s + 1) / warmup
-    if sched.name == "constant":
+def fields(sched_cfg, total_steps: int) -> dict:
+    """The schedule the config gives a run of `total_steps` (clamped to it: ScheduleConfig.fit)."""
+    warmup, decay = sched_cfg.fit(total_steps)
+    return {"name": sched_cfg.name, "steps": int(total_steps), "warmup": warmup, "decay": decay,
+            "min_lr_ratio": float(sched_cfg.min_lr_ratio)}
+
+
+def factor(s: int, f: dict) -> float:
+    if s < f["warmup"]:
+        return (s + 1) / f["warmup"]
+    if f["name"] == "constant":
         return 1.0
-    start = total_steps - decay if sched.name == "wsd" else warmup
+    start = f["steps"] - f["decay"] if f["name"] == "wsd" else f["warmup"]
     if s < start:
         return 1.0
-    p = min(max((s - start + 1) / decay, 0.0), 1.0)
-    r = float(sched.min_lr_ratio)
-    if sched.name == "cosine":
+    p = min(max((s - start + 1) / f["decay"], 0.0), 1.0)
+    r = f["min_lr_ratio"]
+    if f["name"] == "cosine":
         return r + (1.0 - r) * 0.5 * (1.0 + math.cos(math.pi * p))
     return 1.0 - (1.0 - r) * p
 
@@ -40,7 +49,19 @@ def group_settings(cfg, group_name: str) -> tuple[float, float]:
     return 1.0, float(cfg.optim.weight_decay)
 
 
-def lr_at(cfg, group_name: str, step: int) -> float:
-    """The LR the config gives `group_name` at the loop's step `step` (1-based)."""
-    return float(cfg.optim.lr) * group_settings(cfg, group_name)[0] * factor(step - 1, cfg.optim.schedule,
-                                                                             cfg.train.steps)
+def lr_at(cfg, group_name: str, step: int, sched: dict | None = None) -> float:
+    """The LR `group_name` trains at in the loop's step `step` (1-based): optim.lr × its lr_scale × the schedule's
+    factor (`sched`: the schedule in force, default the config's over train.steps)."""
+    sched = sched or fields(cfg.optim.schedule, cfg.train.steps)
+    return float(cfg.optim.lr) * group_settings(cfg, group_name)[0] * factor(step - 1, sched)
+
+
+def continued(saved: dict, cfg, updates: int) -> dict:
+    """The schedule a resume after `updates` steps goes on with: the rule optim/schedule.py documents, applied
+    to the checkpoint's specification and the config now (a declared optim.schedule change is taken as written)."""
+    from optim.schedule import Schedule, continued as rule
+    declared = any(str(k).startswith("optim.schedule") for k in (getattr(cfg.resume, "allow_config_change", None)
+                                                                 or []))
+    now = Schedule.from_record(fields(cfg.optim.schedule, cfg.train.steps))
+    chosen, _ = rule(Schedule.from_record(saved), now, updates, declared)
+    return {k: getattr(chosen, k) for k in ("name", "steps", "warmup", "decay", "min_lr_ratio")}

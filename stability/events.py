@@ -26,7 +26,10 @@ class EventLog:
         if self.path is not None:
             if self.f is None:
                 self.f = open(self.path, "a", buffering=1)  # line-buffered: a crash loses one line at most
-            self.f.write(json.dumps(row, default=_json_default, allow_nan=True) + "\n")
+            try:
+                self.f.write(json.dumps(row, default=_json_default, allow_nan=True) + "\n")
+            except OSError as e:  # a full disk: the error names the file (a write's own error does not)
+                raise OSError(e.errno, e.strerror, str(self.path)) from None
         self.pending.append(f"{kind}: {summary}")
 
     def pop(self) -> list[str]:

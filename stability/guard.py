@@ -90,6 +90,7 @@ class Guard:
         # NOTE: anticipatory routing exists only on MoE models; on a dense model a rollback is a rollback.
         self.routing = routing if (is_moe and self.an.enabled) else None
         self.ring: deque = deque(maxlen=self.rb.keep)  # (step, TrainState snapshot, detector state)
+        self.restored: list = []  # called with the data cursor after every rollback (the specification checks)
         # counters that survive a rollback (they describe the run, not a point of the trajectory)
         self.skipped_steps = self.skipped_tokens = self.rollbacks = 0
         self.bad_batches: set[int] = set()  # first sample ids that triggered (data-borne if seen twice)
@@ -312,6 +313,8 @@ class Guard:
                          skipped_samples=[cursor_restored, cursor_after] if skip else None,
                          replayed_samples=None if skip else [cursor_restored, cursor_after],
                          rollbacks=self.rollbacks)
+        for tell in self.restored:
+            tell(self.state.loader.samples_consumed)
         if self.incident is not None:
             self.incident["rollback_to"] = to_step
             self.incident["rollbacks"] = self.incident.get("rollbacks", 0) + 1

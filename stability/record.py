@@ -18,7 +18,10 @@ Record versions (`version`; a record without one is version 1):
        loss can be read as its gap to the floor; state "w/<group>": ‖θ‖ per param group after the update;
        moe[layer]["out_rms"]: per expert, the RMS of its output (before the gate) over its valid tokens
        this step (null for an expert with none), so an expert that keeps its load but outputs nothing shows.
-    5  spec: the step's specification checks (spec/monitor.py): "miss" {check: worst err/tol} of every check that
+    5  schedule: the LR schedule the step trained under, {lr (peak), name, steps (its horizon), warmup,
+       decay, min_lr_ratio} (optim/schedule.py Schedule.describe), so each segment of a resumed run is
+       judged against its own schedule (a declared train.steps keeps the horizon: optim/schedule.py).
+       spec: the step's specification checks (spec/monitor.py): "miss" {check: worst err/tol} of every check that
        ran (above 1: it failed), "fail" [{check, kind, class, layer, where, rank, err, tol, miss, fix}],
        "ref_err" {layer: relative error of the training path against the FP64 reference} on reference steps.
 """
@@ -39,7 +42,7 @@ V2_FIELDS = ("resume", "state", "ranks")  # what a version-1 record lacks (besid
 V3_FIELDS = ("fingerprint",)              # what a version-2 record lacks
 V4_FIELDS = ("floor", "floor_by_source")  # what a version-3 record lacks (beside V4_SUBFIELDS)
 V4_SUBFIELDS = ("state.w/<group>", "moe.<layer>.out_rms")  # keys inside older fields, new in version 4
-V5_FIELDS = ("spec",)                     # what a version-4 record lacks
+V5_FIELDS = ("schedule", "spec")         # what a version-4 record lacks
 
 
 @dataclass
@@ -95,6 +98,7 @@ class StepRecord:
     floor: float | None = None  # mean Batch.floor per valid label of the global batch (None: no floor)
     floor_by_source: dict[str, float] = field(default_factory=dict)  # the same per source present
     # version 5
+    schedule: dict[str, Any] = field(default_factory=dict)  # the LR schedule of this step ({}: unknown)
     spec: dict[str, Any] = field(default_factory=dict)  # the specification checks: miss, fail, ref_err
     version: int = RECORD_VERSION
 
@@ -106,7 +110,8 @@ class StepRecord:
 
 
 def step_record(s: StepState, *, tokens: int, world: int, batch_size: int, seq_len: int, names: list[str],
-                guard: dict, ckpt_id: str | None, device, fingerprint: dict | None = None) -> StepRecord:
+                guard: dict, ckpt_id: str | None, device, fingerprint: dict | None = None,
+                schedule: dict | None = None) -> StepRecord:
     """The StepRecord of one finished step, from the step's state (stability/callbacks.py), its numbers
     already on the host (train.py reads them in one transfer: s.result holds floats by then)."""
     st, res, post = s.stats, s.result, s.post
@@ -126,7 +131,8 @@ def step_record(s: StepState, *, tokens: int, world: int, batch_size: int, seq_l
         routing=s.routing, time_s=s.time_s, tokens_per_s=batch_size * seq_len / s.time_s["total"],
         memory_mb=peak_memory_mb(device), events=s.events, eval=s.eval, ckpt_id=ckpt_id,
         resume=resume_marker(s.events), state=s.opt_state, ranks=s.ranks, fingerprint=fingerprint or {},
-        floor=batch_floor(st), floor_by_source=floor_by_source(st, names), spec=s.spec,
+        floor=batch_floor(st), floor_by_source=floor_by_source(st, names), schedule=schedule or {},
+        spec=s.spec,
     )
 
 

@@ -17,10 +17,14 @@ from stability.record import StepRecord
 class JsonlSink:
     def __init__(self, path: Path):
         # NOTE: line buffering, so a crash or SIGKILL loses at most the line being written.
+        self.path = path
         self.f = open(path, "a", buffering=1)
 
     def write(self, rec: StepRecord) -> None:
-        self.f.write(rec.to_json() + "\n")
+        try:
+            self.f.write(rec.to_json() + "\n")
+        except OSError as e:  # a full disk: the error names the file (a write's own error does not)
+            raise OSError(e.errno, e.strerror, str(self.path)) from None
 
     def close(self) -> None:
         self.f.close()
@@ -37,6 +41,12 @@ class ConsoleSink:
         # redirected stream (tests, a wrapper) is the one asked.
         self.bar = tqdm(total=total_steps, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr,
                         disable=not (progress and sys.stderr.isatty()))
+        self._said: set[str] = set()
+
+    def say(self, line: str) -> None:
+        """A line now (what the start did: a resume, a clean-up), left off the step line whose record holds it."""
+        self._line(line)
+        self._said.add(line)
 
     def _line(self, text: str) -> None:
         if self.bar.disable:  # flushed per line: a log file tailed during a run shows each line as it comes
@@ -52,8 +62,10 @@ class ConsoleSink:
             ev = rec.eval
             gap = f" (floor {ev['floor']:.4f}, gap {ev['loss'] - ev['floor']:+.4f})" if ev.get("floor") is not None else ""
             self._line(f"eval  step {rec.step:>6} | val loss {ev['loss']:.4f}{gap}")
-        if self.every and (rec.step % self.every == 0 or rec.events):
-            ev = f" | {'; '.join(rec.events)}" if rec.events else ""
+        events = [e for e in rec.events if e not in self._said]
+        self._said.difference_update(rec.events)
+        if self.every and (rec.step % self.every == 0 or events):
+            ev = f" | {'; '.join(events)}" if events else ""
             self._line(
                 f"step {rec.step:>6} | loss {rec.loss:.4f} | lr {rec.lr:.2e} | gnorm {rec.grad_norm:.3f}"
                 f" clip {rec.clip_coef:.2f} | {rec.tokens_per_s / 1e3:.1f}k tok/s"
@@ -70,7 +82,10 @@ class WandbSink:
     def __init__(self, mode: str, project: str, run_dir: Path, name: str, config: dict):
         import wandb  # imported lazily: a heavy import, never needed when disabled
 
-        self.run = wandb.init(project=project, name=name, dir=str(run_dir), mode=mode, config=config)
+        # NOTE: quiet: the run's records are metrics.jsonl and the console's lines; wandb's end-of-run history and
+        # summary (some thirty lines) stay in its files
+        self.run = wandb.init(project=project, name=name, dir=str(run_dir), mode=mode, config=config,
+                              settings=wandb.Settings(quiet=True))
 
     def write(self, rec: StepRecord) -> None:
         row = {"loss": rec.loss, "lr": rec.lr, "grad_norm": rec.grad_norm, "clip_coef": rec.clip_coef,
@@ -82,7 +97,9 @@ class WandbSink:
         self.run.log(row, step=rec.step)
 
     def close(self) -> None:
-        self.run.finish()
+        if self.run is not None:  # closed once: the run closes its sinks at the end and again after an error
+            self.run.finish()
+            self.run = None
 
 
 def build_sinks(log_cfg: LoggingConfig, run_dir: Path, total_steps: int, floor: float | None, name: str,

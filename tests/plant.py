@@ -35,7 +35,7 @@ FAULTS = {
     "adam_v": ("optimizer", None, "state"),
     "route_flip": ("route", "moe1", "topk"),
     "bias_sign": ("balance", "moe1", "rule"),
-    "reduce_rank1": ("collectives", None, "reduce"),
+    "reduce_rank1": ("reduce", None, "reduce"),
 }
 RESUME = {"resume_lost_moments": ("continuity", None, "resume")}  # planted on a resume from step S − 1
 

@@ -179,7 +179,16 @@ def test_newer_directory_without_latest_pointer_is_not_committed(tmp_path):
     assert path.name == "step_000001" and "never committed" in notes[0]
 
 
-@pytest.mark.parametrize("stage", ["write", "marker"])
+class DCPFailure(BaseException):
+    """What torch.distributed.checkpoint raises for a rank's failure (CheckpointException): not an Exception,
+    its message every rank's traceback, the cause in `failures`."""
+
+    def __init__(self, cause: BaseException):
+        super().__init__("CheckpointException ranks:dict_keys([0])\nTraceback (most recent call last): ...\n")
+        self.failures = {0: (cause, None)}
+
+
+@pytest.mark.parametrize("stage", ["write", "marker", "base_exception"])
 def test_failed_save_never_touches_the_last_good_checkpoint(tmp_path, monkeypatch, stage):
     saver = Saver(tmp_path, "async", keep_last=1)
     saver.save("step_000001", {"w": torch.ones(32)}, {"step": 1})
@@ -193,14 +202,24 @@ def test_failed_save_never_touches_the_last_good_checkpoint(tmp_path, monkeypatc
     def broken_marker(tmp, info):
         raise OSError(5, "I/O error")
 
+    def dcp_failure(tmp, sd):  # DCP's wrapper: a BaseException whose message is a traceback, the cause inside
+        (tmp / "__0_0.distcp").write_bytes(b"partial")
+        raise DCPFailure(RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"))
+
     if stage == "write":
         monkeypatch.setattr(saver, "_write", broken_write)
+    elif stage == "base_exception":
+        monkeypatch.setattr(saver, "_write", dcp_failure)
     else:
         monkeypatch.setattr(publish, "write_marker", broken_marker)
     saver.save("step_000002", {"w": torch.zeros(32)}, {"step": 2})
     done = saver.close()
     assert done[0][0] == "step_000001" and done[0][2] is None
-    assert done[1][0] == "step_000002" and "OSError" in done[1][2]
+    name, _, error = done[1]
+    assert name == "step_000002" and error is not None and "\n" not in error.line
+    expect = {"write": ("OSError: [Errno 28]", True), "marker": ("OSError: [Errno 5]", False),
+              "base_exception": ("RuntimeError: [enforce fail", False)}[stage]
+    assert error.line.removeprefix("disk full: ").startswith(expect[0]) and error.disk_full == expect[1], error
     assert publish.read_latest(tmp_path) == "step_000001"
     assert {p.name: p.read_bytes() for p in (tmp_path / "step_000001").iterdir()} == good
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_000001"]  # no temp left behind

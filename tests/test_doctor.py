@@ -1,8 +1,8 @@
 """The doctor (doctor/cli.py) end to end on the fault drills, and its rules on synthetic records.
 
 Each drill (shrunk as in tests/helpers.py, fault at step S) trains once per session, shared with
-test_drills.py; the doctor must name the injected fault's class from telemetry alone and put the
-earliest anomaly within ±1 step of S, and its report.md must hold every section. The synthetic-record tests pin the symptom-table cases a drill
+test_drills.py; the doctor must name the injected fault's class from the records alone (the specification
+check that failed first) and put the earliest anomaly within ±1 step of S, and its report.md must hold every section. The synthetic-record tests pin the symptom-table cases a drill
 does not produce (resume jump, slow worsening, throughput drop) and the timeline rules (segmentation
 at a rollback, tie-break by timeline layer) in milliseconds.
 """
@@ -55,20 +55,19 @@ def test_doctor_names_the_drill(runs, drill):
     if drill == "nan_activation":  # the drill's layer 1, sublayer mlp
         assert rep["earliest"]["model_layer"] == "block1.mlp"
         assert rep["earliest"]["layer"] == "forward"
-    if drill == "labels_shuffle":
-        assert rep["earliest"]["layer"] == "input" and rep["earliest"]["quantity"] == "input.label_alignment"
-    if drill == "optim_state":  # the update, not the gradient, LR or input, moved first
-        assert rep["earliest"]["layer"] == "backward/update"
-        assert any(c["name"] == "LR switch" for c in rep["rejected"])
-    if drill in ("repeat_token", "overlong_doc"):
-        kind = {"repeat_token": "input.top_token_frac", "overlong_doc": "input.doc_start_frac"}[drill]
-        assert rep["earliest"]["quantity"] == kind
+    # every drill breaks the step's specification at its step: the doctor names the check that failed first
+    assert rep["earliest"]["kind"] == "spec" and rep["earliest"]["quantity"].startswith("spec.")
+    if drill in ("labels_shuffle", "repeat_token", "overlong_doc"):  # the batch is not its samples' content
+        assert rep["earliest"]["layer"] == "input" and rep["earliest"]["quantity"] == "spec.data"
+    if drill == "optim_state":  # the update's algebra broke, with the gradient, the LR and the input on spec
+        assert rep["earliest"]["layer"] == "backward/update" and rep["earliest"]["quantity"] == "spec.optimizer"
+        assert {"spec.lr", "spec.clip", "spec.data"} <= {c["name"] for c in rep["rejected"]}
 
 
 @pytest.mark.distributed
 def test_doctor_names_rank_divergence(runs):
     rep = check_drill(runs.get("missing_reduce"), "missing_reduce")
-    assert rep["earliest"]["layer"] == "system" and rep["earliest"]["quantity"].startswith("replica.")
+    assert rep["earliest"]["layer"] == "system" and rep["earliest"]["quantity"] == "spec.reduce"
 
 
 def test_healthy_run_is_healthy(runs):

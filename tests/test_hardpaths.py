@@ -176,6 +176,11 @@ LATIN1 = "Olá, café à la carte\n".encode("latin-1") * 40  # 0xe1 at byte offs
 
 @pytest.mark.parametrize("tokenizer, content, expect", [
     ("char", LATIN1, "byte offset 2"), ("byte", b"", "empty"),
+    # issue 38: a 10-byte file blamed its own '\n'; a tail with a character the head lacks named no fix
+    ("char", b"abcdefghi\n", "too small for one sample: the training split (the first 90% of its 10 characters) "
+                              "holds 9 tokens, and a sample needs data.seq_len + 1 = 33"),
+    ("char", ("to be or not " * 40 + "\u2260\n").encode(), "lacks '\u2260' (U+2260) found at character 520 (line 1) in "
+                                                           "the validation text; use data.tokenizer=byte"),
     pytest.param("byte", LATIN1, "byte offset 2", marks=pytest.mark.slow),
     pytest.param("char", b"", "empty", marks=pytest.mark.slow),
 ])

@@ -222,6 +222,57 @@ def test_a_start_that_cannot_run_says_one_line_and_creates_nothing(tmp_path, cas
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "empty"]
 
 
+@pytest.mark.parametrize("case", ["resume=latest on an existing empty directory", "run dir on a virtual filesystem",
+                                  "device=cuda without CUDA"])
+def test_the_remaining_start_errors_are_one_line_and_leave_the_directory_as_it_was(tmp_path, case):
+    """Issue 38: an unwritable /proc path was a 15-line Hydra traceback (root passes os.access there), device=cuda
+    on a CPU machine 13 lines and an empty run directory; resume=latest deleted an empty directory it found."""
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    run_dir, over = {"resume=latest on an existing empty directory": (existing, ["resume=latest"]),
+                     "run dir on a virtual filesystem": (Path("/proc/ballast-no-such-dir/run"), []),
+                     "device=cuda without CUDA": (tmp_path / "new" / "run", ["device=cuda"])}[case]
+    if case == "run dir on a virtual filesystem" and not Path("/proc/self").is_dir():
+        pytest.skip("no /proc on this machine")
+    if case == "device=cuda without CUDA":
+        import torch
+        if torch.cuda.is_available():
+            pytest.skip("this machine has CUDA")
+    r = run_train(run_dir, *TINY, *over)
+    err = [line for line in r.stderr.splitlines() if line.strip()]
+    assert r.returncode == Exit.START and len(err) == 1 and err[0].startswith("ballast: config error: "), r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["existing"] and not any(existing.iterdir())
+
+
+def test_ctrl_c_while_importing_is_one_line_and_leaves_nothing(tmp_path):
+    """SIGINT arrives as train.py imports torch (delivered by an import hook, not a timer): one line, status
+    130, no traceback, no run directory."""
+    run_dir = tmp_path / "new" / "run"
+    hook = ("import builtins, os, runpy, signal, sys\n"
+            "real = builtins.__import__\n"
+            "def imp(name, *a, **k):\n"
+            "    if name == 'torch':\n"
+            "        builtins.__import__ = real\n"
+            "        os.kill(os.getpid(), signal.SIGINT)\n"
+            "    return real(name, *a, **k)\n"
+            "builtins.__import__ = imp\n"
+            "sys.argv = ['train.py', *sys.argv[1:]]\n"
+            "runpy.run_path('train.py', run_name='__main__')\n")
+    r = subprocess.run([sys.executable, "-c", hook, f"hydra.run.dir={run_dir}", *TINY], cwd=ROOT, env=env(),
+                       capture_output=True, text=True, timeout=HANG_S)
+    err = [line for line in r.stderr.splitlines() if line.strip()]
+    assert r.returncode == 130 and len(err) == 1 and err[0].startswith("ballast: SIGINT"), r.stderr[-3000:]
+    assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.distributed
+def test_a_config_error_under_torchrun_is_said_once(tmp_path):
+    """Every rank checks the command line; rank 0 alone says what is wrong (torchrun adds its own report)."""
+    r = run_train(tmp_path / "new" / "run", *TINY, "train.stpes=100", nproc=2)
+    assert r.returncode != 0 and r.stderr.count("ballast: config error: train.stpes") == 1, r.stderr[-3000:]
+    assert not (tmp_path / "new").exists()
+
+
 def test_declared_changes_take_the_short_form_and_a_refusal_names_what_differs(tmp_path, straight_run):
     d = tmp_path / "run"
     shutil.copytree(straight_run, d)
@@ -232,6 +283,30 @@ def test_declared_changes_take_the_short_form_and_a_refusal_names_what_differs(t
     assert ok.returncode == 0, ok.stderr[-2000:]
     assert "data changed (resume.allow_data_change=true)" in ok.stdout
     assert [r["step"] for r in read_records(d / "metrics.jsonl")] == list(range(1, 203))
+
+
+def test_more_steps_continue_the_lr_and_the_doctor_reads_the_extension_as_declared(tmp_path, straight_run):
+    """Issue 38: `resume=latest resume.allow_config_change=[train.steps] train.steps=N` re-stretched the cosine
+    (the LR jumped up at the resume) and the doctor then crashed or called it a fault. The added steps train at
+    the schedule's final LR, the resume says so in one line, every record names the schedule it trained under,
+    and the doctor finds neither an LR switch nor a resume fault."""
+    from doctor.cli import doctor
+
+    d = tmp_path / "run"
+    shutil.copytree(straight_run, d)
+    r = run_train(d, *LIVE, "resume=latest", "resume.allow_config_change=[train.steps]", "train.steps=230")
+    assert r.returncode == 0, r.stderr[-2000:]
+    said = [ln for ln in r.stdout.splitlines() if ln.startswith("resume: train.steps 200 -> 230")]
+    assert len(said) == 1 and "keeps its 200-step horizon" in said[0] and "steps 201-230" in said[0], r.stdout
+    recs = read_records(d / "metrics.jsonl")
+    assert [x["step"] for x in recs] == list(range(1, 231))
+    last = recs[199]["lr"]
+    assert last == pytest.approx(recs[199]["schedule"]["lr"] * 0.1) and recs[198]["lr"] > last
+    assert all(x["lr"] == last and x["schedule"] == recs[0]["schedule"] for x in recs[200:])  # no jump, one schedule
+    rep = doctor(d, plots=False)
+    classes = {rep["class"], *(i["class"] for i in rep["incidents"])}
+    assert not classes & {"optim.lr_switch", "state.resume_fault", "state.config_change"}, rep["summary"]
+    assert any("train.steps 200 -> 230" in c for c in rep["declared"]), rep["declared"]
 
 
 @pytest.mark.slow

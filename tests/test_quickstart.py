@@ -77,8 +77,15 @@ def test_the_readme_follow_ups_run_on_the_default_run(short_runs):
     more = cli("train.py", *argv, "resume=latest", "resume.allow_config_change=[train.steps]",
                f"train.steps={SHORT_STEPS + 5}")
     assert more.returncode == 0, more.stderr[-2000:]
-    steps = [r["step"] for r in read_records(run_dir / "metrics.jsonl")]
-    assert steps == list(range(1, SHORT_STEPS + 6))
+    recs = read_records(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in recs] == list(range(1, SHORT_STEPS + 6))
+    # issue 38: the added steps go on at the schedule's final LR (a re-stretched cosine jumped back up), and the
+    # doctor reads the extended run as healthy, the change declared
+    final = recs[SHORT_STEPS - 1]["lr"]
+    assert all(r["lr"] == final for r in recs[SHORT_STEPS:]), [r["lr"] for r in recs[SHORT_STEPS - 2:]]
+    from doctor.cli import doctor
+    rep = doctor(run_dir, plots=False)
+    assert rep["class"] == "healthy" and any("train.steps" in c for c in rep["declared"]), rep["summary"]
 
 
 @pytest.mark.slow

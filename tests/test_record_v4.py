@@ -25,7 +25,7 @@ from model.moe import MoE, grouped_mm_runs
 from optim.accumulate import count_valid_tokens, forward_backward, reduce_step_sums
 from optim.config import OptimConfig
 from run.config import Config
-from stability.record import RECORD_VERSION, V4_FIELDS, batch_floor, floor_by_source
+from stability.record import RECORD_VERSION, V4_FIELDS, V5_FIELDS, batch_floor, floor_by_source
 from stability.telemetry import moe_summary
 from helpers import TINY, model_config, run_train
 
@@ -265,7 +265,9 @@ def test_a_run_records_v4_fields_and_its_hashes_rebuild_from_the_sample_ids(tmp_
     ds = build_data(Config.from_dict(config).data)
     assert len(records) == 3
     for rec in records:
-        assert rec["version"] == RECORD_VERSION >= 4 and all(k in rec for k in V4_FIELDS)
+        assert rec["version"] == RECORD_VERSION >= 4 and all(k in rec for k in (*V4_FIELDS, *V5_FIELDS))
+        assert rec["schedule"] == {"lr": 2e-3, "name": "cosine", "steps": 3, "warmup": 2, "decay": 1,
+                                   "min_lr_ratio": 0.1}  # version 5: the schedule of TINY's 3 steps
         first, n = rec["ranks"]["first"], rec["ranks"]["n"]
         assert first == [rec["batch"]["first"]] and n == [rec["batch"]["size"]]
         # the loader's next(): samples(range(start, start + b), "train"); micro-batches are contiguous

@@ -82,6 +82,13 @@ def test_cli_prints_the_comparison_and_errors_in_one_line(healthy):
     assert "vs logged" in ok.stdout and "|Δ| = " in ok.stdout
     out = json.loads((healthy / "replay_step_9.json").read_text())
     assert out["delta"] < 1e-6
+    # issue 38: minutes of silence before the answer; a line per phase now (no bar: not a terminal)
+    longer = subprocess.run([sys.executable, "-m", "doctor.replay", str(healthy), "--step", "7"], cwd=ROOT,
+                            env=env(), capture_output=True, text=True, timeout=HANG_S)
+    assert longer.returncode == 0 and "\r" not in longer.stdout + longer.stderr, longer.stderr
+    phases = [ln for ln in longer.stdout.splitlines() if ln.startswith("replay: ")]
+    assert [p.split(" ", 2)[1] for p in phases] == ["checking", "re-running", "step"], longer.stdout
+    assert "re-running steps 5..6 from step_000004" in phases[1]
     bad = subprocess.run([sys.executable, "-m", "doctor.replay", str(healthy), "--step", "3"], cwd=ROOT, env=env(),
                          capture_output=True, text=True, timeout=HANG_S)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "no complete checkpoint" in bad.stderr

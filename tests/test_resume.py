@@ -48,6 +48,9 @@ def one_proc(tmp_path_factory):
 
 def test_verify_one_process_is_bit_identical(one_proc):
     out, stdout = one_proc
+    # issue 38: each of the three runs said as it starts (minutes of silence before, on the README's 50 50)
+    assert [ln.split("]")[0] for ln in stdout.splitlines() if ln.startswith("verify [")] == \
+        ["verify [1/3", "verify [2/3", "verify [3/3"], stdout
     m = re.search(r"final state: (\d+) tensors .*?, (\d+) bit-identical; max rel diff (\S+)", stdout)
     assert m and m.group(1) == m.group(2) and float(m.group(3)) == 0.0, stdout
     assert int(m.group(1)) > 40  # parameters, the MoE bias buffers and the Adam moments

@@ -1,5 +1,5 @@
 """The lr schedules against their closed forms: warmup, cosine / linear / wsd / constant, a warmup longer
-than the run clamped to it, and an exact LambdaLR resume."""
+than the run clamped to it, an exact LambdaLR resume, and what a resume that declares more steps does."""
 from __future__ import annotations
 
 import copy
@@ -8,6 +8,7 @@ import math
 import pytest
 
 from optim import build_optimizer, build_scheduler, lr_factor
+from optim.schedule import Schedule, continued, schedule_of
 from test_optim import NO_DECAY, Toy, optim_cfg
 from optim.config import ScheduleConfig
 
@@ -134,3 +135,49 @@ def test_lambdalr_resume_is_exact():
 
 # ---------------------------------------------------------------------------------------------------------
 # global-norm clipping, one process
+
+
+def test_the_schedule_travels_with_the_scheduler_state():
+    """A checkpoint holds the schedule it trained under, horizon included: a scheduler built for another
+    train.steps continues the saved one once it loads that state (optim/schedule.py)."""
+    s_cfg = ScheduleConfig.from_dict(sched("cosine"))
+    opt, sch = (lambda o: (o, build_scheduler(o, s_cfg, 40)))(build_optimizer(Toy(), optim_cfg())[0])
+    for _ in range(40):
+        opt.step()
+        sch.step()
+    saved = copy.deepcopy((opt.state_dict(), sch.state_dict()))
+    opt2, _ = build_optimizer(Toy(), optim_cfg())
+    sch2 = build_scheduler(opt2, s_cfg, 60)
+    opt2.load_state_dict(saved[0])
+    sch2.load_state_dict(saved[1])
+    assert schedule_of(sch2) == Schedule(sched("cosine"), 40) != Schedule(sched("cosine"), 60)
+    assert Schedule.from_record(schedule_of(sch2).describe(3e-3)) == Schedule(sched("cosine"), 40)
+
+
+@pytest.mark.parametrize("name, at", [("cosine", 400), ("cosine", 250), ("linear", 400), ("wsd", 350)])
+def test_more_steps_keep_the_horizon_when_a_longer_one_would_move_the_lr(name, at):
+    """train.steps 400 -> 600 declared on a resume at step `at`: over 600 steps the schedule would give steps
+    already trained another LR (a re-stretched cosine jumps back up), so the 400-step horizon stays and the
+    added steps train at its final LR, r · peak: the LR never jumps."""
+    saved, longer = Schedule(sched(name), 400), Schedule(sched(name), 600)
+    kept, line = continued(saved, longer, at, declared=False, peak=1e-3)
+    assert kept == saved and "keeps its 400-step horizon" in line and "steps 401-600" in line and "1.00e-04" in line
+    f = [kept(i) for i in range(600)]
+    assert f[at - 1:] == sorted(f[at - 1:], reverse=True) and f[599] == f[399] == pytest.approx(0.1)
+    assert longer(at) > saved(at - 1)  # what the re-stretch would have done: up again
+
+
+def test_wsd_in_its_stable_phase_moves_its_decay_to_the_new_end():
+    """WSD's point: a run still at its peak LR can be extended; every trained step has the same LR over 600
+    steps, so the longer schedule is taken and the decay runs over the last 20 % of the new run."""
+    saved, longer = Schedule(sched("wsd"), 400), Schedule(sched("wsd"), 600)
+    took, line = continued(saved, longer, 300, declared=False)
+    assert took == longer and "its decay moves to steps 481-600" in line
+    assert [took(i) for i in range(300)] == [saved(i) for i in range(300)] and took(479) == 1.0
+    assert continued(saved, saved, 300, declared=False) == (saved, None)  # nothing changed: nothing said
+
+
+def test_a_declared_schedule_change_is_taken_as_written():
+    saved, new = Schedule(sched("cosine"), 400), Schedule(sched("wsd", decay_steps=200), 600)
+    took, line = continued(saved, new, 400, declared=True)
+    assert took == new and line.startswith("resume: the LR schedule changes at step 401 (declared)")

@@ -75,7 +75,7 @@ def measure(state: TrainState, mode: str, repeats: int) -> dict:
             saver.wait()
             (_, seconds, error), = saver.finished()  # seconds: snapshot to published, as the writer saw it
             if error:
-                raise RuntimeError(error)
+                raise RuntimeError(error.line)
             writes.append(seconds)
             stalls.append(stall)
         size_mb = sum(p.stat().st_size for p in Path(tmp).rglob("*") if p.is_file()) / 2**20

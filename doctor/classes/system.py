@@ -1,7 +1,7 @@
 """The system classes: the ranks, the collective, the step's components (and their fixes)."""
 from __future__ import annotations
 
-from doctor.classes import declare_class, spec_fix
+from doctor.classes import declare_class
 
 
 def _rank_divergence(diag, run, ckpt, t, b, action, ck) -> dict:
@@ -35,4 +35,3 @@ declare_class("system.throughput", "throughput dropped with a normal loss", _thr
 declare_class("system.slow_component", "one component of the step slowed", _slow_component,
               ("throughput drop with a normal loss (吞吐下降但 loss 正常)",
                "the one component whose share of the step grew (data / fwd_bwd / optim)", "a machine-wide slowdown"))
-declare_class("rank.gradient", "one rank's gradient is not its batch's gradient before the reduction", spec_fix)

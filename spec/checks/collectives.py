@@ -1,15 +1,17 @@
-"""collectives (DDP): the reduced gradient is the mean of the ranks' own, and every replica ends the step alike.
+"""The collectives (DDP): the reduced gradient is the mean of the ranks' own (reduce), and every replica ends the
+step alike (replicas).
 
 reduce     each rank's local gradient on probe elements of every parameter is kept as its backward produces it
-           (a tensor hook sees each micro-batch's contribution before DDP's reducer adds it up), gathered from every rank after the backward, and
-           their mean compared with the gradient the reduction left: the micro-batches are summed in FP32, DDP
-           divides by the world size and sums in FP32, 3·u32 of the terms' magnitudes per element (λ of it).
-replicas   the parameters' end-of-step fingerprint (norms and sample sums, as spec/checks/state.py takes them)
-           is the same bits on every rank.
+           (a tensor hook sees each micro-batch's contribution before DDP's reducer adds it up), gathered from every
+           rank after the backward, and their mean compared with the gradient the reduction left: the micro-batches
+           are summed in FP32, DDP divides by the world size and sums in FP32, 3·u32 of the terms' magnitudes per
+           element (λ of it). Known before the update: the guard can refuse a step whose reduction was wrong.
+replicas   the parameters' end-of-step fingerprint (each one's FP32 norm and the exact sum of a strided sample of
+           its bits, as spec/checks/state.py takes a checkpoint's) is the same bits on every rank.
 
 Under FSDP2 a parameter is a shard and its gradient a reduce-scatter of unsharded gradients no hook holds: the
-gradient checks there are the loss_grad check's (the gain's gradient against its closed form over every rank)
-and the probe's; replicas do not exist.
+gradient checks there are loss_grad's (the gain's gradient against its closed form over every rank) and the
+probe's; replicas do not exist.
 """
 from __future__ import annotations
 
@@ -18,23 +20,27 @@ import zlib
 import torch
 import torch.distributed as tdist
 
-from spec.check import AFTER, STEP, SYSTEM, Check, Kind
+from spec.check import AFTER, BEFORE, STEP, SYSTEM, Check, Kind
 from spec.checks.state import STRIDE, _bits
 from spec.tolerance import LAMBDA, U32
 
 K = 4
 
 
-class CollectivesCheck(Check):
-    name, layer, cadence, phase = "collectives", SYSTEM, STEP, AFTER
-    rank = 60
-    doc = "DDP's reduced gradient against the mean of the ranks' local gradients; replicas equal after the step"
-    kinds = {"reduce": Kind("system.rank_divergence", "the gradient all-reduce did not return the ranks' mean"),
-             "replicas": Kind("system.rank_divergence", "the replicas stopped holding the same parameters")}
+def _replicated(ctx) -> bool:
+    return ctx.dist.world > 1 and not ctx.sharded
+
+
+class ReduceCheck(Check):
+    name, layer, cadence, phase = "reduce", SYSTEM, STEP, BEFORE
+    rank = 28  # after the data and the forward's inputs, before the gradient's own checks: it explains them
+    doc = "DDP's reduced gradient against the mean of the ranks' local gradients, on probe elements"
+    kinds = {"reduce": Kind("system.rank_divergence", "the gradient all-reduce did not return the ranks' mean (a "
+                                                      "communication hook, a bucket, one rank's copy)")}
 
     @classmethod
     def applies(cls, ctx) -> bool:
-        return ctx.dist.world > 1 and not ctx.sharded
+        return _replicated(ctx)
 
     def __init__(self, ctx):
         super().__init__(ctx)
@@ -43,15 +49,15 @@ class CollectivesCheck(Check):
         for n, p in self.params:
             gen = torch.Generator().manual_seed(zlib.crc32(n.encode()) + 1)
             self.idx[n] = torch.randint(0, p.numel(), (min(K, p.numel()),), generator=gen).to(p.device)
-        self.where = [n for n, _ in self.params] + ["replicas"]
+        self.where = [n for n, _ in self.params]
         self.local: dict[str, torch.Tensor] = {}
         self.hooks = []
 
     def before_forward(self, s) -> None:
         self.local = {}
-        self.hooks = [p.register_hook(self.keep(n, p)) for n, p in self.params]
+        self.hooks = [p.register_hook(self.keep(n)) for n, p in self.params]
 
-    def keep(self, name, p):
+    def keep(self, name):
         idx = self.idx[name]
 
         def hook(grad):
@@ -78,21 +84,29 @@ class CollectivesCheck(Check):
         mean, mag = stacked[:, 0].mean(0), stacked[:, 1].sum(0) / world
         err = (got - mean).abs()
         tol = LAMBDA * 3 * U32 * mag + 1e-300  # the micro-batch sum, the division by the world, the reduction
-        sizes = [len(self.idx[n]) for n, _ in self.params]
-        worst = [(e / t).argmax() for e, t in zip(err.split(sizes), tol.split(sizes))]  # per parameter
-        self.reduce = (torch.stack([e[j] for e, j in zip(err.split(sizes), worst)]),
-                       torch.stack([t[j] for t, j in zip(tol.split(sizes), worst)]))
+        owner = torch.repeat_interleave(torch.arange(len(self.params)), torch.tensor([len(self.idx[n]) for n, _ in
+                                                                                     self.params])).to(err.device)
+        worst = torch.zeros(len(self.params), dtype=torch.float64, device=err.device).scatter_reduce(
+            0, owner, err / tol, "amax")
+        self.measure(worst, torch.ones_like(worst), "reduce")
+
+
+class ReplicasCheck(Check):
+    name, layer, cadence, phase = "replicas", SYSTEM, STEP, AFTER
+    rank = 60
+    doc = "every replica's parameters the same bits after the step"
+    kinds = {"replicas": Kind("system.rank_divergence", "the replicas stopped holding the same parameters")}
+
+    @classmethod
+    def applies(cls, ctx) -> bool:
+        return _replicated(ctx)
 
     def end_step(self, s) -> None:
-        ps = [p.detach().reshape(-1) for _, p in self.params]
-        # each parameter's FP32 norm and the exact sum of a strided sample of its bits (spec/checks/state.py)
+        ps = [p.detach().reshape(-1) for p in self.ctx.model.parameters()]
         fp = torch.cat([torch.stack(torch._foreach_norm(ps, 2)).double(),
                         torch.stack([_bits(p[::STRIDE]).to(torch.int64).sum() for p in ps]).double()])
         hi, lo = fp.clone(), fp.clone()
         tdist.all_reduce(hi, op=tdist.ReduceOp.MAX)
         tdist.all_reduce(lo, op=tdist.ReduceOp.MIN)
-        rep = (hi != lo).any().double()  # the same bits on every rank: the same computation on the same numbers
-        err = torch.cat([self.reduce[0], rep.reshape(1).to(self.reduce[0].device)])
-        tol = torch.cat([self.reduce[1], torch.tensor([0.5], dtype=torch.float64, device=err.device)])
-        kinds = torch.tensor([0.0] * len(self.params) + [1.0])
-        self.measure(err, tol, kinds, where=self.where)
+        off = (hi != lo).any().double()  # the same computation on the same numbers gives the same bits
+        self.measure(off, torch.tensor(0.5, dtype=torch.float64), "replicas", where=["parameters"])

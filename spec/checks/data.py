@@ -10,7 +10,7 @@ every training row and looks it up among the validation rows (a 64-bit polynomia
 among 1e4 × 1e6 rows has probability 1e-9).
 
 How it missed decides the class: the ids off the plan (data.continuity; at a resume, state.resume_fault),
-the dataset's own definition changed under the run (the mixture: objective.mixture), the rows equal the last
+the data the loader draws from is not the config's any more (another mixture: objective.mixture), the rows equal the last
 step's (data.repeated_batch), only one source's rows differ (data.distribution_shift), a training row is a
 validation row (forward.below_floor: the model is trained on what it is evaluated on), else
 data.corrupted_batch; one rank alone: rank.data (spec/monitor.py).
@@ -78,7 +78,8 @@ class DataCheck(Check):
         return first
 
     def before_forward(self, s) -> None:
-        plan = self.served(0) if self.next_first is None else self.next_first
+        # NOTE: served() again: a resume may declare more quarantined batches (the doctor's fix does)
+        plan = self.served(0 if self.next_first is None else self.next_first)
         if self.intervene is not None and s.step == self.intervene[0]:
             plan = self.intervene[1]  # declared: this step trains on that batch (stability/intervene.py)
         self.next_first = self.served(plan + self.batch)
@@ -94,6 +95,9 @@ class DataCheck(Check):
         wt, wl, ws = (want.tokens.to(dev), want.labels.to(dev), want.sources.to(dev))
         bad_ids = (torch.tensor(float(s.first_id != plan), device=dev)
                    + (ids != want.sample_ids.to(dev)).sum().double() if shape_ok else torch.tensor(1.0, device=dev))
+        # the data the loader draws from is the config's (a drill or a bug may swap or re-weight it under the run)
+        ds = self.ctx.loader.dataset
+        changed = torch.tensor(float(ds is not self.ctx.dataset or ds.fingerprint != self.fingerprint), device=dev)
         hashes = row_hashes(tokens)
         leak_B = (torch.isin(hashes, self.val.to(dev)) if self.val.numel()
                   else torch.zeros(tokens.shape[0], dtype=torch.bool, device=dev))
@@ -102,13 +106,12 @@ class DataCheck(Check):
             row_bad = ((tokens != wt) | (labels != wl)).any(-1) | (sources != ws)
             # NOTE: a row read under other sample ids, or a validation row in a training row's place, is explained
             # by that finding: its content is not counted again
-            explained = (bad_ids > 0) | leak_B[:, None]
+            explained = (bad_ids > 0) | (changed > 0) | leak_B[:, None]
             counts = [((tokens != wt) & ~explained).sum(), ((labels != wl) & ~explained).sum(),
                       ((sources != ws) & ~explained[:, 0]).sum()]
         else:
             row_bad = torch.ones(tokens.shape[0], dtype=torch.bool, device=dev)
             counts = [torch.tensor(tokens.numel(), device=dev)] * 3
-        changed = torch.tensor(float(self.ctx.dataset.fingerprint != self.fingerprint), device=dev)
         err = torch.stack([bad_ids.double(), changed.double(), *[c.double() for c in counts], leaked.double()])
         kind = self.content_kind(hashes, sources, row_bad, dev)
         names = list(self.kinds)

@@ -1,5 +1,5 @@
 """loss_grad: the gradient the step's backward leaves on the final norm's gain is the gradient of the step's own
-loss on the step's own batch — every step, the whole batch, in closed form.
+loss on the step's own batch — every step, the whole batch, in closed form; and every layer's output is finite.
 
 The final RMSNorm's gain γ meets the loss only through the logits, so from the last block's outputs h (kept
 from the step's forward by a hook on the final norm) its gradient is exact arithmetic, with no model to rerun:
@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from spec.check import BACKWARD, BEFORE, STEP, Check, Kind
+from spec.check import BACKWARD, BEFORE, FORWARD, STEP, Check, Kind
 from spec.checks.forward import kind_of
 from spec.reference import F64, IGNORE
 from spec.tolerance import LAMBDA, U32, matmul_dtype, stage, u
@@ -36,8 +36,10 @@ class LossGradCheck(Check):
                                                     "normalisation, the z-loss, the labels, a backward hook"),
         "scaled": Kind("optim.gradient_spike", "every gradient is scaled: a hook or a loss multiplier, the token "
                                                "count N, or the micro-batch / rank averaging"),
-        "nonfinite": Kind("numerics.nonfinite", "a non-finite gradient from a finite loss"),
-        "rank": Kind("rank.gradient", "one rank's gradient is not its batch's before the reduction"),
+        "nonfinite": Kind("numerics.nonfinite", "a non-finite value from finite weights and inputs: the named "
+                                                "layer's output (the first non-finite one) or the gradient",
+                          layer=FORWARD),
+        "rank": Kind("system.rank_divergence", "the ranks hold different gradients after the reduction"),
     }
     rank_kind = "rank"
 
@@ -52,13 +54,31 @@ class LossGradCheck(Check):
         self._hook = None
 
     def before_forward(self, s) -> None:
-        self.h = []
-        self._hook = self.ctx.model.norm.register_forward_hook(lambda m, args, out: self.h.append(args[0].detach()))
+        model = self.ctx.model
+        self.h, self.finite = [], {name: [] for name, _ in self.layers()}
+        self._hooks = [model.norm.register_forward_hook(lambda m, args, out: self.h.append(args[0].detach()))]
+        for name, module in self.layers():
+            self._hooks.append(module.register_forward_hook(
+                lambda m, args, out, name=name: self.finite[name].append(torch.isfinite(_tensor(out)).all())))
+
+    def layers(self) -> list[tuple[str, torch.nn.Module]]:
+        """The layers whose outputs are checked finite, in forward order (telemetry's names)."""
+        out = [("emb", self.ctx.model.tok_emb)]
+        for i, b in enumerate(self.ctx.model.blocks):
+            out += [(f"block{i}.attn", b.attn), (f"block{i}.mlp", b.mlp), (f"block{i}", b)]
+        return out
 
     def before_update(self, s) -> None:
-        self._hook.remove()
+        for h in self._hooks:
+            h.remove()
         if len(self.h) != len(s.micro):  # a forward this hook did not see (a wrapper that bypasses the module)
             return
+        # NOTE: every layer's output finite: the weights and the batch are (the continuity and data checks), so a
+        # non-finite activation is the layer's fault. Not under FP16, whose range (6.5e4) a healthy forward can
+        # exceed: its loss scaler skips that step.
+        fp16 = getattr(self.ctx.recipe, "name", "") == "fp16"
+        bad = torch.stack([~torch.stack(f).all() if f and not fp16 else torch.tensor(False)
+                           for f in self.finite.values()])
         model, c = self.ctx.model, self.ctx.model.cfg
         gamma, W = _full(model.norm.weight).detach().float(), _full(model.head.weight).detach().float()
         z, world = float(self.ctx.cfg.train.z_loss), self.ctx.dist.world
@@ -97,13 +117,25 @@ class LossGradCheck(Check):
                           torch.where(~torch.isfinite(got).all(), nonfinite, (got - want).norm()))
         tol = rel * mag.norm() + 1e-300
         self.place = (got, want, tol)
-        self.measure(err, tol, where=["norm.weight"])
+        layers = torch.where(bad.to(err.device), torch.inf, 0.0).double()
+        names = list(self.kinds)
+        kinds = torch.tensor([float(names.index("nonfinite"))] * len(layers) + [0.0], dtype=F64)
+        self.measure(torch.cat([layers, err.reshape(1)]), torch.cat([torch.full_like(layers, 0.5), tol.reshape(1)]),
+                     kinds, where=[*self.finite, "norm.weight"])
+        self.n_layers = len(layers)
         self.h = []
 
     def classify(self, i: int) -> str:
+        if i < self.n_layers:
+            return "nonfinite"
         kind = kind_of(*self.place)
         return kind if kind in self.kinds else "mismatch"
 
 
 def _full(t: Tensor) -> Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _tensor(out) -> Tensor:
+    """A layer's output tensor: a block returns (x, moe), an MoE layer its MoEOutput (y first)."""
+    return out[0] if isinstance(out, tuple) else out

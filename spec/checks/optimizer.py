@@ -77,7 +77,7 @@ class OptimizerCheck(Check):
         self.sizes = sizes
         self.qk = {n: qk_heads(idx, ctx.model.cfg) for n, _, idx, _, _ in self.params if n.endswith("attn.qkv.weight")}
         self.start: dict[str, Tensor] | None = None
-        self.updates: int | None = None  # the spec's count of applied updates (AdamW's t before this step)
+        self.updates: Tensor | None = None  # the spec's count of applied updates (AdamW's t before this step), 0-d
 
     # --- reading the probe elements ----------------------------------------------------------------------
     def snapshot(self) -> dict[str, Tensor]:
@@ -99,8 +99,8 @@ class OptimizerCheck(Check):
     def before_batch(self, s) -> None:
         if self.start is None:  # the run's (or the resumed, or the rolled-back) first step: its own start
             self.start = self.snapshot()
-        if self.updates is None:  # NOTE: read once, at a (re)start: the count the state says it has
-            self.updates = int(self.start["step"].max().clamp(min=0))
+        if self.updates is None:  # at a (re)start: the count the state says it has (on the device: nothing read)
+            self.updates = self.start["step"].max().clamp(min=0)
 
     def before_update(self, s) -> None:
         scale = float(self.ctx.scaler.scale) if self.ctx.scaler is not None else 1.0
@@ -138,10 +138,11 @@ class OptimizerCheck(Check):
         cfg, a = self.ctx.cfg, self.start
         b = self.snapshot()
         b1, b2 = (float(x) for x in cfg.optim.betas)
-        eps, t = float(cfg.optim.eps), self.updates + 1
+        eps, t = float(cfg.optim.eps), self.updates.to(a["w"].device) + 1  # a 0-d tensor: the count stays there
         coef = self.ctx.coef_spec.double()
         skipped = ~self.ctx.norm_finite | torch.tensor(bool(s.vetoed), device=coef.device)
-        lr = torch.repeat_interleave(torch.tensor([lr_at(cfg, g, s.step) for g in self.groups], dtype=F64,
+        lr = torch.repeat_interleave(torch.tensor([lr_at(cfg, g, s.step, self.ctx.schedule) for g in self.groups],
+                                                  dtype=F64,
                                                   device=coef.device), torch.tensor(self.sizes, device=coef.device))
         lr, wd = lr.to(a["w"].device), self.wd.to(a["w"].device)
         has_g = ~self.g0.isnan()
@@ -179,7 +180,7 @@ class OptimizerCheck(Check):
         n = len(self.params)
         per_state = torch.zeros(n, dtype=F64, device=w.device).scatter_reduce(0, self.owner, state_err, "amax")
         # the step count is exact: the spec's count, plus one unless the step was skipped
-        count = self.updates + torch.where(skipped, 0.0, 1.0).to(w.device)
+        count = t - torch.where(skipped, 1.0, 0.0).to(w.device)
         miscounted = (b["step"] >= 0) & ((b["step"] - count).abs() > 0)
         per_state = torch.where(miscounted, math.inf, per_state)
         per_w = torch.zeros(n, dtype=F64, device=w.device).scatter_reduce(0, self.owner, w_err, "amax")
@@ -206,17 +207,18 @@ class OptimizerCheck(Check):
 
     def after_read(self, s) -> None:
         """The host knows whether the update applied: the count moves on with it."""
-        if not bool(s.result.skipped):
-            self.updates += 1
+        if not bool(s.result.skipped):  # NOTE: the host's copy of the step's flag, read with the step
+            self.updates = self.updates + 1
 
     def rolled_back(self, cursor: int) -> None:
         self.start, self.updates = None, None
 
     def state_dict(self) -> dict:
-        return {"updates": self.updates}
+        return {"updates": None if self.updates is None else self.updates.to("cpu")}
 
     def load_state_dict(self, sd: dict) -> None:
-        self.updates, self.start = sd.get("updates"), None
+        u = sd.get("updates")
+        self.updates, self.start = None if u is None else torch.as_tensor(u, dtype=F64), None
 
 
 def _full(t: Tensor) -> Tensor:

@@ -79,12 +79,13 @@ class ContinuityCheck(Check):
         return float(self.ctx.scheduler.last_epoch) if self.ctx.scheduler is not None else 0.0
 
     def fingerprint(self) -> dict:
-        """The checkpoint's: names, FP32 norms and exact sample sums (host lists), the scheduler's counter."""
+        """The checkpoint's: names, FP32 norms and exact sample sums, the scheduler's counter. NOTE: the numbers as
+        CPU tensors, copied with the checkpoint's own transfer (nothing read to the host apart from it)."""
         items = self.collect()
-        flat = [t.reshape(-1) for _, _, t in items]
+        flat = [_local(t.detach()).reshape(-1) for _, _, t in items]
         norms = torch.stack(torch._foreach_norm([f if f.dtype == torch.float32 else f.float() for f in flat], 2))
         sums = torch.stack([_bits(f[::STRIDE]).to(torch.int64).sum() for f in flat])
-        return {"names": [n for n, _, _ in items], "norms": norms.double().tolist(), "sums": sums.tolist(),
+        return {"names": [n for n, _, _ in items], "norms": norms.double().to("cpu"), "sums": sums.to("cpu"),
                 "n_max": max(f.numel() for f in flat), "counter": self.counter()}
 
     def before_forward(self, s) -> None:
@@ -127,8 +128,8 @@ class ContinuityCheck(Check):
             self.measure(torch.tensor([1.0], **f64), torch.tensor([0.5], **f64), "resume", where=gone[:1])
             return
         rel = LAMBDA * (math.sqrt(then["n_max"]) + 2) * U32
-        a_n, b_n = torch.tensor(now["norms"], **f64), torch.tensor(then["norms"], **f64)
-        sums_off = torch.tensor([float(a != b) for a, b in zip(now["sums"], then["sums"])], **f64)  # exact integers
+        a_n, b_n = now["norms"], then["norms"].to(now["norms"].device)
+        sums_off = (now["sums"] != then["sums"].to(now["sums"].device)).to(torch.float64)  # exact integers
         err = torch.maximum((a_n - b_n).abs() / (rel * b_n.abs() + 1e-300), sums_off / 0.5)
         err = torch.cat([err, torch.tensor([max(counter_off, abs(now["counter"] - then["counter"])) / 0.5], **f64)])
         self.measure(err, torch.ones_like(err), "resume", where=now["names"] + ["scheduler.last_epoch"])

@@ -21,7 +21,7 @@ class Config:
 
 class ClipThreshold(Drill):
     kind = "clip_threshold"
-    expects = "optim.heavy_clipping"
+    expects = "optim.settings"  # a threshold the config does not set: the clip check names it (spec/)
     lifetime = PERSISTENT
     points = ("before_update",)
     Config = Config
