@@ -140,6 +140,20 @@ def test_a_resume_continues_the_specification_and_a_lossy_one_fails_it(tmp_path)
     assert got is not None and (got["check"], got["kind"], got["class"]) == (check, kind, "state.resume_fault"), got
 
 
+def test_a_resume_that_quarantines_the_next_batch_passes_every_check(tmp_path):
+    """The doctor's fix for a bad batch (doctor --verify) resumes from the step before it with train.skip_batches=[its
+    first ID]: the loader serves the batch after it, and the data check's plan must serve the same — a declared
+    quarantine is no resume fault and no cursor fault."""
+    recs = plant(tmp_path, "none", f"checkpoint.every={S - 1}", f"checkpoint.stop_after={S - 1}")
+    b = recs[-1]["batch"]
+    bad = b["first"] + b["size"]  # step S's batch
+    resumed = plant(tmp_path, "none", "resume=latest", f"train.skip_batches=[{bad}]")
+    at = next(r for r in resumed if r["step"] == S)
+    assert at["batch"]["first"] == bad + b["size"], at["batch"]
+    assert not any(r["spec"].get("fail") for r in resumed if r["step"] >= S), \
+        [(r["step"], r["spec"].get("fail")) for r in resumed]
+
+
 def test_a_rollback_replays_under_the_specification(tmp_path):
     """guard=rollback: an LR spike (the transient drill) fails the lr check at its step, before the update (the guard
     vetoes and rolls back); the replayed steps after the rollback — anticipatory routing on — pass every check."""
