@@ -13,7 +13,8 @@
                   quiet before its fault (drills_quiet), every lab's effect (labs_seeds)
 
 report.py writes every script's markdown under one header (docs/results/); config.py composes the run config a
-benchmark measures. Never timed tests: figures are printed, compared side by side.
+benchmark measures; stats.py holds the statistics of claims over seeds (a mean's interval, the record rule's
+test). Never timed tests: figures are printed, compared side by side.
 """
 from pathlib import Path
 

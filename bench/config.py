@@ -29,11 +29,12 @@ def build_train_step(cfg) -> tuple[Callable[[], None], int]:
     from model import Transformer
     from optim import build_optimizer, build_scheduler, clip_grad_norm
     from optim.accumulate import count_valid_tokens, forward_backward
+    from run.compile import compile_model, decide
 
     torch.manual_seed(cfg.seed)
     ds = build_data(cfg.data)
     model = Transformer(cfg.model.for_data(ds))
-    fwd = torch.compile(model) if cfg.train.compile else model
+    fwd = compile_model(model) if decide(cfg.train.compile, "cpu", cfg.train.steps).on else model
     opt, _ = build_optimizer(model, cfg.optim)
     sched = build_scheduler(opt, cfg.optim.schedule, cfg.train.steps)
     loader, tc = Loader(ds, cfg.train.batch_size), cfg.train

@@ -326,7 +326,8 @@ class Verifier:
         # batches, each with the per-step spread / √n; one-sided, at the budget's threshold over the sources
         tail = self.tail(S, end)
         half = S + (end - S) // 2 if not unstable else max(S, end - window)
-        after = gap_by_source(read_records(out / "metrics.jsonl"), half, end)
+        fixed = read_records(out / "metrics.jsonl")
+        after = gap_by_source(fixed, half, end)
         before = gap_by_source(list(self.path.values()), S - max((end - S) // 2, 1) - 1, S - 1)
         without = gap_by_source(list(self.path.values()) + tail, half, end)
         noise = noise_by_source(self.path, S, window)
@@ -334,8 +335,14 @@ class Verifier:
             if unstable else set()
         worse, better, missing = compare_gaps(after, before, without, noise, window,
                                               {q.split("/", 1)[-1] for q in damaged})
-        if not again and not new and not worse and not missing:
-            verdict = (f"worked: {target.fault_class} gone, no new fault from step {S} to {end}, and "
+        # a failed specification check is its own oracle: the fix worked only where that check passes again
+        recheck = spec_again(target, fixed, S, end)
+        if recheck:
+            verdict = f"did not work: check {recheck[0]} failed again at step {recheck[1]}"
+        elif not again and not new and not worse and not missing:
+            held = (f", check {target.anomaly.quantity.removeprefix('spec.')} passing at every step"
+                    if target.anomaly is not None and target.anomaly.kind == "spec" else "")
+            verdict = (f"worked: {target.fault_class} gone{held}, no new fault from step {S} to {end}, and "
                        + ("the damaged source(s) " + ", ".join(f"{s} {a:+.3f} against {b:+.3f} without the fix"
                                                               for s, (a, b) in better.items()) + " nearer the floor"
                           if unstable and better else "no source's floor gap above the run's before the incident"))
@@ -375,6 +382,18 @@ class Verifier:
         j = target.judgement
         return {"ran": False, "why": f"a natural incident is not fixed: the run recovers without intervention "
                                      f"({j.reason if j else 'judged natural'})"}
+
+
+def spec_again(target: Diagnosis, records: list[dict], S: int, end: int) -> tuple[str, int] | None:
+    """(check, step) where the specification check that headlined `target` fails again in [S, end]; None when
+    the target was not a check's failure or the check held."""
+    if target.anomaly is None or target.anomaly.kind != "spec":
+        return None
+    check = target.anomaly.quantity.removeprefix("spec.")
+    for r in records:
+        if S <= r["step"] <= end and any(f["check"] == check for f in (r.get("spec") or {}).get("fail") or []):
+            return check, r["step"]
+    return None
 
 
 def moments_step(target: Diagnosis) -> int:

@@ -1,5 +1,5 @@
 """The exercises of docs/exercises.md, parsed: `python -m labs.run --list --exercises` prints them by
-course section, and tests/test_exercises.py runs their commands (a sample by default, all with -m slow).
+course section, and tests/test_exercises.py runs their commands (a sample by default, all with -m sweep).
 
 docs/exercises.md is the one source: a `## §N title` line opens a section, `### EK. title` an exercise,
 and its `- run:`, `- expect:` (present | absent: the lab's exit 0 or 1), `- observe:`, `- questions:`

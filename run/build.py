@@ -31,6 +31,7 @@ from optim.levers import build_levers
 from parallel import Dist, barrier, wrap_model
 from parallel.wrap import is_sharded
 from precision import build_recipe
+from run.compile import compile_model, decide
 from run.config import TrainConfig, validate
 from spec.monitor import Conformance, build_spec
 from stability.anticipatory import AnticipatoryRouting
@@ -119,8 +120,9 @@ def build_run(cfg: DictConfig, dist: Dist) -> Run:
     set_activation_checkpointing(model, typed.train.activation_checkpointing)  # after convert, before wrap and compile
     # before the optimizer: FSDP2 swaps the parameters
     wrapped = wrap_model(model, dataclasses.replace(typed.parallel, **recipe.fsdp_dtypes()), dist)
-    if typed.train.compile:  # fuses the elementwise ops between matmuls (norms, RoPE, SwiGLU, loss)
-        wrapped = torch.compile(wrapped)
+    compile_ = decide(typed.train.compile, dist.device, typed.train.steps)
+    if compile_.on:  # fuses the elementwise ops between matmuls (norms, RoPE, SwiGLU, loss)
+        wrapped = compile_model(wrapped, announce=dist.is_main)
     optimizer, group_table = build_optimizer(model, typed.optim)
     scheduler = build_scheduler(optimizer, typed.optim.schedule, typed.train.steps)
     scaler = recipe.make_scaler()  # None unless fp16
@@ -156,6 +158,7 @@ def build_run(cfg: DictConfig, dist: Dist) -> Run:
 
     if dist.is_main:
         write_header(cfg, typed, dist, run_dir, dataset, model, model_cfg, group_table, recipe)
+        print(compile_.line())
     sinks = build_sinks(typed.logging, run_dir, typed.train.steps, floor, typed.run_name, config) if dist.is_main else []
     guard.ckpt = ckpt
     if spec is not None:  # a rollback's restored state and its data policy are the plan the checks go on from

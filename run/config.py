@@ -53,7 +53,9 @@ class TrainConfig:
     eval_every: int = 100
     eval_samples: int = 512
     eval_batch_size: int = 64
-    compile: bool = False        # torch.compile the model: a cold start, then faster steps (MoE: one graph, grouped GEMM)
+    # torch.compile the model: a cold start, then faster steps (MoE: one graph, grouped GEMM); null: only where the
+    # run is long enough for the saving to repay the cold start (run/compile.py decides from the device and steps)
+    compile: bool | None = None
     activation_checkpointing: str = "none"  # none | full | selective: recompute block activations in the backward
     clip: str = "fixed"          # fixed (max_grad_norm) | zscore (adaptive, optim/zclip.py)
     zscore: ZScoreConfig = field(default_factory=ZScoreConfig)  # train.clip=zscore only

@@ -58,6 +58,7 @@ class SpecContext:
     sharded: bool = False    # FSDP2: parameters and gradients are shards
     compiled: bool = False   # train.compile: the step's forward is a compiled graph (no Python hooks inside)
     max_grad_norm: float | None = None  # train.max_grad_norm: the clip threshold the config sets
+    reference_step: Any = None  # the monitor's: step -> whether it is a reference step (spec.every)
     names: dict[int, str] = field(default_factory=dict)  # id(parameter) -> its name
     # filled during a step, for the checks that read another's result
     probe: Any = None        # the monitor's probe(s): the step's probe run, on a reference step

@@ -46,6 +46,7 @@ class Conformance(Callback):
                       AFTER: [c for c in self.checks if c.phase == AFTER]}
         self._probe: tuple[int, object] | None = None
         ctx.probe = self.probe
+        ctx.reference_step = self.reference_step
 
     def reference_step(self, step: int) -> bool:
         return step == 1 or step % self.every == 0

@@ -68,6 +68,7 @@ def test_bad_batch_replayed_then_skipped(drill_runs):
     assert rollbacks[1]["skipped_samples"][0] <= bad < rollbacks[1]["skipped_samples"][1]
 
 
+@pytest.mark.slow  # two 200-step MoE runs
 def test_moe_spike_drill_recovers_within_two_percent_of_clean(tmp_path):
     # NOTE: this tiny MoE model has a real grad-norm excursion around step 50 (the Markov source being
     # learned: the norm triples for 3 steps); warmup 60 keeps that transient out of the baseline.

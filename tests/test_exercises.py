@@ -1,6 +1,6 @@
 """docs/exercises.md: every exercise parses, names a real lab and real knobs or breaks, and its command
 gives the exit status the exercise expects (0: effect present, 1: absent). The default suite runs a
-cheap sample; `-m slow` runs them all."""
+cheap sample; `-m sweep` runs them all."""
 from __future__ import annotations
 
 import importlib
@@ -44,7 +44,7 @@ def test_a_sample_of_exercises_gives_the_expected_outcome(ex, tmp_path):
     assert _run(ex, tmp_path) == (0 if ex.expect == "present" else 1)
 
 
-@pytest.mark.slow
+@pytest.mark.sweep
 @pytest.mark.parametrize("ex", EXERCISES, ids=lambda e: e.id)
 def test_every_exercise_gives_the_expected_outcome(ex, tmp_path):
     assert _run(ex, tmp_path) == (0 if ex.expect == "present" else 1)

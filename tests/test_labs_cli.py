@@ -71,7 +71,7 @@ def test_a_break_turns_its_lab_red_through_the_cli(tmp_path, capsys):
     assert r["checks"]["forward identical inside the bound (gate <= L, |up| <= L)"]
 
 
-@pytest.mark.slow
+@pytest.mark.sweep
 @pytest.mark.parametrize("key", list(BREAKS))
 def test_every_break_turns_the_lab_that_guards_it_red(key, tmp_path):
     lab = BREAKS[key][1]

@@ -12,7 +12,7 @@ pre-update detector fires on it at once, so every guard action has something to 
   - the StepRecords' precision recipe is the configured one;
   - a vetoed step moves nothing: update ratio 0 on that step (parameters), Adam's step count +1 over
     the two steps around it (moments untouched), MoE bias exactly the next step's own update.
-Invalid cells are refused at config time with one line. The full matrix is `-m slow`; SAMPLE runs by
+Invalid cells are refused at config time with one line. The full matrix is `-m sweep`; SAMPLE runs by
 default. bf16 autocast is ~30× slower on a CPU: its cells are as tiny as the rest.
 """
 from __future__ import annotations
@@ -145,7 +145,7 @@ def test_matrix_sample(tmp_path, cell):
     check_cell(tmp_path, *cell)
 
 
-@pytest.mark.slow
+@pytest.mark.sweep
 @pytest.mark.parametrize("cell", [c for c in CELLS if c not in SAMPLE], ids=cell_id)
 def test_matrix_full(tmp_path, cell):
     check_cell(tmp_path, *cell)

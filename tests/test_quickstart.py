@@ -2,7 +2,7 @@
 the exact floor, on every seed (bench/seeds/quickstart_grid.py trains each point with train.py as a user runs it).
 
 Default suite: the recipe's mechanism at a smaller size (SHORT: the same model, mixture, optimizer and
-schedule shape on shorter documents), on 2 seeds. `-m slow`: the full recipe over the README's grid of
+schedule shape on shorter documents), on 2 seeds. `-m sweep`: the full recipe over the README's grid of
 5 seeds x 2 data seeds x {1, 2} threads, every point at its floor, the head formed before 60 % of the run.
 """
 from __future__ import annotations
@@ -88,7 +88,7 @@ def test_the_readme_follow_ups_run_on_the_default_run(short_runs):
     assert rep["class"] == "healthy" and any("train.steps" in c for c in rep["declared"]), rep["summary"]
 
 
-@pytest.mark.slow
+@pytest.mark.sweep
 def test_quickstart_grid_every_point_at_its_floor(tmp_path):
     points = [{"seed": s, "data_seed": d, "threads": t} for s in range(5) for d in (1234, 99) for t in (1, 2)]
     check(grid.run_grid(points, None, 0.0, [], tmp_path, jobs=2))

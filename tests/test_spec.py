@@ -18,9 +18,9 @@ S = 3
 PLANTED = [*TINY, f"train.steps={S + 1}", "spec.every=1", "checkpoint.every=0", "logging.plot=false"]
 
 
-def plant(tmp_path: Path, fault: str, *overrides: str, nproc: int = 1) -> list[dict]:
+def plant(tmp_path: Path, fault: str, *overrides: str, nproc: int = 1, base: list[str] = PLANTED) -> list[dict]:
     d = tmp_path / fault
-    script = [str(ROOT / "tests/plant.py"), fault, str(S), str(d), *PLANTED, *overrides]
+    script = [str(ROOT / "tests/plant.py"), fault, str(S), str(d), *base, *overrides]
     cmd = ([sys.executable, *script] if nproc == 1 else
            [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *script])
     r = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=1800)
@@ -33,10 +33,32 @@ def first_failure(rec: dict) -> dict | None:
     return fails[0] if fails else None
 
 
-@pytest.mark.parametrize("fault", [f for f in FAULTS if f != "reduce_rank1"])
-def test_a_planted_bug_fails_its_check_at_its_step(tmp_path, fault):
+SINGLE = [f for f in FAULTS if f != "reduce_rank1"]
+
+
+@pytest.fixture(scope="module")
+def planted(tmp_path_factory) -> dict:
+    """Every single-process plant trained once, two at a time (each process runs on one thread: 2 cores);
+    a plant that crashed is that plant's test failure, not its neighbours'."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    root = tmp_path_factory.mktemp("planted")
+
+    def one(fault: str):
+        try:
+            return plant(root, fault)
+        except AssertionError as e:
+            return e
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return dict(zip(SINGLE, pool.map(one, SINGLE)))
+
+
+@pytest.mark.parametrize("fault", SINGLE)
+def test_a_planted_bug_fails_its_check_at_its_step(planted, fault):
     check, where, kind = FAULTS[fault]
-    recs = plant(tmp_path, fault)
+    recs = planted[fault]
+    if isinstance(recs, AssertionError):
+        raise recs
     for rec in recs[:S - 1]:
         assert not rec["spec"].get("fail"), (rec["step"], rec["spec"]["fail"])
     got = first_failure(recs[S - 1])
@@ -99,6 +121,16 @@ def test_a_clipped_step_within_the_clip_tolerance_passes_the_optimizer_check(tmp
     for rec in recs:
         assert rec["clip_coef"] < 1 and 0.25 < rec["spec"]["miss"]["clip"] <= 1, (rec["step"], rec["spec"]["miss"])
         assert not rec["spec"].get("fail"), (rec["step"], rec["spec"]["fail"])
+
+
+def test_muon_between_reference_steps_checks_its_momentum_and_no_update(tmp_path):
+    """Muon's oracle (an FP64 Newton–Schulz of every hidden matrix) runs on reference steps only: with spec.every=2
+    step 3 is not one; its momentum is checked, its matrices' update is not judged, and no step fails."""
+    base = [o for o in PLANTED if not o.startswith("spec.every=")] + ["spec.every=2"]
+    recs = plant(tmp_path, "none", "optim=muon", base=base)
+    assert [r["step"] for r in recs] == list(range(1, S + 2))
+    for rec in recs:
+        assert "optimizer" in rec["spec"]["miss"] and not rec["spec"].get("fail"), (rec["step"], rec["spec"])
 
 
 @pytest.mark.distributed

@@ -119,6 +119,7 @@ def main() -> None:
     if args.raw:
         compare_raw(root, over, args, rep)
         return rep.write(args.out)
+    from run.lifecycle import Interrupts
     from train import train  # train.py's loop
 
     with tempfile.TemporaryDirectory(prefix="anchor_compare-") as tmp:
@@ -128,7 +129,8 @@ def main() -> None:
         sink = AnchorSink(nanogpt.make_step(model, opt, nanogpt.Batches(root), fwd), args.warmup)
         run.sinks.append(sink)
         try:
-            train(run)
+            with Interrupts(run.dist) as stop:
+                train(run, stop)
         finally:
             run.close()
     ours, anchor = sink.ours, sink.anchor
