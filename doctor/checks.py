@@ -13,16 +13,14 @@ import math
 import statistics
 from dataclasses import dataclass, field
 
-from doctor.timeline import WINDOW, Deviation, Run, Series
+from doctor.classes import CLASSES
+from doctor.diagnosis import Check
+from doctor.scores import MIN_HISTORY, MIN_MEDIAN
+from doctor.timeline import INPUT, MAD_SIGMA, Deviation, Run, Series
+from stability.signals import family
 
-NEAR = 1  # a deviation this many steps from t0 belongs to the same incident
-
-
-@dataclass
-class Check:
-    name: str
-    holds: bool | None
-    evidence: str
+NEAR = 1  # a deviation this many steps from t0 belongs to the same incident: the step's own quantities are
+#           recorded with the step, its update's consequences at the next one
 
 
 @dataclass
@@ -35,6 +33,7 @@ class Context:
     floors: dict | None = None  # the data's exact per-source floors (synthetic data)
     start: int = 0              # the doctor's first scored step
     earlier: list = field(default_factory=list)  # the incidents found before this one in its segment
+    budget: object = None       # the run's detection budget (doctor/scores.py Budget): its window, its tests
 
     @property
     def seg(self) -> list[dict]:
@@ -45,15 +44,37 @@ class Context:
         t = self.t0 if t is None else t
         return next((r for r in self.seg if r["step"] == t), None)
 
-    def near(self, prefix: str, lo: int = -NEAR, hi: int = NEAR) -> list[Deviation]:
-        """Deviations of quantities named prefix* within [t0 + lo, t0 + hi]."""
-        return [d for q, d in self.devs.items() if q.startswith(prefix) and self.t0 + lo <= d.step <= self.t0 + hi]
+    @property
+    def window(self) -> int:
+        """The run's baseline window (its guard's: doctor/scores.py Budget)."""
+        if self.budget is not None:
+            return self.budget.window
+        from stability.config import DetectorConfig
+        return DetectorConfig.__dataclass_fields__["window"].default
+
+    def near(self, q: str, lo: int = -NEAR, hi: int = NEAR) -> list[Deviation]:
+        """Deviations of the quantity q (a series, or every series of the family q) within [t0 + lo, t0 + hi]."""
+        return [d for k, d in self.devs.items() if (k == q or (family(k) is not None and family(k).name == q))
+                and self.t0 + lo <= d.step <= self.t0 + hi]
+
+    def near_role(self, role: str, lo: int = -NEAR, hi: int = NEAR) -> list[Deviation]:
+        """Deviations of quantities whose Signal declares `role` (stability/signals.py ROLES) within [t0 + lo, t0 + hi]."""
+        return [d for q, d in self.devs.items() if (sig := family(q)) is not None and sig.role == role
+                and self.t0 + lo <= d.step <= self.t0 + hi]
+
+    def near_layer(self, layer: str, lo: int = -NEAR, hi: int = NEAR) -> list[Deviation]:
+        """Deviations in one timeline layer within [t0 + lo, t0 + hi]."""
+        return [d for d in self.devs.values() if d.layer == layer and self.t0 + lo <= d.step <= self.t0 + hi]
+
+    def series(self, role: str) -> dict[str, Series]:
+        """The timeline's series whose Signal declares `role`."""
+        return {q: s for q, s in self.tl.items() if s.spec.role == role}
 
     def baseline(self, q: str, t: int | None = None) -> float | None:
-        """Median of quantity q over the WINDOW steps before t (default t0)."""
+        """Median of quantity q over the baseline window before t (default t0)."""
         t = self.t0 if t is None else t
         s = self.tl.get(q)
-        vals = [v for k, v in sorted(s.values.items()) if k < t and math.isfinite(v)][-WINDOW:] if s else []
+        vals = [v for k, v in sorted(s.values.items()) if k < t and math.isfinite(v)][-self.window:] if s else []
         return statistics.median(vals) if vals else None
 
     def value(self, q: str, t: int | None = None) -> float | None:
@@ -70,38 +91,37 @@ def _vs(ctx: Context, q: str) -> str:
 
 
 # ---- the input layer ------------------------------------------------------------------------------
-CORRUPTION = {  # input quantity -> what a deviation of it means, in the order they are tested
-    "input.label_alignment": "labels misaligned or shuffled (labels[t] != tokens[t+1])",
-    "continuity.": "the data cursor broke its order (sample ids repeated, skipped or out of order)",
-    "ranks.": "a rank's inputs are not what the sharding promises (its sample ids or its local loss)",
-    "input.top_token_frac": "the most frequent token's share moved (repeated / degenerate text, or noise)",
-    "input.doc_start_frac": "rows that start no document: one overlong, unsegmented document",
-    "input.valid_frac": "the share of valid label positions moved (padding / mask / length change)",
-    "input.foreign_frac": "tokens outside their document's vocabulary block (noise, foreign or spliced text)",
-    "input.rare_frac": "tokens the run has (almost) never seen (out-of-vocabulary / foreign text)",
-    "input.entropy": "the batch's token entropy moved (noise raises it, repetition lowers it)",
-    "input.kl_running": "the batch's token histogram left the run's running histogram (another distribution)",
-    "input.content": "the batch's content is not what its sample ids name (changed after the loader)",
-}
+def meaning(d: Deviation) -> str:
+    """What a deviation of the input layer means: its Signal's hint, or the class its producer declared."""
+    sig = family(d.quantity)
+    if sig is not None and sig.fix:
+        return sig.fix
+    c = CLASSES.get(d.cls or "")
+    return c.means if c else d.describe()
+
+
+def input_deviations(ctx: Context) -> list[Deviation]:
+    """The input layer's deviations at t0 or the step before, in timeline order (an invariant first)."""
+    return sorted(ctx.near_layer(INPUT, -NEAR, 0), key=lambda d: (d.step, d.order))
 
 
 def check_input(ctx: Context) -> Check:
     """Split the loss by source, length, mask and duplicates: did the batch itself deviate?"""
-    vals = ", ".join(_vs(ctx, q) for q in CORRUPTION if q in ctx.tl and q.startswith("input."))
-    bad = [q for q in CORRUPTION if ctx.near(q, -NEAR, 0)]
+    vals = ", ".join(_vs(ctx, q) for q, s in ctx.tl.items() if s.spec.layer == INPUT and s.spec.role == "input")
+    bad = input_deviations(ctx)
     if bad:
-        return Check("corrupted input batch", True, f"{CORRUPTION[bad[0]]}; at step {ctx.t0}: {vals}")
+        return Check("corrupted input batch", True, f"{meaning(bad[0])}; at step {ctx.t0}: {vals}")
     return Check("corrupted input batch", False, f"the input layer at step {ctx.t0} is within its baseline: {vals}")
 
 
 def corruption_kind(ctx: Context) -> str | None:
-    bad = [q for q in CORRUPTION if ctx.near(q, -NEAR, 0)]
-    return bad[0] if bad else None
+    bad = input_deviations(ctx)
+    return meaning(bad[0]) if bad else None
 
 
 def check_mixture(ctx: Context) -> Check:
     """A data manifest / mixture switch at the step, and whether each source stayed on its trajectory."""
-    switched = ctx.near("input.data_fingerprint_changed", -NEAR, 0)
+    switched = ctx.near_role("switch", -NEAR, 0)
     if not switched:
         return Check("objective change (data mixture switch)", False,
                      f"the data manifest did not change at steps {ctx.t0 - NEAR}..{ctx.t0} "
@@ -118,15 +138,15 @@ def per_source_verdict(ctx: Context, t: int) -> tuple[str, str]:
     from labs.mixture import classify, evidence, spread, window
     recs = [r for r in ctx.seg if all(math.isfinite(v) for v in r.get("loss_by_source", {}).values())]
     i = next((k for k, r in enumerate(recs) if r["step"] >= t), len(recs))
-    lo = max(0, i - 20)
-    if i - lo < 5 or len(recs) - i < 2:
+    lo = max(0, i - ctx.window)  # the baseline window before the switch, and at least a median's worth on each side
+    if i - lo < MIN_MEDIAN or len(recs) - i < MIN_MEDIAN:
         return "untestable", "too few steps around the switch to compare per-source losses"
     # NOTE: the floors the diagnosis already built (doctor/rules.py), not the data rebuilt once more
     floors = (ctx.floors if ctx.floors is not None else source_floors(ctx.run.config)) or \
         {s: 0.0 for s in recs[i - 1]["loss_by_source"]}
     before, after = window(recs, lo, i), window(recs, i, len(recs))
     noise = spread(recs[lo:i], floors)
-    noise["mix_floor"] = noise["mix_floor"] or 1e-12  # NOTE: zero floors (real text): no floor-shift test
+    noise["mix_floor"] = noise["mix_floor"] or 1e-12  # NOTE: zero floors (real text): no floor-shift test (ε: no 0/0)
     try:
         ev = evidence(before, after, floors, noise)
         verdict = classify(before, after, floors, noise)
@@ -195,10 +215,10 @@ def transient(ctx: Context) -> str | None:
 # ---- settings and the update ------------------------------------------------------------------------
 def check_lr(ctx: Context) -> Check:
     """Did the LR leave its schedule at the step? (record lr vs optim.schedule in config.yaml)"""
-    s = ctx.tl.get("lr/schedule")
+    s = next(iter(ctx.series("schedule").values()), None)
     if s is None:
         return Check("LR switch", None, "no optim.schedule in config.yaml: the LR cannot be compared with it")
-    off = ctx.near("lr/schedule", -NEAR, 0)
+    off = ctx.near_role("schedule", -NEAR, 0)
     if off:  # NOTE: the step that left it, which need not be t0 (nor be compared at t0)
         d = min(off, key=lambda d: d.step)
         return Check("LR switch", True, f"lr {_fmt((ctx.rec(d.step) or {}).get('lr'))} at step {d.step} is "
@@ -212,18 +232,18 @@ def check_lr(ctx: Context) -> Check:
 
 def check_update(ctx: Context) -> Check:
     """Compare update norms: did ρ jump without a matching gradient, LR or input to explain it?"""
-    rho = ctx.near("update_ratio", 0, NEAR)
-    lr, inp = ctx.near("lr/schedule", -NEAR, 0), ctx.near("input.", -NEAR, 0)
+    rho = ctx.near_role("update", 0, NEAR)
+    lr, inp = ctx.near_role("schedule", -NEAR, 0), ctx.near_layer(INPUT, -NEAR, 0)
     ev = f"{_vs(ctx, 'update_ratio_max')}, {_vs(ctx, 'grad_norm')}"
     if rho:
         t = min(d.step for d in rho)
         # NOTE: only a gradient of the update's own step or before explains it: the next step's gradient is
         # computed with the parameters that update wrote (a bad update's consequence, not its cause)
-        grad = [d for d in ctx.near("grad_norm", -NEAR, NEAR) + ctx.near("grad_rms", -NEAR, NEAR) if d.step <= t]
+        grad = [d for d in ctx.near_role("gradient", -NEAR, NEAR) if d.step <= t]
         ev = f"at step {t}: {_vs_at(ctx, 'update_ratio_max', t)}, {_vs_at(ctx, 'grad_norm', t)}"
         # NOTE: a loss that deviated at the update's step or before was computed before that update: the
         # update cannot have caused it, and a new objective (one source's data changed) moves the update
-        loss = [d for d in ctx.near("loss", -NEAR, NEAR) if d.step <= t]
+        loss = [d for d in ctx.near_role("objective", -NEAR, NEAR) if d.step <= t]
         if not (grad or lr or inp or loss):
             return Check("corrupted optimizer state", True,
                          f"the update jumped while the gradient, the LR, the inputs and the loss stayed normal: {ev}")
@@ -243,7 +263,7 @@ def check_replica(ctx: Context) -> Check:
     if world <= 1 or not rec.get("replica"):
         why = "single process" if world <= 1 else "no replica checksums (FSDP shards differ by design)"
         return Check("rank divergence", None, f"not testable: {why}")
-    near = ctx.near("replica.", -NEAR, 0)
+    near = ctx.near_role("replica", -NEAR, 0)
     spreads = ", ".join(f"{k} {v:.4g}" for k, v in rec["replica"].items())
     if near:
         # the misdiagnosis of the symptom table is "random fluctuation": replicas hold the same bits
@@ -259,22 +279,28 @@ def check_resume(ctx: Context) -> Check:
     if r is None:
         return Check("jump after resume", False, "the run never resumed (no 'resumed from' in the records)")
     if ctx.t0 is not None:
-        if r <= ctx.t0 <= r + 2:
+        if r <= ctx.t0 <= r + 2 * NEAR:  # the resumed step, its update's consequence, and that one's
             old = next((x for x in ctx.run.superseded if x["step"] == ctx.t0), None)
             was = f"; the superseded first run had loss {old['loss']:.4g} at that step" if old else ""
             return Check("jump after resume", True, f"resumed at step {r}; the anomaly follows at step {ctx.t0}{was}")
         return Check("jump after resume", False, f"resumed at step {r}; the anomaly is at step {ctx.t0}")
-    # no point anomaly: a level shift of the loss at the resume step (median of 10 steps either side)
+    # no point anomaly: a level shift of the loss at the resume step (the medians of the optimizer's memory of steps
+    # either side, against the step-to-step noise: one-sided, at the budget's threshold for one test)
+    from doctor.budget import threshold
+    from doctor.timeline import memory
+    m = max(memory(ctx.run.config.get("optim") or {}), MIN_HISTORY)
     losses = {x["step"]: x["loss"] for x in ctx.seg if math.isfinite(x["loss"])}
-    before = [v for t, v in losses.items() if r - 10 <= t < r]
-    after = [v for t, v in losses.items() if r <= t < r + 10]
-    if len(before) < 5 or len(after) < 5:
+    before = [v for t, v in sorted(losses.items()) if r - m <= t < r]
+    after = [v for t, v in sorted(losses.items()) if r <= t < r + m]
+    if len(before) < MIN_HISTORY or len(after) < MIN_HISTORY:
         return Check("jump after resume", None, f"resumed at step {r}; too few steps around it to compare")
     mb, ma = statistics.median(before), statistics.median(after)
-    noise = 1.4826 * statistics.median(abs(v - mb) for v in before)
-    jump = ma - mb > max(3 * noise, 0.05 * abs(mb))
-    return Check("jump after resume", jump, f"resumed at step {r}: median loss {mb:.4g} over the 10 steps before, "
-                 f"{ma:.4g} over the 10 after")
+    d = [b - a for a, b in zip(before, before[1:])]
+    noise = MAD_SIGMA * statistics.median(abs(x - statistics.median(d)) for x in d) / math.sqrt(2)
+    se = noise * math.sqrt(math.pi / 2 * (1 / len(before) + 1 / len(after)))  # two medians
+    jump = se > 0 and (ma - mb) / se > threshold(1, len(d))
+    return Check("jump after resume", jump, f"resumed at step {r}: median loss {mb:.4g} over the {len(before)} steps "
+                 f"before, {ma:.4g} over the {len(after)} after")
 
 
 def resume_step(run: Run) -> int | None:
@@ -288,8 +314,8 @@ def resume_step(run: Run) -> int | None:
 def check_lr_too_large(ctx: Context) -> Check:
     """The common misdiagnosis (symptom table): 'the LR is too large'. It would show before the
     incident: a rising loss or grad norm, or clipping on most steps."""
-    before = [r for r in ctx.seg if ctx.t0 - WINDOW <= r["step"] < ctx.t0]
-    if len(before) < 6:
+    before = [r for r in ctx.seg if ctx.t0 - ctx.window <= r["step"] < ctx.t0]
+    if len(before) < 2 * MIN_MEDIAN:  # two halves, a median of each
         return Check("LR too large in general", None, "too few steps before the anomaly")
     half = len(before) // 2
     g0 = statistics.median(r["grad_norm"] for r in before[:half])
@@ -297,4 +323,6 @@ def check_lr_too_large(ctx: Context) -> Check:
     clipped = sum(r.get("clip_coef", 1.0) < 1.0 for r in before) / len(before)
     ev = (f"over steps {before[0]['step']}..{before[-1]['step']} the median grad norm went {g0:.3g} -> {g1:.3g} "
           f"and {clipped:.0%} of steps were clipped")
+    # NOTE: the misdiagnosis's own signs: a gradient norm that doubled (one octave) over the window before, or
+    # clipping on most of its steps
     return Check("LR too large in general", g1 > 2 * g0 or clipped > 0.5, ev)

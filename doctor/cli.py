@@ -6,7 +6,7 @@ It reads every segment of the run (split where a rollback or resume sends the st
 the earliest deviating quantity across the four layers of the timeline (input → forward →
 backward/update → system; point, change-point, sustained and guard tests, doctor/scores.py) and the exact
 invariants (sample ids, tokens, per-rank sharding, doctor/invariants.py), walks the decision tree
-(docs/course.md §5) and symptom table (doctor/rules.py, doctor/checks.py), and writes the report
+(docs/course.md §5) and symptom table (doctor/classify.py, doctor/checks.py), and writes the report
 (doctor/report.py): every incident in order, then for the first the earliest anomaly, the reproducible
 batch and its replay command (doctor/replay.py), state and environment versions, the rejected
 hypotheses with their evidence, one single-variable fix and the regression command.
@@ -25,13 +25,17 @@ import json
 import sys
 from pathlib import Path
 
+from doctor import checkpoints
 from doctor import report as doctor_report
-from doctor.fixes import fix_for
-from doctor.rules import Diagnosis, diagnose
+from doctor.classes import fix_for
+from doctor.diagnosis import Diagnosis
+from doctor.rules import diagnose
 from doctor.timeline import Run
+from doctor.verify import Verifier, VerifyError
 from run.argv import without
 
 ROOT = Path(__file__).resolve().parents[1]
+WORDS = {"natural": "natural", "fault": "also a fault", "instability": "also a recipe instability"}
 
 
 def doctor(run_dir, plots: bool = True, verify: bool = False, budget: int = 1000, say=print) -> dict:
@@ -41,7 +45,7 @@ def doctor(run_dir, plots: bool = True, verify: bool = False, budget: int = 1000
     run, diag, devs = diagnose(run_dir)
     for note in run.notes:  # what the records lack: one line each, the diagnosis goes on without it
         print(f"doctor: {note}", file=sys.stderr)
-    ckpt = checkpoint_before(run, diag.step)
+    ckpt = checkpoints.before(run.dir, run.config, diag.step)
     state = state_and_env(run, diag, ckpt)
     # NOTE: a fix is prescribed for a fault only: a healthy run (its incidents, if any, the run learning) gets none
     fix = fix_for(diag, run, ckpt) if diag.fault_class != "healthy" else None
@@ -53,7 +57,6 @@ def doctor(run_dir, plots: bool = True, verify: bool = False, budget: int = 1000
 
 
 def verify_or_why(run_dir, budget: int, say) -> dict:
-    from doctor.verify import Verifier, VerifyError
     try:
         return Verifier(Path(run_dir), budget, say).verify()
     except VerifyError as e:
@@ -71,24 +74,6 @@ def git_commit() -> str:
         return "unknown"
 
 
-def checkpoint_before(run: Run, step: int | None) -> tuple[int, Path] | None:
-    """The newest complete checkpoint saved before `step` (its parameters fed a later forward).
-    NOTE: the checkpoint package (torch.distributed.checkpoint) is imported only when the run has a
-    checkpoint directory: a run without checkpoints is diagnosed from its JSON files alone."""
-    if step is None or not checkpoint_root(run).is_dir():
-        return None
-    from checkpoint import publish
-    found = [(s, p) for s, p in publish.list_steps(checkpoint_root(run)) if s < step]
-    # NOTE: no hashing here (the replay verifies what it loads); only a marker makes a checkpoint complete
-    found = [(s, p) for s, p in found if publish.check(p, verify_hashes=False) is None]
-    return found[-1] if found else None
-
-
-def checkpoint_root(run: Run) -> Path:
-    d = (run.config.get("checkpoint") or {}).get("dir")
-    return Path(d) if d else run.dir / "checkpoints"
-
-
 def state_and_env(run: Run, diag: Diagnosis, ckpt) -> dict:
     from importlib.metadata import version
     seg = run.paths[diag.seg_index]
@@ -104,7 +89,7 @@ def state_and_env(run: Run, diag: Diagnosis, ckpt) -> dict:
     prec = run.dir / "precision.json"
     canon = json.dumps(run.config, sort_keys=True, separators=(",", ":"), default=str)
     if ckpt is None:
-        note = (f"no complete checkpoint before step {diag.step} under {checkpoint_root(run)}: rerun with "
+        note = (f"no complete checkpoint before step {diag.step} under {checkpoints.root(run.dir, run.config)}: rerun with "
                 f"checkpoint.every=K (K < {diag.step}) to make the batch replayable" if diag.step else "—")
     elif ckpt[0] == diag.step - 1:
         note = f"{ckpt[1].name}: the parameters step {diag.step}'s forward used (exact replay)"
@@ -169,7 +154,7 @@ def main(argv=None) -> int:
     print(summary if summary.startswith(f"{report['class']}:") else f"{report['class']}: {summary}")
     for i in report.get("incidents", []):
         if e is None or (i["step"], i["segment"]) != (e["step"], report["segment"]):
-            print(f"{'natural' if i['judgement'] == 'natural' else 'also a fault'}: {i['class']} at step {i['step']} "
+            print(f"{WORDS[i['judgement']]}: {i['class']} at step {i['step']} "
                   f"({i['quantity']}, segment {i['segment']}): {i['reason']}")
     for c in report.get("declared", []):
         print(f"declared: {c}")

@@ -13,8 +13,8 @@ import math
 
 from doctor.checks import Check
 from doctor.classes import symptom
-from doctor.judge import Judgement
-from doctor.rules import Diagnosis
+from doctor.diagnosis import Judgement
+from doctor.diagnosis import Diagnosis
 from doctor.timeline import LAYERS, Deviation, Run
 
 

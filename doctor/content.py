@@ -49,7 +49,7 @@ def content_check(run: Run) -> tuple[list[tuple[int, Deviation]], str | None]:
             one = world > 1 and len(off) < world
             out.append((i, Deviation("ranks.content" if one else "input.content", INPUT, ORDER, r["step"],
                                      float(rk["hash"][off[0]]), None, math.inf, f"rank {off[0]}" if one else None,
-                                     "invariant")))
+                                     "invariant", "rank.data" if one else "data.corrupted_batch")))
     note = (f"batch content checked against the sample ids on every {stride}th step ({len(recs[::stride])} of "
             f"{len(recs)})" if stride > 1 else None)
     return out, note

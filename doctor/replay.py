@@ -145,14 +145,12 @@ def trajectory(records: list[dict], step: int) -> dict[int, dict]:
 
 
 def newest_before(run_dir: Path, config: dict, step: int) -> Path:
-    from checkpoint import publish
-    d = (config.get("checkpoint") or {}).get("dir")
-    root = Path(d) if d else run_dir / "checkpoints"
-    found = [p for s, p in publish.list_steps(root) if s < step and publish.check(p, verify_hashes=False) is None]
-    if not found:
-        raise ValueError(f"--step={step}: no complete checkpoint before it under {root} "
+    from doctor import checkpoints
+    found = checkpoints.before(run_dir, config, step)
+    if found is None:
+        raise ValueError(f"--step={step}: no complete checkpoint before it under {checkpoints.root(run_dir, config)} "
                          f"(rerun with checkpoint.every=K, K < {step}, or pass --checkpoint)")
-    return found[-1]
+    return found[1]
 
 
 def micro_batches(ds, config: dict, rec: dict, faults=None) -> list:
@@ -187,7 +185,7 @@ def train_step(model, optimizer, scheduler, ds, config: dict, rec: dict, faults=
     if faults is not None:
         faults.at("before_update", StepState(t))
     lr = optimizer.param_groups[0]["lr"] / optimizer.param_groups[0].get("lr_scale", 1.0)
-    if not math.isclose(lr, rec["lr"], rel_tol=1e-9):
+    if not math.isclose(lr, rec["lr"], rel_tol=1e-9):  # both float64 from one formula: a few roundings at most
         notes.append(f"step {t}: logged lr {rec['lr']:.6g} but the schedule gives {lr:.6g}: "
                      f"the replay follows the schedule")
     if not rec.get("skipped"):
@@ -198,6 +196,7 @@ def train_step(model, optimizer, scheduler, ds, config: dict, rec: dict, faults=
     optimizer.zero_grad(set_to_none=True)
     for layer, moe in model.moe_layers():
         moe.update_bias(stats["moe_load"][layer])
+    # NOTE: 1e-5: an FP32 loss over ~1e4 tokens summed in another order differs by √K·u ≈ 1e-5 at most
     if not (math.isfinite(stats["loss"]) and math.isclose(stats["loss"], rec["loss"], rel_tol=1e-5)):
         notes.append(f"step {t} (re-run): loss {stats['loss']:.6g} vs logged {rec['loss']:.6g}")
     return notes
@@ -258,6 +257,8 @@ def verdict(r: ReplayResult) -> list[str]:
                 f"a kernel, device or injected event){where}"]
     if r.first_nonfinite is not None:
         return [f"reproduced: the first non-finite layer output is {r.first_nonfinite}"]
+    # NOTE: the input statistics are exact counts (equal to the last bits: 1e-9), and a corrupted batch moves the
+    # loss by far more than FP32's rounding (a thousandth, against ~1e-5)
     differ = [k for k in r.logged_inputs if k in r.inputs and abs(r.inputs[k] - r.logged_inputs[k]) > 1e-9]
     if differ and r.delta > 1e-3 * max(1.0, abs(r.logged_loss)):
         return [f"the logged batch is not what the ids produce: the batch was corrupted in flight "

@@ -14,7 +14,7 @@ import json
 import math
 from pathlib import Path
 
-from doctor.rules import Diagnosis
+from doctor.diagnosis import Diagnosis
 from doctor.timeline import LAYERS, Run
 
 SECTIONS = ("Earliest anomaly", "Diagnosis", "Reproducible batch", "State and environment", "Rejected hypotheses",
@@ -43,7 +43,9 @@ def to_json(run: Run, diag: Diagnosis, devs: dict, state: dict, fix: dict, comma
         "untestable": [vars(c) for c in diag.untestable],
         "batch": diag.batch, "state": state, "fix": fix, "commands": commands,
         "segment": diag.seg_index,
+        "judgement": diag.judgement.verdict if diag.judgement else None, "lever": diag.lever,
         "incidents": [{"step": i.step, "class": i.fault_class, "quantity": i.anomaly.quantity if i.anomaly else None,
+                       "kind": i.anomaly.kind if i.anomaly else None,
                        "layer": (i.layer or i.anomaly.layer) if i.anomaly else None, "model_layer": i.model_layer,
                        "segment": i.seg_index, "summary": i.summary, "judgement": i.judgement.verdict,
                        "reason": i.judgement.reason, "evidence": _plain(i.judgement.evidence)}
@@ -77,23 +79,28 @@ def ground_truth(run: Run) -> str | None:
 def render(run: Run, diag: Diagnosis, report: dict) -> str:
     a, st, fix, cmd = diag.anomaly, report["state"], report["fix"], report["commands"]
     incs = report["incidents"]
-    faults = [i for i in incs if i["judgement"] == "fault"]
+    faults = [i for i in incs if i["judgement"] != "natural"]
     natural = [i for i in incs if i["judgement"] == "natural"]
-    verdict = (f"**Verdict: fault** — {diag.fault_class} at step {diag.step}" if a is not None else
+    unstable = diag.judgement is not None and diag.judgement.verdict == "instability"
+    verdict = (f"**Verdict: recipe instability** — at step {diag.step}" if a is not None and unstable else
+               f"**Verdict: fault** — {diag.fault_class} at step {diag.step}" if a is not None else
                f"**Verdict: {diag.fault_class}**" + (" — no fault" if diag.fault_class == "healthy" else ""))
     out = [f"# Doctor report: {run.dir.name}", "", verdict, "", f"{diag.summary}", ""]
     if a is not None and diag.judgement is not None:
-        out += [f"Judged a fault: {diag.judgement.reason}.", ""]
+        out += [f"Judged {'a recipe instability' if unstable else 'a fault'}: {diag.judgement.reason}.", ""]
+        if unstable and diag.lever:
+            out += [f"Lever (from the evidence): {diag.lever.get('means')} — `{diag.lever.get('override')}`: "
+                    f"{diag.lever.get('why')}.", ""]
     if run.notes:
         out += [f"> {n}" for n in run.notes] + [""]
     if run.declared:  # NOTE: changes the run was told of: each segment is judged against its own settings
         out += ["## Declared changes", ""] + [f"- {c}" for c in run.declared] + [""]
     if natural:
-        out += ["## Natural incidents (the run learning, not faults)", ""]
+        out += ["## Natural incidents (the run's own behaviour, not faults)", ""]
         out += [f"- step {i['step']} (segment {i['segment']}): {i['class']} — `{i['quantity']}`: {i['reason']}"
                 for i in natural] + [""]
     if len(faults) > 1:
-        out += ["## Faults (execution order)", ""]
+        out += ["## Faults and recipe instabilities (execution order)", ""]
         out += [f"{k}. step {i['step']} (segment {i['segment']}): **{i['class']}** — `{i['quantity']}`: {i['reason']}"
                 for k, i in enumerate(faults, 1)]
         out += ["", "The sections below are about the first.", ""]
@@ -102,7 +109,7 @@ def render(run: Run, diag: Diagnosis, report: dict) -> str:
     out += ["## Earliest anomaly", ""]
     if a is None:
         out += ["No incident was judged a fault (the natural ones are listed above)." if natural else
-                "No quantity of the timeline left its baseline (robust z over a trailing window)."]
+                "No quantity of the timeline left its baseline (the false-alarm budget's thresholds)."]
     else:
         e = report["earliest"]
         out += [f"- step **{a.step}**, timeline layer **{diag.layer or a.layer}**, quantity `{a.quantity}`"
@@ -163,7 +170,8 @@ def verified_lines(v: dict, md: bool = False) -> list[str]:
     if v["status"] != "verified":
         return [f"verify: {v['status']}: {v['why']}"]
     a, f = v["attribution"], v["fix"]
-    what = "the natural incident" if v["judgement"] == "natural" else v["class"]
+    what = ("the natural incident" if v["judgement"] == "natural" else
+            "the recipe instability" if v["judgement"] == "instability" else v["class"])
     out = [f"verify: {what} at step {v['step']} ({v['quantity']}), rebuilt from {a['rebuilt']['from']} "
            f"(steps {a['rebuilt']['steps'][0]}..{a['rebuilt']['steps'][1]}: {a['rebuilt']['records_equal']} records "
            f"equal to the run's, bit for bit)",
@@ -175,7 +183,8 @@ def verified_lines(v: dict, md: bool = False) -> list[str]:
     if not v["counterfactuals"]:
         out.append(f"verify: counterfactuals: none run ({f.get('counterfactuals', f['why'])})")
     if f["ran"]:
-        out.append(f"verify: fix `{' '.join(f['overrides'])}` over steps {f['window'][0]}..{f['window'][1]}: {f['verdict']}")
+        out.append(f"verify: fix `{' '.join(f['overrides'])}` over steps {f['window'][0]}..{f['window'][1]} (from "
+                   f"{f.get('from', 'the state before the incident')}): {f['verdict']}")
         g = f["floor_gap"]
         out.append("verify: loss − exact floor by source (nats): " + "; ".join(
             f"{s} {g['fix'][s]:.3f} with the fix, {_f(g['before'].get(s))} before the incident, "
@@ -194,7 +203,7 @@ def verified_lines(v: dict, md: bool = False) -> list[str]:
 def timeline_table(run: Run, diag: Diagnosis) -> list[str]:
     seg = run.paths[diag.seg_index]
     t0 = diag.step if diag.step is not None else seg[-1]["step"]
-    rows = [r for r in seg if t0 - 4 <= r["step"] <= t0 + 2]
+    rows = [r for r in seg if t0 - 4 <= r["step"] <= t0 + 2]  # a few steps either side: what a reader scans
     out = ["| step | input: label align / top token / doc start | forward: loss "
            "| backward/update: lr / grad norm / ρ max | system: replica spread / tokens/s |", "|---|---|---|---|---|"]
     for r in rows:
@@ -214,7 +223,7 @@ def plot(run: Run, diag: Diagnosis, path: Path) -> None:
     import matplotlib.pyplot as plt
     recs = run.paths[diag.seg_index]
     t = [r["step"] for r in recs]
-    fig, axes = plt.subplots(4, 1, figsize=(8, 9), sharex=True)
+    fig, axes = plt.subplots(4, 1, figsize=(8, 9), sharex=True)  # NOTE: layout only (one panel per timeline layer)
     panels = [("input", [(k, [r.get("inputs", {}).get(k) for r in recs]) for k in
                          ("label_alignment", "top_token_frac", "doc_start_frac", "valid_frac")], False),
               ("forward", [("loss", [r["loss"] for r in recs])] + [

@@ -4,16 +4,16 @@ first one an alarm fired on).
 
     run = load_run("runs/<run>")           # records, the first-executed trajectory, events, config
     tl = timeline(run.first, run.config)   # quantity -> Series (layer, model order, values by step)
-    devs = deviations(tl)                  # doctor/scores.py: quantity -> its first Deviation
+    devs = deviations(tl, budget(tl, ...))  # doctor/scores.py: quantity -> its first Deviation
     first = earliest(devs)                 # earliest step; ties: input < forward < backward/update < system
 
 After a guard rollback (or a resume from an older checkpoint) the step numbers in metrics.jsonl go
 back and repeat; the records split there into segments (`run.segments`, execution order; `run.first`
-is the first). Every segment is read: each may hold incidents (doctor/rules.py diagnose_all), and a
+is the first). Every segment is read: each may hold incidents (doctor/rules.py diagnose), and a
 later segment is also evidence about an earlier one (did the same batch fail again on replay?).
 
-The tests that say a quantity left its baseline (point, change point, sustained, the guard's own) are in
-doctor/scores.py; their constants are here, beside the quantities' specs.
+The tests that say a quantity left its baseline (the point test on the series' own noise model, the guard's own)
+are in doctor/scores.py, their thresholds from the run's false-alarm budget (doctor/budget.py).
 """
 from __future__ import annotations
 
@@ -27,32 +27,17 @@ import yaml
 from optim.schedule import Schedule, factor_fn  # plain arithmetic: the optim package loads torch only on use
 from stability.events import read_events
 from stability.signals import (BACKWARD, FORWARD, GUARD_FLOOR, INPUT, LAYERS, SIGNALS, SYSTEM,  # noqa: F401
-                               ReadContext, Signal)  # (the layer names: re-exported for doctor/)
+                               ReadContext, Signal, family)  # (the layer names: re-exported for doctor/)
 from stability.record import (RECORD_VERSION, V2_FIELDS, V3_FIELDS, V4_FIELDS, V4_SUBFIELDS, V5_FIELDS,
                               read_records_partial)
 
-WINDOW = 30       # trailing values in a baseline (the guard's detector window)
-MIN_HISTORY = 10  # no score before this many baseline values
-THRESHOLD = 8.0   # point test: robust z above which one value deviates. The guard fires at 6 with a
-                  # floor of 1e-3·|median|; the doctor's floors are as small (FLOOR_LOG), and 8 instead
-                  # of 6 because it reads many quantities at once: calibrated on clean runs
-                  # (bench/doctor_eval/calibrate.py)
-SUSTAINED = 3.5   # sustained test: K consecutive values all above this z (chance ~(2e-4)^K per start)
-K = 4             # steps a sustained shift must hold
-CHANGE = 10.0     # two-window test: robust z of (median of the K steps from t − median of the B before t)
-                  # against that statistic's own trailing spread; above the clean maxima
-                  # (bench/doctor_eval/calibrate.py)
-CHANGE_LAYER = 15.0  # the same for a per-layer quantity: several per layer times several layers, each moving
-                    # with the model's own transitions (an induction head forming moves single layers'
-                    # act_rms and update_ratio): above their clean maxima (bench/doctor_eval/calibrate.py)
-B = 8             # steps before t in the two-window test
-CONFIRM = 6.0     # the sustained test needs the two-window statistic at its step to be at least this
-HIST_WARM = 10    # steps after a resume before the input histogram's kl / rare share are read again
-MIX_P = 0.01      # a batch's source mix less probable than this under the declared weights explains its tokens
-FLOOR_LOG = 0.05  # log units: a move under e^0.05 − 1 ≈ 5 % never deviates (smooth quantities have sub-percent MADs)
-MAD_SIGMA = 1.4826  # MAD → σ for Gaussian noise
-DETREND = False  # NOTE: on clean runs extrapolating the window's slope over-shoots on curved
-                 # quantities (ρ, ‖v‖ decaying) and raised the clean maxima; a flat median did better
+MAD_SIGMA = 1.4826  # MAD → σ for Gaussian noise: 1 / Φ⁻¹(3/4)
+HIST_WARM = 10    # steps after a resume before the input histogram's kl / rare share are read again: the
+                  # running histogram (stability/inputs.py) restarts empty, and a batch's KL against k batches
+                  # carries their sampling error, 1/k of its own: from k = 10 on, within 10 % of a warm one
+MIX_P = 0.01      # a batch's source mix less probable than this under the declared weights explains its tokens:
+                  # one batch in a hundred is that unusual by chance, and its token statistics are then read as
+                  # the mix's, not the data's
 
 
 # what a resume says of a change it was told of (checkpoint/resume.py, optim/schedule.py continued(),
@@ -165,7 +150,8 @@ def typical_mix(mix: dict, weights: dict) -> bool:
         return True  # nothing to compare (or a source the config does not declare: other checks say so)
     chi2 = sum((mix.get(k, 0) - n * w) ** 2 / (n * w) for k, w in live.items())
     k = len(live) - 1
-    z = 2.3263478740408408  # the standard normal's 1 − MIX_P quantile
+    from doctor.budget import norm_isf
+    z = norm_isf(MIX_P)  # the standard normal's 1 − MIX_P quantile
     return chi2 <= k * (1 - 2 / (9 * k) + z * math.sqrt(2 / (9 * k))) ** 3
 
 
@@ -180,7 +166,9 @@ def timeline(records: list[dict], config: dict, floors: dict | None = None) -> d
     """
     tl: dict[str, Series] = {}
     per_layer = dict.fromkeys(LAYERS, 0)
-    gfloor = float((((config.get("guard") or {}).get("detector") or {}).get("log_floor", 0.2)))
+    from stability.config import DetectorConfig
+    gfloor = float((((config.get("guard") or {}).get("detector") or {}).get(
+        "log_floor", DetectorConfig.__dataclass_fields__["log_floor"].default)))
     specs: dict[str, Signal] = {}
     for sig in SIGNALS.values():  # GUARD_FLOOR: one step of a guard-watched quantity is judged at its noise floor
         specs[sig.name] = replace(sig, point_floor=gfloor) if sig.point_floor == GUARD_FLOOR else sig
@@ -245,9 +233,10 @@ class Deviation:
     step: int
     value: float
     baseline: float | None   # trailing median (None for a non-finite value without history)
-    z: float                 # robust z (inf: non-finite or off an exact value; sustained: the least of K)
+    z: float                 # robust z (inf: non-finite or off an exact value)
     layer_name: str | None = None
-    kind: str = "point"      # point | sustained | change | guard | exact | nonfinite | invariant | spec
+    kind: str = "point"      # point | guard | exact | bound | nonfinite | invariant | spec
+    cls: str | None = None   # the class its producer declares (an invariant, a check); None: its Signal's
 
     def describe(self) -> str:
         where = f" ({self.layer_name})" if self.layer_name else ""
@@ -260,9 +249,9 @@ class Deviation:
             return (f"{self.quantity}{where} = {self.value:.4g} at step {self.step}, past its bound "
                     f"{self.baseline:.4g}: better than the exact floor allows")
         z = ("off its exact value" if math.isinf(self.z) else
-             f"robust z ≥ {self.z:.1f} for {K} steps" if self.kind == "sustained" else
-             f"level shift: two-window robust z {self.z:.1f}" if self.kind == "change" else
-             f"the guard's own test: robust z {self.z:.1f}" if self.kind == "guard" else f"robust z {self.z:.1f}")
+             "its baseline without spread: any move is out of it" if self.z > 1e6 else
+             f"the guard's own test: robust z {self.z:.1f}" if self.kind == "guard" else
+             f"innovation robust z {self.z:.1f}")
         return (f"{self.quantity}{where} = {self.value:.4g} at step {self.step} vs baseline "
                 f"{self.baseline:.4g} ({z})")
 
@@ -278,16 +267,25 @@ def earliest(devs: dict[str, Deviation]) -> Deviation | None:
     first = min(devs.values(), key=lambda d: (d.step, LAYERS.index(d.layer), d.order))
     if first.layer_name is None or math.isinf(first.z):
         return first
-    fam = first.quantity.split("/", 1)[0]
+    fam = family(first.quantity)
     peers = [d for d in devs.values() if d.step == first.step and d.layer == first.layer and d.layer_name
-             and d.quantity.split("/", 1)[0] == fam and math.isfinite(d.z)]
+             and family(d.quantity) is fam and math.isfinite(d.z)]
     return max(peers, key=lambda d: (d.z, -d.order))
 
 
 def scoring_start(config: dict) -> int:
-    """First step the doctor scores: early training is a transient (loss, grad norm and ρ fall by an
-    order of magnitude), not a baseline; its values still build the baseline. Never before the guard's
-    own warm-up (guard.detector.warmup): the guard is blind there too."""
-    warm = (config.get("optim", {}).get("schedule", {}) or {}).get("warmup_steps") or 0
+    """First step the doctor scores: the LR warm-up and then the optimizer's memory of it (its slowest moment
+    forgets over 1/(1 − β) steps: AdamW's β₂, Muon's momentum) are a transient — the loss, the gradient norm
+    and ρ fall by an order of magnitude — not a baseline; their values still build the baseline. Never before
+    the guard's own warm-up (guard.detector.warmup): the guard is blind there too."""
+    optim = config.get("optim") or {}
+    warm = (optim.get("schedule") or {}).get("warmup_steps") or 0
     guard = ((config.get("guard") or {}).get("detector") or {}).get("warmup") or 0
-    return max(2 * int(warm), int(guard), MIN_HISTORY + 1)
+    return max(int(warm) + memory(optim), int(guard), 1)
+
+
+def memory(optim: dict) -> int:
+    """Steps the optimizer's slowest moving average remembers: 1/(1 − β) (0 without an optim config)."""
+    beta = ((optim.get("muon") or {}).get("momentum") if optim.get("name") == "muon" else
+            (optim.get("betas") or [None, None])[1])
+    return round(1.0 / (1.0 - float(beta))) if beta is not None and float(beta) < 1 else 0

@@ -15,9 +15,14 @@ For the first incident judged a fault (or, on a healthy run, the first natural o
 3. Two counterfactuals chosen by the class (COUNTERFACTUALS), each a replay that changes one thing
    (stability/intervene.py): the deviation of the incident's quantity stays (the hypothesis is refuted) or goes
    (supported), with the numbers.
-4. The fix (doctor/fixes.py `verify` override) from the state before the incident, over S .. S + 2 × the
-   detector window: the doctor on that window must find no fault from S on, and the loss gap to the exact
-   floor by source no worse than the run's; a natural incident gets no fix (the run recovered by itself).
+4. The fix (its class's declared fix, doctor/classes: its `override`) from the state before the incident, over
+   S .. S + 2 × the detector window: the doctor on that window must find no fault from S on, and the loss gap to
+   the exact floor by source no worse than the run's; a natural incident gets no fix (the run recovered by itself).
+   A recipe instability's lever (doctor/levers.py) runs to the run's last step (its damage is what lasts): it
+   worked when the doctor finds no fault and no instability in its rerun and the damaged source ends nearer its
+   floor than the run did, beyond its noise — from step 0 when a resume cannot apply the lever (QK-norm reshapes
+   the model; the LR and its warm-up live in the scheduler state a resume restores).
+   A spike the rerun meets on another path is judged like any other: natural unless it does lasting damage.
 
 Every run is a directory under runs/<run>/verify/ with its config and records; report.json gains `verified`
 and report.md a "Verified" section with each command.
@@ -35,11 +40,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from checkpoint.resume import MUST_MATCH, _under
-from doctor.rules import Diagnosis, diagnose
+from doctor import checkpoints
+from doctor.classes import fix_for
+from doctor.diagnosis import FAULT, INSTABILITY, NATURAL, Diagnosis
+from doctor.rules import diagnose
 from doctor.timeline import Run
 from doctor.replay import trajectory
-from doctor.verify_records import (VerifyError, first_record, gap_by_source, noise_by_source, record_diff, value_in,
-                                   without_inputs)
+from doctor.verify_records import (VerifyError, compare_gaps, first_record, gap_by_source, noise_by_source,
+                                   record_diff, value_in, without_inputs)
 from run.argv import without
 from stability.record import read_records
 from stability.signals import family
@@ -55,7 +63,9 @@ HYPOTHESES = {
     "moments": "the optimizer state: the moments as the optimizer's own update wrote them (a later writer undone)",
     "lr": "the schedule: step S with every group's LR on its schedule",
 }
-GOES, STAYS = 0.25, 0.5  # the deviation's remaining share: at most GOES supports, at least STAYS refutes
+# the deviation's remaining share: at most a quarter supports the hypothesis (three quarters of it gone), at least
+# half refutes it (the change left most of it); between the two it is inconclusive
+GOES, STAYS = 0.25, 0.5
 RUN_CONTROL = ("hydra.run.dir", "resume", "checkpoint.every", "checkpoint.stop_after", "checkpoint.keep_last",
                "logging.progress", "logging.wandb", "logging.plot", "intervene")
 QUIET = ["logging.progress=false", "logging.wandb=disabled", "logging.plot=false"]
@@ -73,7 +83,8 @@ class Launch:
 @dataclass
 class Verifier:
     run_dir: Path
-    budget: int = 1000         # replayed optimizer steps, all runs together
+    budget: int = 1000         # replayed optimizer steps, all runs together: a rebuild, the replays and a fix to the
+    #                            end of a default-job run (400 steps) fit twice over
     say: object = print
     launches: list[Launch] = field(default_factory=list)
 
@@ -106,10 +117,9 @@ class Verifier:
     # ---- the protocol ------------------------------------------------------------------------------------
     def verify(self) -> dict:
         run, diag, _ = diagnose(self.run_dir)
-        target = next((i for i in diag.incidents if i.judgement and i.judgement.verdict == "fault"), None)
-        natural = target is None
-        if natural:
-            target = next(iter(diag.incidents), None)
+        # the headline (the first fault, else the first recipe instability), else the first natural incident
+        natural = diag.judgement is None or diag.judgement.verdict == NATURAL
+        target = next(iter(diag.incidents), None) if natural else diag
         if target is None or target.step is None:
             return {"status": "nothing to verify", "why": "no incident: the run is healthy and nothing deviated"}
         self.prepare(run, target)
@@ -127,7 +137,7 @@ class Verifier:
                    for kind in COUNTERFACTUALS.get(target.fault_class, DEFAULT_CF)]
             fix = self.recovered(target) if natural else self.fix(run, diag, target, cps)
         return {"status": "verified", "step": S, "class": target.fault_class, "quantity": q,
-                "judgement": "natural" if natural else "fault", "attribution": attribution,
+                "judgement": target.judgement.verdict if target.judgement else NATURAL, "attribution": attribution,
                 "counterfactuals": cfs, "fix": fix, "budget": self.budget,
                 "replayed_steps": sum(x.steps for x in self.launches),
                 "runs": [{"name": x.name, "steps": x.steps, "seconds": round(x.seconds, 1), "command": x.command}
@@ -150,11 +160,7 @@ class Verifier:
         if S < 3:
             raise VerifyError(f"step {S}: too early to rebuild the two steps before it")
         from checkpoint import publish
-        from doctor.cli import checkpoint_root
-        root = checkpoint_root(run)
-        found = [(s, p) for s, p in publish.list_steps(root) if s <= S - 3
-                 and publish.check(p, verify_hashes=False) is None] if root.is_dir() else []
-        start = found[-1] if found else None
+        start = checkpoints.before(run.dir, run.config, S - 3, inclusive=True)
         if start is None:
             from checkpoint.state import git_commit
             was, now = str(self.env.get("git", "unknown")), git_commit()
@@ -276,71 +282,92 @@ class Verifier:
         return (f(v) - f(a.baseline)) / d if d else None
 
     def fix(self, run: Run, diag: Diagnosis, target: Diagnosis, cps: dict[int, Path]) -> dict:
-        from doctor.cli import checkpoint_before
-        from doctor.fixes import fix_for
         S = target.step
-        fx = fix_for(target, run, checkpoint_before(run, S))
+        fx = fix_for(target, run, checkpoints.before(run.dir, run.config, S))
         over = (fx.get("override") or "").split()
         if not over:
             return {"ran": False, "fix": fx, "why": "the fix is not a config change (" + fx["change"] + ")"}
-        window = int((((self.config.get("guard") or {}).get("detector") or {}).get("window")) or 30)
-        # capped at the run's own last step: the window is compared with what the run did without the fix
-        end = min(S + 2 * window, int(self.config["train"]["steps"]), max(r["step"] for r in run.records))
+        unstable = target.judgement is not None and target.judgement.verdict == INSTABILITY
+        window = self.window
+        last = max(r["step"] for r in run.records)
+        # capped at the run's own last step: the window is compared with what the run did without the fix; a
+        # recipe instability's damage is what lasts, so its window is the rest of the run
+        end = min(last if unstable else S + 2 * window, int(self.config["train"]["steps"]), last)
         at = [int(o.split("=", 1)[1]) for o in over if o.startswith("intervene.step=")]
-        start = min([S - 1, *(t - 1 for t in at)])  # an intervention acts from its own step on
-        if start not in cps:
+        start = 0 if unstable and (target.lever or {}).get("from_start") else min([S - 1, *(t - 1 for t in at)])
+        if start and start not in cps:
             return {"ran": False, "fix": fx, "why": f"the fix acts at step {start + 1}, before the rebuilt state"}
         left = self.budget - sum(x.steps for x in self.launches)
         end = min(end, start + left)
         if end <= S:
             return {"ran": False, "fix": fx, "why": f"--budget={self.budget} leaves no step past {S} for the fix"}
         keys = [o.split("=", 1)[0].lstrip("+") for o in over]
-        defining = [k for k in keys if _under(k, MUST_MATCH)]  # a resume must be told of these
-        allow = [f"resume.allow_config_change=[{','.join(defining)}]"] if defining else []
-        seed = [r for t, r in sorted(self.path.items()) if t <= start]
-        out = self.launch("fix", [f"resume.path={cps[start].resolve()}", f"checkpoint.stop_after={end}",
-                                  "checkpoint.every=0", *allow, *over], end - start, seed_records=seed)
+        if start:
+            defining = [k for k in keys if _under(k, MUST_MATCH)]  # a resume must be told of these
+            allow = [f"resume.allow_config_change=[{','.join(defining)}]"] if defining else []
+            seed = [r for t, r in sorted(self.path.items()) if t <= start]
+            out = self.launch("fix", [f"resume.path={cps[start].resolve()}", f"checkpoint.stop_after={end}",
+                                      "checkpoint.every=0", *allow, *over], end - start, seed_records=seed)
+        else:  # a resume cannot apply the lever (doctor/levers.py): the run's own command line from step 0, with it
+            out = self.launch("fix", [f"checkpoint.stop_after={end}", "checkpoint.every=0", *over], end)
         _, fdiag, _ = diagnose(out)
-        faults = [i for i in fdiag.incidents if i.judgement and i.judgement.verdict == "fault" and i.step >= S - 1]
+        # NOTE: a spike the rerun meets on its own path is judged like any other (natural unless it does lasting
+        # damage): only a fault, or the damage the fix is for, counts against it
+        bad = (FAULT, INSTABILITY) if unstable else (FAULT,)
+        faults = [i for i in fdiag.incidents if i.judgement and i.judgement.verdict in bad and i.step >= S - 1]
         # NOTE: the run's other faults in the window are not the fix's to remove: only a fault the run without
-        # the fix did not have (within 2 steps) counts against it
-        theirs = [i for i in diag.incidents if i is not target and i.judgement and i.judgement.verdict == "fault"]
-        again = [i for i in faults if i.fault_class == target.fault_class and abs(i.step - S) <= 2]
+        # the fix did not have (within 2 steps: the step and its update's) counts against it
+        theirs = [i for i in diag.incidents if i is not target and i.judgement and i.judgement.verdict == FAULT]
+        again = [i for i in faults if (i.fault_class == target.fault_class or unstable) and abs(i.step - S) <= 2]
         new = [i for i in faults if i not in again and not any(
             o.fault_class == i.fault_class and abs(o.step - i.step) <= 2 for o in theirs)]
         # "nothing else moved": the window's floor gap by source against the clean run before the incident
         # (a learning run's gap falls, so the fix must not leave it above where it was), two means of different
-        # batches, each with the per-step spread / √n
+        # batches, each with the per-step spread / √n; one-sided, at the budget's threshold over the sources
+        tail = self.tail(S, end)
+        half = S + (end - S) // 2 if not unstable else max(S, end - window)
         fixed = read_records(out / "metrics.jsonl")
-        after = gap_by_source(fixed, S + (end - S) // 2, end)
+        after = gap_by_source(fixed, half, end)
         before = gap_by_source(list(self.path.values()), S - max((end - S) // 2, 1) - 1, S - 1)
-        without = gap_by_source(list(self.path.values()) + self.tail(S, end), S + (end - S) // 2, end)
+        without = gap_by_source(list(self.path.values()) + tail, half, end)
         noise = noise_by_source(self.path, S, window)
-        worse = {s: (after[s][0], before[s][0]) for s in after if s in before and after[s][0] > before[s][0]
-                 + 3 * noise.get(s, 0.0) * math.sqrt(1 / after[s][1] + 1 / before[s][1])}
+        damaged = {e.get("series") for e in (target.judgement.evidence.get("outcome") or []) if e.get("series")} \
+            if unstable else set()
+        worse, better, missing = compare_gaps(after, before, without, noise, window,
+                                              {q.split("/", 1)[-1] for q in damaged})
         # a failed specification check is its own oracle: the fix worked only where that check passes again
         recheck = spec_again(target, fixed, S, end)
         if recheck:
             verdict = f"did not work: check {recheck[0]} failed again at step {recheck[1]}"
-        elif not again and not new and not worse:
+        elif not again and not new and not worse and not missing:
             held = (f", check {target.anomaly.quantity.removeprefix('spec.')} passing at every step"
                     if target.anomaly is not None and target.anomaly.kind == "spec" else "")
-            verdict = (f"worked: {target.fault_class} gone{held}, no new fault from step {S} to {end}, and no "
-                       f"source's floor gap above the run's before the incident")
+            verdict = (f"worked: {target.fault_class} gone{held}, no new fault from step {S} to {end}, and "
+                       + ("the damaged source(s) " + ", ".join(f"{s} {a:+.3f} against {b:+.3f} without the fix"
+                                                              for s, (a, b) in better.items()) + " nearer the floor"
+                          if unstable and better else "no source's floor gap above the run's before the incident"))
         elif again:
-            verdict = f"did not work: {target.fault_class} again at step {again[0].step}"
+            verdict = f"did not work: {again[0].fault_class} again at step {again[0].step}"
         elif new:
             verdict = f"did not work: {new[0].fault_class} at step {new[0].step} instead"
+        elif missing:
+            verdict = "did not work: the damage stays for " + ", ".join(missing)
         else:
             verdict = "did not work: the floor gap grew for " + ", ".join(sorted(worse))
-        left_faults = faults
         return {"ran": True, "fix": fx, "overrides": over, "window": [S, end], "verdict": verdict,
+                "from": "step 0" if not start else f"step {start}",
                 "faults_left": [{"step": i.step, "class": i.fault_class, "also_without_fix": i not in again + new}
-                                for i in left_faults],
+                                for i in faults],
                 "floor_gap": {"fix": {s: m for s, (m, _) in after.items()},
                               "before": {s: m for s, (m, _) in before.items()},
                               "without_fix": {s: m for s, (m, _) in without.items()}}, "noise_per_step": noise,
                 "command": self.launches[-1].command}
+
+    @property
+    def window(self) -> int:
+        """The run's baseline window (its guard's: doctor/scores.py)."""
+        from doctor.scores import guard_test
+        return guard_test(self.config).window
 
     def tail(self, S: int, end: int) -> list[dict]:
         """The run's own records after the incident on the path (the comparison's "without the fix")."""

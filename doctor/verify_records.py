@@ -76,3 +76,23 @@ def noise_by_source(path: dict[int, dict], S: int, window: int) -> dict[str, flo
         d = [b - a for a, b in zip(g, g[1:])]
         out[s] = statistics.pstdev(d) / math.sqrt(2) if len(d) > 1 else 0.0
     return out
+
+
+def compare_gaps(after: dict, before: dict, without: dict, noise: dict, window: int, damaged: set[str]
+                 ) -> tuple[dict, dict, list[str]]:
+    """The fix's window against the run's, source by source ((mean, n) gaps of gap_by_source): (worse — a source
+    left above its gap before the incident —, better — a damaged source nearer its floor than without the fix —,
+    missing — a damaged source the fix did not bring nearer). Two means of different batches, each with the
+    per-step spread / √n; one-sided, at the budget's threshold over the sources (doctor/budget.py). Where sources
+    were damaged (a recipe instability) the damage is what the fix is for: the others may end anywhere nearer."""
+    from doctor.budget import threshold
+    lim = threshold(max(len(after), 1), window, 0.0, 1)
+
+    def apart(s: str, x: tuple, y: tuple) -> float:
+        return lim * noise.get(s, 0.0) * math.sqrt(1 / x[1] + 1 / y[1])
+    better = {s: (after[s][0], without[s][0]) for s in damaged if s in after and s in without
+              and after[s][0] < without[s][0] - apart(s, after[s], without[s])}
+    missing = sorted(s for s in damaged if s in without and s not in better)
+    worse = {} if damaged else {s: (after[s][0], before[s][0]) for s in after if s in before
+                                and after[s][0] > before[s][0] + apart(s, after[s], before[s])}
+    return worse, better, missing

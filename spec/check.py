@@ -63,6 +63,7 @@ class SpecContext:
     # filled during a step, for the checks that read another's result
     probe: Any = None        # the monitor's probe(s): the step's probe run, on a reference step
     coef_spec: Any = None    # the clip coefficient the policy gives (spec/checks/clip.py), a device tensor
+    coef_tol: Any = None     # the relative error the clip check allows the applied coefficient against it
     norm_finite: Any = None  # whether the gradient's norm is finite (a non-finite one skips the step)
     schedule: Any = None     # the LR schedule in force (spec/schedule.py fields): the lr check's, across a resume
 

@@ -44,7 +44,18 @@ from dataclasses import dataclass, field
 
 from stability.config import GuardConfig
 from stability.detector import SpikeDetector, Trigger
-from stability.signals import guard_values
+from stability.signals import SIGNALS, SWITCH_TRIGGER, ReadContext, guard_values
+
+# NOTE: the step's own numbers, which it hands the guard as arguments (before_update, after_update's post): the
+# record fields they are, read like any record through the registry's readers; a watched signal that reads
+# nothing from them needs the step's partial record (`extra`)
+ARGUMENTS = {"loss": 1.0, "grad_norm": 1.0, "loss_by_source": {"_": 1.0}, "tokens_by_source": {"_": 1},
+             "update_ratio_max": 1.0, "nonfinite": {}}
+
+
+def _needs_more(name: str) -> bool:
+    """Does the watched signal read anything beyond the step's arguments (in either phase)?"""
+    return not list(SIGNALS[name].read(ARGUMENTS, ReadContext()))
 
 
 class GuardAbort(RuntimeError):
@@ -68,9 +79,9 @@ class Guard:
     def __init__(self, cfg: GuardConfig, *, state, ckpt, events, routing=None, is_moe: bool = False):
         d = cfg.detector  # checked by the schema when it was built (stability/config.py)
         self.detector = SpikeDetector(d)
-        # the watched signals beyond the step's own arguments (loss, loss by source, grad norm, max ρ)
-        self._others = [n for n in d.metrics if n not in ("loss", "loss_by_source", "grad_norm", "update_ratio_max")]
-        self.watches_more = bool(self._others)  # the step then hands the guard its partial record (extra)
+        self.watched = list(d.metrics)
+        # the step then hands the guard its partial record (extra): a watched signal beyond its arguments
+        self.watches_more = any(_needs_more(n) for n in self.watched)
         self.action, self.replica_tol = cfg.action, float(cfg.replica_tol)
         # its verdict before the update can stop the update: the step must then read its numbers first
         self.vetoes = self.action in ("skip", "rollback")
@@ -114,27 +125,29 @@ class Guard:
         self.verdict = Verdict()
         if fingerprint is not None:
             if self.fingerprint is not None and fingerprint != self.fingerprint:
-                self.verdict.switches.append(Trigger("input.data_fingerprint", 1.0, 0.0, None, None, 0,
+                self.verdict.switches.append(Trigger(SWITCH_TRIGGER, 1.0, 0.0, None, None, 0,
                                                      note=f"data manifest {self.fingerprint[:12]} -> {fingerprint[:12]}"))
             self.fingerprint = fingerprint
-        values = {"loss": loss, "grad_norm": grad_norm,
-                  **{f"loss_by_source/{k}": v for k, v in (loss_by_source or {}).items()}}
-        if scaled and math.isfinite(loss):
-            values["grad_norm"] = grad_norm if math.isfinite(grad_norm) else None
-        counts = {f"loss_by_source/{k}": n for k, n in (tokens_by_source or {}).items()}
-        more, more_counts = guard_values(extra or {}, self._others, "before")
-        triggers = self.detector.observe(step, {**values, **more}, {**counts, **more_counts})
-        seen = {t.metric for t in triggers if t.nonfinite}
-        # NOTE: a flag the detector already reported as a non-finite value is not reported twice
-        covered = {"loss": "loss", "grads": "grad_norm"}
-        triggers += [Trigger(f"nonfinite.{k}", math.nan, math.inf, None, None, 0)
-                     for k, bad in nonfinite.items() if bad and covered.get(k) not in seen
-                     and not (k == "grads" and scaled and math.isfinite(loss))]
+        rec = {**(extra or {}), "loss": loss, "grad_norm": grad_norm, "nonfinite": nonfinite,
+               "loss_by_source": loss_by_source or {}, "tokens_by_source": tokens_by_source or {}}
+        # NOTE: under FP16 loss scaling a non-finite gradient with a finite loss is the scaler's routine overflow
+        # (it skips and backs off): the gradient's signals read nothing then (ReadContext.overflow)
+        ctx = ReadContext(overflow=scaled and math.isfinite(loss) and not math.isfinite(grad_norm))
+        values, counts = guard_values(rec, self.watched, "before", ctx)
+        triggers = self.detector.observe(step, values, counts)
+        triggers += self._flags(rec, "before", ctx, {t.metric for t in triggers if t.nonfinite})
         triggers += spec_triggers(spec)
         self.verdict.triggers += triggers
         act = any(not t.suppressed for t in triggers)
         self.verdict.vetoed = act and self.action in ("skip", "rollback")
         return self.verdict.vetoed
+
+    def _flags(self, rec: dict, phase: str, ctx: ReadContext, seen: set[str]) -> list[Trigger]:
+        """A trigger per non-finite flag the step raised at this phase (the registry's flag signals), unless the
+        detector already reported the value it flags as non-finite (not reported twice)."""
+        return [Trigger(series, math.nan, math.inf, None, None, 0)
+                for sig in SIGNALS.values() if sig.role == "nonfinite" and sig.phase == phase
+                for series, v, _, _ in sig.read(rec, ctx) if v and sig.flags not in seen]
 
     def after_update(self, step: int, first_id: int, valid_tokens: int, post: dict, loss: float,
                      expert_violation: float | None, extra: dict | None = None,
@@ -143,13 +156,11 @@ class Guard:
         the step's partial StepRecord after its update (moe, state, clip_coef, ...), for other registered
         signals the config watches."""
         v = self.verdict
-        values = {k: post.get(k) for k in ("update_ratio_max",)}
-        more, more_counts = guard_values({**(extra or {}), "layers": post.get("layers", {})}, self._others, "after")
-        values.update(more)
-        new = (self.detector.observe(step, values, more_counts)
-               if any(x is not None for x in values.values()) else [])
-        if post.get("nonfinite", {}).get("optim_state"):
-            new.append(Trigger("nonfinite.optim_state", math.nan, math.inf, None, None, 0))
+        rec = {**(extra or {}), "update_ratio_max": post.get("update_ratio_max"), "layers": post.get("layers", {}),
+               "nonfinite": post.get("nonfinite", {})}
+        values, counts = guard_values(rec, self.watched, "after")
+        new = self.detector.observe(step, values, counts) if values else []
+        new += self._flags(rec, "after", ReadContext(), {t.metric for t in new if t.nonfinite})
         for name, spread in post.get("replica", {}).items():
             if not spread <= self.replica_tol:  # NaN spreads count as divergence
                 new.append(Trigger(f"replica.{name}", spread, self.replica_tol, 0.0, None, 0,

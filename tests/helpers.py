@@ -91,8 +91,7 @@ SMALL = ["train.eval_every=1000", "train.eval_samples=32", "train.eval_batch_siz
          "data.min_doc_len=4", "model.d_model=32", "model.n_heads=2", "model.n_layers=2", "threads=1",
          "optim.schedule.warmup_steps=10", "guard.detector.warmup=40",
          # NOTE: equal weights, not the quickstart's 0.75 copy: with 3 copy documents in 4 this tiny model is
-         # still near-uniform at step S (the markov source barely learned), so shuffled labels move no loss;
-         # the doctor's tests were calibrated on these runs too.
+         # still near-uniform at step S (the markov source barely learned), so shuffled labels move no loss.
          "data.sources.0.weight=0.5", "data.sources.1.weight=0.5"]
 # NOTE: lr 3e-3 (the quickstart's): the full-size drills run at 1e-3 to stay quiet before their fault, but
 # this tiny model is quiet at 3e-3 (its healthy twin has no trigger) and at 1e-3 its copy head's first

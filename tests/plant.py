@@ -9,6 +9,7 @@ check that must fail at STEP and the place it must name.
 """
 from __future__ import annotations
 
+import math
 import os
 import runpy
 import sys
@@ -124,6 +125,11 @@ def plant(name: str, S: int) -> None:
                     p.grad.mul_(10.0)
         if name == "clip_threshold" and Clock.step == S and max_grad_norm:
             max_grad_norm = max_grad_norm * 0.01
+        if name == "coef_in_tolerance" and max_grad_norm:  # every step: the applied clip coefficient off the
+            # policy's by half what the clip check allows (spec/checks/clip.py), as an FP32 norm's rounding puts it
+            from spec.tolerance import LAMBDA, U32
+            n = max(p.numel() for p in models[0].parameters())
+            max_grad_norm = max_grad_norm * (1 + 0.5 * LAMBDA * (math.sqrt(n) + 6) * U32)
         return orig_prepare(params, scaler, max_grad_norm, clip=clip)
 
     def apply_update(params, optimizer, *a, **k):

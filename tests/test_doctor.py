@@ -153,8 +153,11 @@ def test_fake_healthy(tmp_path):
     ("resume", "state.resume_fault", "forward"), ("nan", "numerics.nonfinite", "forward"),
 ])
 def test_fake_point_anomalies(tmp_path, case, cls, layer):
+    """Each found at its step with its class and layer; a fault, judged so: an exact invariant, a non-finite value,
+    an input statistic, a resume — or a level that stepped and held with no specification check to say the step
+    did what it was told (the update ×100 from step 70 on)."""
     def tweak(t, r):
-        if t != 70 and not (case == "resume" and t > 70):
+        if t != 70 and not (case in ("resume", "rho") and t > 70):
             return
         if case == "lr":
             r["lr"] *= 10

@@ -1,13 +1,16 @@
-"""What a clean run does on its own is not an incident; the same quantity moved by a fault is (issue 14).
+"""What a clean run does on its own is not an incident; the same quantity moved further is one (issues 14, 36).
 
-Each case is a pair on synthetic records (tests/test_doctor.py fake_run): the natural move, which the doctor
-must call healthy, and the move only a fault makes, which it must name at its step. The natural moves are
-the ones the default job's clean runs make (README, the doctor on the default job): one layer's gradient
-bursting while the run's gradient norm stays in its noise, a gradient-norm blip under the guard's floor,
-the optimizer's ‖v‖ rising after a gradient; and a spike the guard fires on before the doctor's own
-scoring start is still the guard's: the doctor names it.
+Each case is a pair on synthetic records (tests/test_doctor.py fake_run): the move within the run's noise or
+floors, which the doctor must not report, and the move it must find at its step. The moves within the noise are
+the ones the default job's clean runs make: one layer's gradient bursting while the run's gradient norm stays in
+its noise, a gradient-norm blip under the guard's floor, the optimizer's ‖v‖ rising after a gradient. A spike that
+returns is an incident judged natural (the run's own behaviour, doctor/judge.py), never the headline; a quantity
+that cannot move on its own (‖v‖ falling faster than β₂ allows) is a fault. A spike the guard fires on before the
+doctor's own scoring start is still found, by the guard's own test.
 """
 from __future__ import annotations
+
+import random
 
 import pytest
 import yaml
@@ -29,18 +32,16 @@ def test_one_layer_gradient_burst_counts_only_with_the_run_gradient(tmp_path, wi
     """One layer's gradient RMS ×20 for a step: alone it is the heavy tail a clean run shows (healthy);
     with the run's gradient norm ×10 at the same step it is a gradient spike, located in that layer."""
     def tweak(t, r):
-        r["layers"]["block0.attn"] = {"act_rms": 0.2, "grad_rms": 0.02 * (1 + 0.05 * ((t * 7919) % 13 - 6) / 6),
+        r["layers"]["block0.attn"] = {"act_rms": 0.2, "grad_rms": 0.02 * (1 + 0.05 * random.Random(7919 * t).uniform(-1, 1)),
                                       "update_ratio": 0.01}
         if t == 70:
             r["layers"]["block0.attn"]["grad_rms"] *= 20
             if with_norm:
                 r["grad_norm"] *= 10
     rep = doctor(fake_run(tmp_path, tweak=tweak), plots=False)
-    if not with_norm:
-        assert rep["class"] == "healthy", rep["summary"]
-    else:
-        assert rep["class"] == "optim.gradient_spike" and rep["earliest"]["step"] == 70, rep["summary"]
-        assert rep["earliest"]["quantity"] == "grad_rms/block0.attn", rep["earliest"]
+    assert rep["class"] == "healthy", rep["summary"]  # found or not, a burst that returns is the run's own
+    got = [(i["step"], i["class"], i["quantity"], i["judgement"]) for i in rep["incidents"]]
+    assert got == ([(70, "optim.gradient_spike", "grad_rms/block0.attn", "natural")] if with_norm else []), got
 
 
 @pytest.mark.parametrize("factor, named", [(2.5, False), (8.0, True)])
@@ -51,9 +52,9 @@ def test_gradient_norm_blip_is_judged_at_the_guard_floor(tmp_path, factor, named
         if t == 70:
             r["grad_norm"] *= factor
     rep = doctor(fake_run(tmp_path, tweak=tweak), plots=False)
-    assert (rep["class"] != "healthy") == named, rep["summary"]
-    if named:
-        assert rep["class"] == "optim.gradient_spike" and rep["earliest"]["step"] == 70, rep["summary"]
+    assert rep["class"] == "healthy", rep["summary"]
+    got = [(i["step"], i["class"], i["judgement"]) for i in rep["incidents"]]
+    assert got == ([(70, "optim.gradient_spike", "natural")] if named else []), got
 
 
 @pytest.mark.parametrize("factor, named", [(3.0, False), (1 / 3, True)])
@@ -71,24 +72,26 @@ def test_optimizer_state_falls_only_when_lost(tmp_path, factor, named):
 
 
 def test_guard_spike_before_the_doctor_start_is_named(tmp_path):
-    """LR warm-up 50 puts the doctor's own tests at step 100 and on; the guard scores from its warm-up (40).
-    A loss spike at step 70 that the guard fires on is named there, by the guard's own test."""
+    """LR warm-up 50 and AdamW's β₂ = 0.95 (it remembers the warm-up for 20 steps) put the doctor's own tests at
+    step 70 and on; the guard scores from its warm-up (40). A loss spike at step 55 that the guard fires on is
+    found there, by the guard's own test (and, as it returns, judged natural)."""
     from doctor.timeline import lr_schedule, scoring_start
-    cfg = {"optim": {"lr": 1e-3, "schedule": {"name": "cosine", "warmup_steps": 50}}, "train": {"steps": 400},
-           "guard": {"detector": {"window": 30, "warmup": 40}}}
+    cfg = {"optim": {"lr": 1e-3, "betas": [0.9, 0.95], "schedule": {"name": "cosine", "warmup_steps": 50}},
+           "train": {"steps": 400}, "guard": {"detector": {"window": 30, "warmup": 40}}}
     lr = lr_schedule(cfg)
 
     def tweak(t, r):
         r["lr"] = lr(t)
-        if t == 70:
+        if t == 55:
             r["loss"] += 1.5
             r["loss_by_source"] = {k: v + 1.5 for k, v in r["loss_by_source"].items()}
     d = fake_run(tmp_path, n=120, tweak=tweak)
     (d / "config.yaml").write_text(yaml.safe_dump(cfg))
-    assert scoring_start(cfg) == 100
+    assert scoring_start(cfg) == 70
     rep = doctor(d, plots=False)
-    assert rep["class"] == "forward.loss_spike" and rep["earliest"]["step"] == 70, rep["summary"]
-    assert rep["earliest"]["kind"] == "guard", rep["earliest"]
+    inc = rep["incidents"][0]
+    assert (inc["class"], inc["step"], inc["judgement"]) == ("forward.loss_spike", 55, "natural"), rep["incidents"]
+    assert inc["kind"] == "guard", inc
 
 
 @pytest.mark.parametrize("tokens, named", [(5, False), (75, True)])

@@ -15,12 +15,17 @@ from stability.signals import SIGNALS, LAYERS, ReadContext, family, guard_values
 
 
 def test_every_signal_is_complete():
+    from doctor.levers import LEVERS
+    from stability.signals import ROLES
     for name, sig in SIGNALS.items():
         assert sig.layer in LAYERS, name
         assert sig.cls is None or sig.cls in CLASSES, (name, sig.cls)
         assert sig.direction in ("up", "down", "both"), name
         assert sig.phase in ("before", "after"), name
         assert sig.fix, f"{name}: a signal says what to look at when it moves first"
+        assert sig.role in ROLES, f"{name}: the doctor's rules read its role, never its name"
+        assert sig.lever is None or sig.lever in LEVERS, (name, sig.lever)
+        assert sig.flags is None or sig.flags in SIGNALS, (name, sig.flags)
 
 
 def test_every_field_a_real_record_holds_is_declared(quickstart_records):
@@ -68,10 +73,20 @@ def test_every_drill_expects_a_declared_class():
         assert drill.expects is None or drill.expects in CLASSES, (kind, drill.expects)
 
 
-def test_every_fault_class_has_its_fix():
-    from doctor.fixes import FIXES
-    assert sorted(set(CLASSES) - set(FIXES)) == ["healthy"]
-    assert set(FIXES) <= set(CLASSES)
+def test_every_fault_class_declares_its_fix():
+    """Each class's fix, where the class is declared, answers a diagnosis of that class with the four keys."""
+    from pathlib import Path
+
+    from doctor.classes import fix_for
+    from doctor.diagnosis import Diagnosis, Judgement
+    from doctor.timeline import Deviation, Run
+    run = Run(Path("run"), [], [], [], [], {"train": {"max_grad_norm": 1.0}, "model": {}}, [])
+    for name in CLASSES:
+        d = Diagnosis(name, f"{name} at step 70. what broke", Deviation("loss", "forward", 0, 70, 3.0, 2.0, 9.0),
+                      70, "0", {"step": 70, "first": 560, "size": 8}, None, model_layer="block0.attn")
+        d.judgement, d.lever = Judgement("fault", "", {"check": "forward"}), {"override": "optim.lr=0.001"}
+        fix = fix_for(d, run, None)
+        assert set(fix) == {"variable", "change", "override", "expect"}, (name, fix)
 
 
 def test_the_guard_accepts_any_registered_signal_and_refuses_others():

@@ -9,11 +9,10 @@ with fault=none: nothing in the run directory names the fault (no injector, no e
 The answer key lives here, in FAULTS; bench/doctor_eval/score.py scores the doctor against it.
 
 Each fault acts at step S (the S-th train batch) or, for a resume fault, on the resume at S − 1;
-S + `lag` is the first step at which the fault could be visible in the records. Two jobs (JOBS): the tiny
-drill model the doctor was calibrated on (S = 60), and the quickstart's own job (the README's first
-command, S = 250: after its induction head forms) with telemetry every step and guard=log — the same
-faults on a configuration the calibration never saw. The launcher's process reads S from
-BALLAST_DRILL_STEP (bench/doctor_eval/score.py sets it per job).
+S + `lag` is the first step at which the fault could be visible in the records. The jobs (JOBS) are the ones a
+user runs — the README's default job, dense_tiny, moe_tiny, shakespeare_char — and the tiny drill model the
+unit tests train in seconds; bench/doctor_eval/score.py draws S per run (inside the default job's natural
+transition, or late) and sets it for the launcher's process through BALLAST_DRILL_STEP.
 """
 from __future__ import annotations
 
@@ -26,20 +25,31 @@ from pathlib import Path
 from bench import ROOT
 
 S = int(os.environ.get("BALLAST_DRILL_STEP", "60"))  # the fault step (this process's job)
-STOP = S + 8    # checkpoint.stop_after: the run ends a few steps after the fault
-BASE = ["train.steps=400", "train.eval_every=1000", "train.eval_samples=32", "train.eval_batch_size=16",
-        "train.batch_size=8", "logging.wandb=disabled", "logging.progress=false", "logging.plot=false",
-        "data.seq_len=32", "data.min_doc_len=4", "model.d_model=32", "model.n_heads=2", "model.n_layers=2",
-        "threads=1", "optim.schedule.warmup_steps=10", "guard.detector.warmup=40", "guard=log",
-        "telemetry.every=1", "fault=none",
-        # NOTE: the lr the doctor's thresholds were calibrated at (the default was 3e-3 then; conf/optim/adamw.yaml)
-        "optim.lr=3e-3",
-        # NOTE: the equal-weight mixture the doctor's thresholds were calibrated on (bench/doctor_eval/calibrate.py),
-        # not the quickstart's copy-heavy one
-        "data=synthetic"]
-QUICKSTART = ["train.eval_every=1000", "logging.wandb=disabled", "logging.progress=false", "logging.plot=false",
-              "threads=1", "guard=log", "telemetry.every=1", "fault=none"]
-JOBS = {"drill": (BASE, 60), "quickstart": (QUICKSTART, 250)}  # job -> (overrides, fault step S)
+QUIET = ["logging.wandb=disabled", "logging.progress=false", "logging.plot=false", "threads=1", "fault=none"]
+TEXT = Path("/work/shared/data/tinyshakespeare.txt")  # real text, where the machine has it
+
+
+@dataclass(frozen=True)
+class Job:
+    overrides: tuple      # beside QUIET: what makes the job (an experiment, its data)
+    steps: int            # its own length (train.steps)
+    transition: tuple = (60, 110)   # the steps of its natural transition (the copy source's induction head)
+    late: tuple = (250, 380)        # a quiet stretch late in the run
+
+
+JOBS = {
+    "default": Job((), 400),
+    "dense_tiny": Job(("+experiment=dense_tiny",), 400),
+    "moe_tiny": Job(("+experiment=moe_tiny",), 400),
+    # NOTE: eager (train.compile=false): inductor's cold compile would dominate a short run on a CPU
+    "shakespeare_char": Job(("+experiment=shakespeare_char", f"data.path={TEXT}", "train.compile=false",
+                             "train.eval_every=200", "train.eval_samples=480"), 400),
+    # the tiny model the unit tests train in seconds (tests/test_doctor_unseen.py)
+    "drill": Job(("train.eval_every=1000", "train.eval_samples=32", "train.eval_batch_size=16", "train.batch_size=8",
+                  "data.seq_len=32", "data.min_doc_len=4", "model.d_model=32", "model.n_heads=2", "model.n_layers=2",
+                  "optim.schedule.warmup_steps=10", "guard.detector.warmup=40", "guard=log", "optim.lr=3e-3",
+                  "data=synthetic"), 400, (60, 60), (60, 60)),
+}
 
 
 @dataclass(frozen=True)
@@ -47,6 +57,7 @@ class Fault:
     name: str
     cls: str          # the class the doctor must name
     layer: str        # the timeline layer of the earliest anomaly
+    family: str = ""  # data | forward | update | resume | rank | system (scored and held out together)
     lag: int = 0      # steps after S until the fault can be visible
     what: str = ""
     resume: bool = False   # planted on a resume from the checkpoint of step S - 1
@@ -56,42 +67,42 @@ class Fault:
 
 FAULTS = [
     # data / input layer
-    Fault("noise_half", "data.corrupted_batch", "input", what="half the batch's tokens uniform noise"),
-    Fault("repeat_quarter", "data.corrupted_batch", "input", what="a quarter of the positions one token id"),
-    Fault("label_shift", "data.corrupted_batch", "input", what="labels shifted by one position"),
-    Fault("rare_tokens", "data.corrupted_batch", "input", what="10 % of inputs the padding id, never seen as input"),
-    Fault("markov_chain_swap", "data.distribution_shift", "input",
+    Fault("noise_half", "data.corrupted_batch", "input", "data", what="half the batch's tokens uniform noise"),
+    Fault("repeat_quarter", "data.corrupted_batch", "input", "data", what="a quarter of the positions one token id"),
+    Fault("label_shift", "data.corrupted_batch", "input", "data", what="labels shifted by one position"),
+    Fault("rare_tokens", "data.corrupted_batch", "input", "data", what="10 % of inputs the padding id, never seen as input"),
+    Fault("markov_chain_swap", "data.distribution_shift", "input", "data",
           what="from S on, the markov source's documents come from another chain (a silent data switch)"),
-    Fault("cursor_repeat", "data.continuity", "input", what="the loader serves the previous batch again"),
-    Fault("cursor_skip", "data.continuity", "input", what="the loader jumps 40 batches ahead"),
-    Fault("noise_slow", "data.corrupted_batch", "input", what="noise share grows 4 % per step from S (slow)"),
+    Fault("cursor_repeat", "data.continuity", "input", "data", what="the loader serves the previous batch again"),
+    Fault("cursor_skip", "data.continuity", "input", "data", what="the loader jumps 40 batches ahead"),
+    Fault("noise_slow", "data.corrupted_batch", "input", "data", what="noise share grows 4 % per step from S (slow)"),
     # forward
-    Fault("act_x4_attn", "numerics.activation_outlier", "forward", what="block0.attn output ×4 for one step"),
-    Fault("act_x2_mlp_sustained", "numerics.activation_outlier", "forward", what="block0.mlp output ×2 from S on"),
-    Fault("act_x2_attn1_sustained", "numerics.activation_outlier", "forward",
+    Fault("act_x4_attn", "numerics.activation_outlier", "forward", "forward", what="block0.attn output ×4 for one step"),
+    Fault("act_x2_mlp_sustained", "numerics.activation_outlier", "forward", "forward", what="block0.mlp output ×2 from S on"),
+    Fault("act_x2_attn1_sustained", "numerics.activation_outlier", "forward", "forward",
           what="block1.attn output ×2 from S on (subtle, sustained)"),
-    Fault("nan_attn", "numerics.nonfinite", "forward", what="NaN into block1.attn output for one step"),
-    Fault("emb_row_x50", "numerics.activation_outlier", "forward", what="one embedding row ×50 (the copy BOS)"),
+    Fault("nan_attn", "numerics.nonfinite", "forward", "forward", what="NaN into block1.attn output for one step"),
+    Fault("emb_row_x50", "numerics.activation_outlier", "forward", "forward", what="one embedding row ×50 (the copy BOS)"),
     # backward / update
-    Fault("grad_x50_layer", "optim.gradient_spike", "backward/update", what="block1.attn gradients ×50, one step"),
-    Fault("grad_x3_sustained", "optim.gradient_spike", "backward/update", what="block0.attn gradients ×3 from S on"),
-    Fault("lr_x3", "optim.lr_switch", "backward/update", what="every LR ×3 from S on"),
-    Fault("adam_v_div16", "optim.state", "backward/update", what="exp_avg_sq ÷16 before the update of S"),
+    Fault("grad_x50_layer", "optim.gradient_spike", "backward/update", "update", what="block1.attn gradients ×50, one step"),
+    Fault("grad_x3_sustained", "optim.gradient_spike", "backward/update", "update", what="block0.attn gradients ×3 from S on"),
+    Fault("lr_x3", "optim.lr_switch", "backward/update", "update", what="every LR ×3 from S on"),
+    Fault("adam_v_div16", "optim.state", "backward/update", "update", what="exp_avg_sq ÷16 before the update of S"),
     # state at resume
-    Fault("resume_lost_moments", "state.resume_fault", "backward/update", resume=True,
+    Fault("resume_lost_moments", "state.resume_fault", "backward/update", "resume", resume=True,
           what="resume drops Adam's m and v"),
-    Fault("resume_cursor_zero", "state.resume_fault", "input", resume=True, what="resume puts the data cursor at 0"),
-    Fault("resume_schedule_reset", "state.resume_fault", "backward/update", resume=True,
+    Fault("resume_cursor_zero", "state.resume_fault", "input", "resume", resume=True, what="resume puts the data cursor at 0"),
+    Fault("resume_schedule_reset", "state.resume_fault", "backward/update", "resume", resume=True,
           what="resume restarts the LR schedule (warm-up again)"),
-    Fault("resume_moe_bias_zero", "state.resume_fault", "backward/update", resume=True,
+    Fault("resume_moe_bias_zero", "state.resume_fault", "backward/update", "resume", resume=True,
           what="resume zeroes the MoE balancing bias"),
-    Fault("resume_config_change", "state.resume_fault", "backward/update", resume=True,
+    Fault("resume_config_change", "state.resume_fault", "backward/update", "resume", resume=True,
           resume_args=("optim.weight_decay=0.5",),
           what="resume with another optim.weight_decay, the resume's config check silenced (undeclared)"),
     # ranks
-    Fault("rank1_other_data", "rank.data", "input", nproc=2, what="rank 1 reads samples 5000 further on"),
+    Fault("rank1_other_data", "rank.data", "input", "rank", nproc=2, what="rank 1 reads samples 5000 further on"),
     # system
-    Fault("slow_loader", "system.slow_component", "system", what="the loader sleeps 60 ms per batch from S on"),
+    Fault("slow_loader", "system.slow_component", "system", "system", what="the loader sleeps 60 ms per batch from S on"),
 ]
 BY_NAME = {f.name: f for f in FAULTS}
 

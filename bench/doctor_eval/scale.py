@@ -33,7 +33,7 @@ def synthesise(d: Path, n: int, fault_at: int) -> None:
     with open(d / "metrics.jsonl", "w") as f:
         tokens = 0
         for t in range(1, n + 1):
-            spike = 30.0 if t == fault_at else 1.0
+            spike = 30.0 if t >= fault_at else 1.0  # a level that steps and holds: a fault in unchecked records
             layers = {k: {"act_rms": 0.5 * (1 + 0.05 * u()) * (spike if k == "block2.mlp" else 1.0),
                           **({} if k.startswith("block") and "." not in k else
                              {"grad_rms": 0.01 * (1 + 0.1 * u()), "update_ratio": 0.01 * (1 + 0.1 * u())})}

@@ -1,105 +1,148 @@
-"""Score the doctor on faults it has never seen (bench/doctor_eval/drills.py) and on clean runs.
+"""Score the doctor: faults planted from outside the project at random phases of full-length runs, and clean runs
+never used for tuning — on the report's headline.
 
-    python -m bench.doctor_eval.score                      # every fault + 10 clean seeds, 2 runs at a time
-    python -m bench.doctor_eval.score --faults noise_half lr_x3 --clean 2
-    python -m bench.doctor_eval.score --reuse DIR          # re-diagnose runs already trained under DIR
-    python -m bench.doctor_eval.score --faults --clean 10 --seed-from 10 --stop 200 --keep DIR   # a calibration
-                                                      # set (then: python -m bench.doctor_eval.calibrate DIR)
-    python -m bench.doctor_eval.score --job quickstart     # the same faults in the README's default job (S = 250)
-    python -m bench.doctor_eval.score --step 120 --stop 400 --seed-from 20   # another fault step, longer clean runs
-    python -m bench.doctor_eval.score --step 90 --seed 5 --clean 0             # the faults on another seed
-    python -m bench.doctor_eval.score --registry                # the project's own drills (stability/drills/) instead
+    python -m bench.doctor_eval.score --keep DIR                  # the whole grid (below), 2 runs at a time
+    python -m bench.doctor_eval.score --keep DIR --seeds 0 1 --faults noise_half lr_x3 --clean-jobs default
+    python -m bench.doctor_eval.score --reuse DIR --out docs/results/doctor_score.md   # re-diagnose, write
+    python -m bench.doctor_eval.score --registry                  # the project's own drills (stability/drills/)
 
-Each fault is planted by the launcher (no injector, fault=none, nothing in the run directory names it);
-the doctor then reads the run directory with builtins.open / Path.read_text watched, and the score
-fails a run whose diagnosis opened a file that names its fault. Scored: class, timeline layer, and
-the earliest anomaly's step within ±1 of the first step the fault can be visible. A clean run scores
-when the doctor says "healthy" (an environmental slowdown is a note, not a fault).
+The grid. Clean: the default job (`python train.py`) at seeds --seeds (default 0–9), dense_tiny at --lengths,
+moe_tiny and shakespeare_char (real text: /work/shared/data/tinyshakespeare.txt where the machine has it), each at
+telemetry every --cadences (1 and 10); a run of the default job at 1000 steps with --long. Faults: every fault of
+bench/doctor_eval/drills.py (--faults) planted in the default job's full 400 steps at a step drawn (seeded,
+--draw-seed) inside its natural transition (steps 60–110: the copy source's induction head forms there) and late
+(250–380) — --phases — at telemetry every --cadences. Each fault run's directory is opaque (nothing in it names
+the fault); the answer key is answers.json beside them, which the doctor must never read (watched).
+
+Nothing here tunes the doctor: its thresholds follow from its false-alarm budget (doctor/budget.py), so every
+fault family is held out and every clean run is a held-out run; the report says which runs it scored.
+
+Scored: a fault run is right when the headline names the fault's class, its timeline layer and a step within ±1
+of the first step the fault can be visible; a clean run when the headline is `healthy`. Per family, the share
+right; on clean runs, the incidents judged a fault or a recipe instability per 1000 scored steps (false by
+construction), and the natural incidents listed. A run that exists with a finished metrics.jsonl is not trained
+again (`done` marker), so the grid can be grown or resumed.
 """
 from __future__ import annotations
 
 import argparse
 import builtins
+import json
 import os
+import random
 import shutil
 import subprocess
 import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from bench.doctor_eval import drills
-from bench.doctor_eval.drills import BY_NAME, FAULTS, JOBS, ROOT, Fault
+from bench.doctor_eval.drills import BY_NAME, FAULTS, JOBS, QUIET, ROOT, TEXT, Fault
 from bench.report import Report
 
 # NOTE: run as a module from the repository root, so the launcher (and under torchrun each rank) imports this
 # checkout's modules, the ones it patches before train.py runs
 LAUNCHER = ["-m", drills.__name__]
 ANSWER_KEY = Path(drills.__file__).resolve()
-BASE, S = JOBS["drill"]  # the job being scored (main() --job); module-level for the tests' helpers
-STOP = S + 8
-FAULT_SEED: list[str] = []  # the fault runs' seed overrides (--seed)
+ANSWERS = "answers.json"
 
 
-def use_job(job: str, step: int | None = None, seed: int | None = None) -> None:
-    """The job, its fault step, and the seed the fault runs train with (None: the config's)."""
-    global BASE, S, STOP, FAULT_SEED
-    BASE, S = JOBS[job]
-    S = step or S
-    STOP = S + 8
-    FAULT_SEED = [] if seed is None else [f"seed={seed}", f"data.seed={1000 + seed}"]
+@dataclass(frozen=True)
+class Plan:
+    """One run of the grid."""
+    name: str                  # its directory (opaque for a fault run)
+    job: str
+    seed: int = 0
+    steps: int | None = None   # train.steps (None: the job's own)
+    every: int = 10            # telemetry.every
+    fault: str | None = None
+    at: int | None = None      # the fault step S
+    phase: str | None = None   # transition | late
+    stop: int | None = None    # checkpoint.stop_after (the unit tests' short runs only)
+
+    def overrides(self) -> list[str]:
+        job = JOBS[self.job]
+        out = [*QUIET, *job.overrides, f"telemetry.every={self.every}"]
+        if self.steps is not None:
+            out.append(f"train.steps={self.steps}")
+        if self.seed:  # NOTE: seed 0 is the job as the README runs it
+            out += [f"seed={self.seed}", f"data.seed={1234 + self.seed}"]
+        return out
 
 
-def _env() -> dict:
+def _env(at: int | None) -> dict:
     e = dict(os.environ)
     e.update(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", WANDB_MODE="disabled", PYTHONUNBUFFERED="1",
-             OMP_NUM_THREADS="1", BALLAST_DRILL_STEP=str(S))
+             OMP_NUM_THREADS="1", BALLAST_DRILL_STEP=str(at or 0))
     return e
 
 
-def _launch(fault: str | None, run_dir: Path, extra: list[str], nproc: int = 1) -> None:
-    cmd = [*LAUNCHER, "launch", fault or "none", str(run_dir), *BASE, *extra]
+def _launch(fault: str | None, run_dir: Path, extra: list[str], at: int | None, nproc: int = 1) -> None:
+    cmd = [*LAUNCHER, "launch", fault or "none", str(run_dir), *extra]
     cmd = [sys.executable, *cmd] if nproc == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *cmd]
-    r = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
-    if r.returncode != 0:
+    r = subprocess.run(cmd, cwd=ROOT, env=_env(at), capture_output=True, text=True, timeout=6 * 3600)
+    if r.returncode not in (0, 3):  # 3: the guard stopped it (its records stand)
         raise RuntimeError(f"{fault or 'clean'} -> {run_dir}: exit {r.returncode}\n{r.stderr[-3000:]}")
 
 
-def run_dir(root: Path, f: Fault) -> Path:
-    """An opaque directory name: the run directory (and environment.json's argv) must not name the fault."""
-    return root / f"run{FAULTS.index(f):02d}"
-
-
-def train_fault(f: Fault, root: Path) -> Path:
-    d = run_dir(root, f)
-    if f.resume:  # a clean first process up to S - 1, then a resume with the fault planted on load
-        _launch(None, d, [*FAULT_SEED, f"checkpoint.stop_after={S - 1}"])
-        _launch(f.name, d, [*FAULT_SEED, f"checkpoint.stop_after={STOP}", "resume=latest", *f.resume_args])
+def train(plan: Plan, root: Path) -> Path:
+    """Train one run of the grid (skipped when its `done` marker exists)."""
+    d = root / plan.name
+    if (d / "done").is_file():
+        return d
+    if d.exists():
+        shutil.rmtree(d)
+    over = plan.overrides()
+    stop = [f"checkpoint.stop_after={plan.stop}"] if plan.stop else []
+    f = BY_NAME.get(plan.fault) if plan.fault else None
+    if f is not None and f.resume:  # a clean first process up to S − 1, then a resume with the fault planted on load
+        _launch(None, d, [*over, f"checkpoint.stop_after={plan.at - 1}"], plan.at)
+        _launch(f.name, d, [*over, *stop, "resume=latest", *f.resume_args], plan.at)
     else:
-        _launch(f.name, d, [*FAULT_SEED, f"checkpoint.stop_after={STOP}"], nproc=f.nproc)
+        _launch(plan.fault, d, [*over, *stop], plan.at, nproc=f.nproc if f else 1)
+    (d / "done").write_text("")
     return d
 
 
-def train_clean(seed: int, root: Path, resume: bool = False, busy: bool = False, stop: int | None = None) -> Path:
-    stop = STOP if stop is None else stop
-    d = root / f"clean_seed{seed}"
-    extra = [f"seed={seed}", f"data.seed={1000 + seed}"]
-    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if busy else None
-    try:
-        if resume:  # a clean resume must not look like a resume fault
-            _launch(None, d, [*extra, f"checkpoint.stop_after={S - 1}"])
-            _launch(None, d, [*extra, f"checkpoint.stop_after={stop}", "resume=latest"])
-        else:
-            _launch(None, d, [*extra, f"checkpoint.stop_after={stop}"])
-    finally:
-        if hog is not None:
-            hog.kill()
-            hog.wait()
-    return d
+# ---- the grid ---------------------------------------------------------------------------------------------
+def clean_plans(seeds: list[int], jobs: list[str], cadences: list[int], lengths: list[int], long: bool) -> list[Plan]:
+    out = []
+    for every in cadences:
+        if "default" in jobs:
+            out += [Plan(f"clean-default-s{s}-t{every}", "default", s, None, every) for s in seeds]
+            if long:
+                out.append(Plan(f"clean-default-s0-t{every}-n1000", "default", 0, 1000, every))
+        if "dense_tiny" in jobs:
+            out += [Plan(f"clean-dense_tiny-t{every}-n{n}", "dense_tiny", 0, n, every) for n in lengths]
+        if "moe_tiny" in jobs:
+            out.append(Plan(f"clean-moe_tiny-t{every}", "moe_tiny", 0, None, every))
+        if "shakespeare_char" in jobs and TEXT.is_file():
+            out.append(Plan(f"clean-shakespeare_char-t{every}", "shakespeare_char", 0, None, every))
+    return out
 
 
+def fault_plans(faults: list[str], phases: list[str], cadences: list[int], draw_seed: int, every_combo: bool = True
+                ) -> list[Plan]:
+    """Each fault at each phase and cadence (every_combo), or — the smaller grid — each fault once, its phase and
+    cadence taking turns down the list; S drawn uniformly in the phase's steps (seeded)."""
+    rng = random.Random(draw_seed)
+    job = JOBS["default"]
+    combos = [(p, c) for p in phases for c in cadences]
+    out, k = [], 0
+    for i, name in enumerate(faults):
+        mine = combos if every_combo else [combos[i % len(combos)]]
+        for phase, every in mine:
+            lo, hi = job.transition if phase == "transition" else job.late
+            out.append(Plan(f"f{k:03d}", "default", 0, None, every, name, rng.randint(lo, hi), phase))
+            k += 1
+    return out
+
+
+# ---- reading a run as the doctor does ------------------------------------------------------------------------
 @contextmanager
 def watch_reads():
     """Every path the code opens through builtins.open or Path.open / read_text / read_bytes."""
@@ -122,6 +165,7 @@ def watch_reads():
 
 
 def diagnose(run_dir: Path, fault: str | None) -> dict:
+    """The doctor's report on a run, failing when it read a file that names the fault or the answer key."""
     from doctor.cli import doctor
     with watch_reads() as seen:
         rep = doctor(run_dir, plots=False)
@@ -130,23 +174,10 @@ def diagnose(run_dir: Path, fault: str | None) -> dict:
             continue
         if p.is_file() and fault and fault in p.read_text(errors="replace"):
             raise AssertionError(f"the doctor read {p}, which names the fault {fault}")
-        if p.resolve() == ANSWER_KEY:
+        if p.resolve() == ANSWER_KEY or p.name == ANSWERS:
             raise AssertionError(f"the doctor read the answer key {p}")
     rep["_read"] = [str(p) for p in seen]
     return rep
-
-
-def guard_at(d: Path, rep: dict) -> str:
-    """What the online guard said at the doctor's step on a clean run: an alarm the guard shares is a
-    natural incident of the run (a real spike), not the doctor seeing ghosts; still counted."""
-    e = rep.get("earliest")
-    if not e:
-        return ""
-    from stability.record import read_records
-    trig = [x for r in read_records(d / "metrics.jsonl") if abs(r["step"] - e["step"]) <= 1
-            for x in r.get("guard", {}).get("triggers", [])]
-    z = e["z"] if isinstance(e["z"], str) else f"{e['z']:.1f}"
-    return f" [{e['quantity']} z {z}; guard at ±1 step: {', '.join(trig) or 'silent'}]"
 
 
 def scored_steps(d: Path) -> int:
@@ -158,61 +189,77 @@ def scored_steps(d: Path) -> int:
     return sum(r["step"] >= start for r in read_records(d / "metrics.jsonl"))
 
 
-def guard_steps(d: Path) -> set[int]:
-    """Steps at which the run's online guard fired (its triggers in the records)."""
-    from stability.record import read_records
-    return {r["step"] for r in read_records(d / "metrics.jsonl") if (r.get("guard") or {}).get("triggers")}
-
-
-def score_fault(f: Fault, rep: dict, d: Path | None = None) -> dict:
-    """Scored on the report's headline — its class and earliest anomaly, what a reader acts on (the first
-    incident judged a fault) — at the fault's class, timeline layer and step ±1. Beside it, for the record,
-    whether the fault's own incident (the first one from step S − 1 on) was right, and what the doctor judged
-    natural before it."""
-    step = S + f.lag
+def score_fault(f: Fault, rep: dict, at: int) -> dict:
+    """Scored on the report's headline — its class and earliest anomaly, what a reader acts on — at the fault's
+    class, timeline layer and step ±1; beside it, what the doctor judged before the fault."""
+    step = at + f.lag
     e = rep.get("earliest") or {}
     ok_step = e.get("step") is not None and abs(e["step"] - step) <= 1
     incs = rep.get("incidents") or []
-    mine = next((i for i in incs if i["step"] >= step - 1), {})
-    natural = [i for i in incs if i["step"] < step - 1 and i.get("judgement") == "natural"]
-    row = {"fault": f.name, "expect": f"{f.cls} / {f.layer} / {step}",
+    before = [i for i in incs if i["step"] < step - 1]
+    row = {"fault": f.name, "family": f.family, "expect": f"{f.cls} / {f.layer} / {step}",
            "got": f"{rep['class']} / {e.get('layer')} / {e.get('step')}",
            "class": rep["class"] == f.cls, "layer": e.get("layer") == f.layer, "step": ok_step,
-           "incident": mine.get("class") == f.cls and mine.get("step") is not None and abs(mine["step"] - step) <= 1,
-           "before": f"{len(natural)} natural" if natural else ""}
+           "before": ", ".join(f"{i['step']} {i['judgement']}" for i in before)}
     row["ok"] = row["class"] and row["layer"] and row["step"]
     return row
 
 
-def train_drill(kind: str, root: Path) -> Path:
-    """A drill of the project's own registry (stability/drills/), planted through fault=<kind> at step S on
-    the job; 2-process drills under torchrun. The answer key is in events.jsonl (never read by the doctor)."""
-    from stability.drills import registry
-    d = root / f"drill_{kind}"
-    nproc = registry()[kind].min_world
-    cmd = ["train.py", *BASE, f"fault={kind}", f"fault.step={S}", f"checkpoint.stop_after={STOP}", f"hydra.run.dir={d}",
-           *FAULT_SEED]
-    cmd = [sys.executable, *cmd] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *cmd]
-    r = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=900)
-    if r.returncode != 0:
-        raise RuntimeError(f"drill {kind} -> {d}: exit {r.returncode}\n{r.stderr[-3000:]}")
-    return d
+def score_clean(d: Path) -> dict:
+    rep = diagnose(d, None)
+    incs = rep.get("incidents") or []
+    bad = [i for i in incs if i["judgement"] != "natural"]
+    return {"run": d.name, "class": rep["class"], "ok": rep["class"] == "healthy", "scored": scored_steps(d),
+            "false": len(bad), "natural": [f"{i['step']} {i['class']}" for i in incs if i["judgement"] == "natural"],
+            "headline": rep["summary"][:100]}
 
 
-def score_drills(kinds: list[str], root: Path, jobs: int, train: bool, out: Report) -> None:
-    """The registry's drills scored on the headline: class (the drill's `expects`) and step ±1 of S."""
-    from doctor.cli import doctor
+def prefix(d: Path, n: int, root: Path) -> Path:
+    """The same run stopped at step n: a copy of its first n records (and its config), for the doctor."""
+    out = root / f"{d.name}-first{n}"
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    lines = (d / "metrics.jsonl").read_text().splitlines()
+    keep = [x for x in lines if json.loads(x)["step"] <= n]
+    (out / "metrics.jsonl").write_text("\n".join(keep) + "\n")
+    for name in ("config.yaml", "environment.json"):
+        if (d / name).is_file():
+            shutil.copy(d / name, out / name)
+    return out
+
+
+# ---- the project's own drills -----------------------------------------------------------------------------
+def score_drills(kinds: list[str], root: Path, jobs: int, train_them: bool, out: Report) -> None:
+    """The registry's drills (stability/drills/) in the default job's full length, each at a step of its natural
+    transition, scored on the headline: class (the drill's `expects`) and step ±1."""
     from stability.drills import registry
-    if train:
+    rng = random.Random(0)
+    at = {k: rng.randint(*JOBS["default"].transition) for k in kinds}
+
+    def one(k: str) -> None:
+        d = root / f"drill_{k}"
+        if (d / "done").is_file():
+            return
+        nproc = registry()[k].min_world
+        quiet = [x for x in QUIET if not x.startswith("fault=")]
+        cmd = ["train.py", *quiet, f"fault={k}", f"fault.step={at[k]}", f"hydra.run.dir={d}"]
+        cmd = [sys.executable, *cmd] if nproc == 1 else [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *cmd]
+        r = subprocess.run(cmd, cwd=ROOT, env=_env(None), capture_output=True, text=True, timeout=6 * 3600)
+        if r.returncode not in (0, 3):
+            raise RuntimeError(f"drill {k} -> {d}: exit {r.returncode}\n{r.stderr[-3000:]}")
+        (d / "done").write_text("")
+    if train_them:
         with ThreadPoolExecutor(jobs) as pool:
-            list(pool.map(lambda k: train_drill(k, root), kinds))
+            list(pool.map(one, kinds))
+    from doctor.cli import doctor
     rows = []
     for k in kinds:
         rep = doctor(root / f"drill_{k}", plots=False)
         e = rep["earliest"] or {}
-        hit = rep["class"] == registry()[k].expects and e.get("step") is not None and abs(e["step"] - S) <= 1
-        rows.append((k, f"{registry()[k].expects} / {S}", f"{rep['class']} / {e.get('step')}", "✓" if hit else "✗"))
+        hit = rep["class"] == registry()[k].expects and e.get("step") is not None and abs(e["step"] - at[k]) <= 1
+        rows.append((k, f"{registry()[k].expects} / {at[k]}", f"{rep['class']} / {e.get('step')}", "✓" if hit else "✗"))
     out.table(["drill", "expected class / step", "doctor", "✓"], rows)
     out.add(f"registry drills scored on the headline: {sum(r[-1] == '✓' for r in rows)} of {len(kinds)}")
 
@@ -220,66 +267,86 @@ def score_drills(kinds: list[str], root: Path, jobs: int, train: bool, out: Repo
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--faults", nargs="*", default=[f.name for f in FAULTS])
-    ap.add_argument("--clean", type=int, default=10, help="clean runs (seeds FROM..FROM+N-1)")
-    ap.add_argument("--seed-from", type=int, default=0, help="first clean seed (calibration sets: 10)")
-    ap.add_argument("--job", choices=sorted(JOBS), default="drill",
-                    help="drill: the tiny model the thresholds were calibrated on; quickstart: the default job")
-    ap.add_argument("--step", type=int, help="the fault step S (default: the job's)")
-    ap.add_argument("--seed", type=int, help="the fault runs' seed (default: the config's; clean runs keep theirs)")
-    ap.add_argument("--stop", type=int, help="clean runs stop after this step (default: S + 8; calibration: 200)")
+    ap.add_argument("--phases", nargs="*", default=["transition", "late"], choices=["transition", "late"])
+    ap.add_argument("--cadences", nargs="*", type=int, default=[10, 1], help="telemetry.every of the runs")
+    ap.add_argument("--one-each", action="store_true",
+                    help="each fault once, its phase and cadence taking turns down the list (default: every fault at "
+                         "every phase and cadence)")
+    ap.add_argument("--draw-seed", type=int, default=0, help="the seed of the fault steps' draw")
+    ap.add_argument("--seeds", nargs="*", type=int, default=list(range(10)), help="the default job's clean seeds")
+    ap.add_argument("--clean-jobs", nargs="*", default=["default", "dense_tiny", "moe_tiny", "shakespeare_char"],
+                    choices=sorted(set(JOBS) - {"drill"}))
+    ap.add_argument("--lengths", nargs="*", type=int, default=[120, 150, 400, 1000], help="dense_tiny's lengths")
+    ap.add_argument("--long", action="store_true", help="also the default job at 1000 steps")
+    ap.add_argument("--prefixes", nargs="*", type=int, default=[120, 200],
+                    help="also read every clean run stopped at these steps (the same records, fewer of them)")
     ap.add_argument("--reuse", help="a directory of runs trained before (skip training)")
-    ap.add_argument("--keep", help="train into this directory (default: a temporary one)")
-    ap.add_argument("--jobs", type=int, default=2)
-    ap.add_argument("--out", help="also write the table and the summary lines (markdown) to this file")
+    ap.add_argument("--keep", help="train into this directory (default: a temporary one, removed after)")
+    ap.add_argument("--parallel", type=int, default=2, help="runs trained at a time")
+    ap.add_argument("--out", help="also write the tables and the summary lines (markdown) to this file")
     ap.add_argument("--registry", nargs="*", help="score the project's own drills (stability/drills/; default: every "
-                    "one that needs no rare data: all but mixture_switch) instead of the planted faults")
+                    "one that needs no rare data: all but mixture_switch) instead")
     args = ap.parse_args(argv)
-    use_job(args.job, args.step, args.seed)
     unknown = [n for n in args.faults if n not in BY_NAME]
     if unknown:
-        print(f"bench.doctor_eval.score: unknown fault {unknown[0]} (known: {', '.join(BY_NAME)})", file=sys.stderr)
+        print(f"bench.doctor_eval.score: --faults {unknown[0]}: unknown (known: {', '.join(BY_NAME)})", file=sys.stderr)
         return 2
     root = Path(args.reuse or args.keep or tempfile.mkdtemp(prefix="doctor_score_"))
     root.mkdir(parents=True, exist_ok=True)
-    what = "The registry's drills scored" if args.registry is not None else "Doctor scores"
-    out = Report(f"{what} (job {args.job}, fault step {S})", "python -m bench.doctor_eval.score", argv)
-    emit = out.add
     if args.registry is not None:
+        out = Report("The registry's drills scored (default job, full length)", "python -m bench.doctor_eval.score",
+                     argv)
         from stability.drills import registry
         kinds = args.registry or [k for k in registry() if k not in ("none", "mixture_switch")]
-        score_drills(kinds, root, args.jobs, not args.reuse, out)
+        score_drills(kinds, root, args.parallel, not args.reuse, out)
         out.write(args.out)
         return 0
-    faults = [BY_NAME[n] for n in args.faults]
-    seeds = list(range(args.seed_from, args.seed_from + args.clean))
-    if not args.reuse:
-        jobs = [(train_fault, f, root) for f in faults]
-        # NOTE: the second seed resumes cleanly; the last two train beside a CPU hog (a busy machine)
-        jobs += [(train_clean, s, root, s == args.seed_from + 1, s >= max(seeds[-2:], default=0) and len(seeds) > 2,
-                  args.stop) for s in seeds]
-        with ThreadPoolExecutor(args.jobs) as pool:
-            list(pool.map(lambda j: j[0](*j[1:]), jobs))
-    rows = [score_fault(f, diagnose(run_dir(root, f), f.name), run_dir(root, f)) for f in faults]
-    clean = []
-    for s in seeds:
-        rep = diagnose(root / f"clean_seed{s}", None)
-        g = guard_at(root / f"clean_seed{s}", rep)
-        nat = [i for i in rep.get("incidents") or [] if i.get("judgement") == "natural"]
-        clean.append({"seed": s, "class": rep["class"], "ok": rep["class"] == "healthy", "natural": len(nat),
-                      "scored": scored_steps(root / f"clean_seed{s}"), "summary": rep["summary"][:110] + g})
-    emit("Scored on the report's headline (class, timeline layer, step ±1).", "")
-    early = any(r["before"] for r in rows)  # incidents before the fault: a column only when there are any
+    faults = fault_plans(args.faults, args.phases, args.cadences, args.draw_seed, not args.one_each)
+    clean = clean_plans(args.seeds, args.clean_jobs, args.cadences, args.lengths, args.long)
+    if args.reuse:  # the runs the directory holds (its answer key says which are faults)
+        key = json.loads((root / ANSWERS).read_text()) if (root / ANSWERS).is_file() else []
+        faults = [Plan(**p) for p in key if (root / p["name"] / "done").is_file()]
+        clean = [p for p in clean if (root / p.name / "done").is_file()]
+    else:
+        known = json.loads((root / ANSWERS).read_text()) if (root / ANSWERS).is_file() else []
+        names = {p.name for p in faults}
+        (root / ANSWERS).write_text(json.dumps([*[p for p in known if p["name"] not in names],
+                                                *map(asdict, faults)], indent=1))
+        with ThreadPoolExecutor(args.parallel) as pool:
+            list(pool.map(lambda p: train(p, root), faults + clean))
+    out = Report("The doctor scored: planted faults and clean runs (held out: nothing was tuned)",
+                 "python -m bench.doctor_eval.score", argv)
+    rows = [(p, score_fault(BY_NAME[p.fault], diagnose(root / p.name, p.fault), p.at)) for p in faults]
     m = lambda b: "✓" if b else "✗"  # noqa: E731
-    out.table(["fault", "expected class / layer / step", "doctor", "class", "layer", "step ±1"] + ["before S"] * early,
-              [[r["fault"], r["expect"], r["got"], m(r["class"]), m(r["layer"]), m(r["step"])]
-               + [r["before"] or "—"] * early for r in rows])
-    emit(f"faults scored on the headline: {sum(r['ok'] for r in rows)} of {len(rows)} (class, layer and step ±1); "
-          f"on the fault's own incident: {sum(r['incident'] for r in rows)} of {len(rows)}")
-    for c in clean:
-        emit(f"clean seed {c['seed']}: {c['class']} — {c['summary']}")
-    bad, steps = sum(not c["ok"] for c in clean), sum(c["scored"] for c in clean)
-    emit(f"clean runs: {bad} with a false fault in {len(clean)} ({1000 * bad / max(steps, 1):.2f} per 1000 scored "
-          f"steps); {sum(c['natural'] for c in clean)} incident(s) judged natural")
+    if rows:
+        out.add(f"## Planted faults ({len(rows)} runs of the default job, full length)", "")
+        out.table(["fault", "family", "phase", "telemetry", "expected class / layer / step", "doctor (headline)",
+                   "class", "layer", "step ±1", "incidents before the fault"],
+                  [[r["fault"], r["family"], p.phase, f"every {p.every}", r["expect"], r["got"], m(r["class"]),
+                    m(r["layer"]), m(r["step"]), r["before"] or "—"] for p, r in rows])
+        fams = sorted({r["family"] for _, r in rows})
+        out.add("", "Per family (right in class, layer and step ±1, on the headline):", "")
+        out.table(["family", "right", "runs", "at the transition", "late"],
+                  [[fam, sum(r["ok"] for _, r in rows if r["family"] == fam),
+                    sum(1 for _, r in rows if r["family"] == fam),
+                    f"{sum(r['ok'] for p, r in rows if r['family'] == fam and p.phase == 'transition')} of "
+                    f"{sum(1 for p, r in rows if r['family'] == fam and p.phase == 'transition')}",
+                    f"{sum(r['ok'] for p, r in rows if r['family'] == fam and p.phase == 'late')} of "
+                    f"{sum(1 for p, r in rows if r['family'] == fam and p.phase == 'late')}"] for fam in fams])
+        out.add(f"faults scored on the headline: {sum(r['ok'] for _, r in rows)} of {len(rows)}")
+    runs = [root / p.name for p in clean]
+    pre = root / "prefixes"
+    runs += [prefix(d, n, pre) for d in list(runs) for n in args.prefixes
+             if json.loads((d / "metrics.jsonl").read_text().splitlines()[-1])["step"] > n]
+    cl = [score_clean(d) for d in runs]
+    if cl:
+        out.add("", f"## Clean runs ({len(clean)} trained; {len(cl) - len(clean)} more read stopped early)", "")
+        out.table(["run", "steps scored", "headline", "incidents judged fault / instability", "natural incidents"],
+                  [[c["run"], c["scored"], c["class"], c["false"], "; ".join(c["natural"]) or "—"] for c in cl])
+        steps, false = sum(c["scored"] for c in cl), sum(c["false"] for c in cl)
+        out.add(f"clean runs: {sum(not c['ok'] for c in cl)} of {len(cl)} not healthy; {false} incident(s) judged a "
+                f"fault or a recipe instability in {steps} scored steps: {1000 * false / max(steps, 1):.2f} per 1000 "
+                f"steps; {sum(len(c['natural']) for c in cl)} natural incident(s) listed")
     out.write(args.out)
     print(f"runs: {root}")
     if not args.keep and not args.reuse:

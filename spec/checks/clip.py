@@ -83,9 +83,15 @@ class ClipCheck(Check):
         spec = self.coef(self.norm)
         self.ctx.coef_spec, self.ctx.norm_finite = spec, self.norm.isfinite()
         rel = LAMBDA * (math.sqrt(self.n_max) + 2) * U32
+        rel_coef = rel + LAMBDA * 4 * U32  # the norm's error carried into c / (‖g‖ + ε), and that division's own
         finite = self.norm.isfinite()
         zero = torch.zeros((), dtype=torch.float64, device=self.norm.device)
+        applied = upd.coef.double().to(spec.device)
+        # NOTE: the optimizer check's gradient is coef_spec·g₀: where either coefficient clips, the applied one may be
+        # off it by as much as this check allows (the step sums its norm in FP32, this check in FP64), and that
+        # difference is in the moments the optimizer wrote
+        self.ctx.coef_tol = torch.where((spec < 1) | (applied < 1), rel_coef, 0.0)
         err = torch.stack([torch.where(finite, (upd.norm.double() - self.norm).abs(), zero),
-                           torch.where(finite, (upd.coef.double() - spec).abs(), zero)])
-        tol = torch.stack([rel * self.norm.abs(), (rel + LAMBDA * 4 * U32) * spec]) + 1e-300
+                           torch.where(finite, (applied - spec).abs(), zero)])
+        tol = torch.stack([rel * self.norm.abs(), rel_coef * spec]) + 1e-300
         self.measure(err, tol, torch.tensor([0.0, 1.0]), where=["norm", "coef"])
