@@ -19,10 +19,10 @@ returning {} on a step that telemetry skips; all ranks call them):
     cb.before_update(s)       → telemetry.before_update()        # snapshot θ (one foreach copy, reused buffers)
     s.result = apply_update(...)                                 # unscale → finite check → clip → [veto] → step
     cb.after_update(s)        → s.post = telemetry.finish(s.result.coef)   # before zero_grad: grads read here
-    s.moe = moe_summary(s.stats["moe_load"], s.stats["moe_out_sq"])   # every step, telemetry or not, on the host
-    rec = step_record(s, ...)   # stability/record.py: layers, replica from s.post; nonfinite = s.flags | s.post's
+    s.moe = moe_summary(nums.stats["moe_load"], nums.stats["moe_out_sq"])   # every step, on the host
+    rec = step_record(s, ...)   # stability/record.py: layers, replica from s.post; nonfinite = flags | s.post's
 
-s.flags are nonfinite_flags(loss, logit_max, ‖g‖), set where the guard judges the step (stability/step_numbers.py).
+The flags are nonfinite_flags(loss, logit_max, ‖g‖), in the step's numbers (stability/step_numbers.py).
 telemetry.finish reads its own numbers in one transfer of its own (on its steps only).
 """
 from __future__ import annotations
