@@ -85,14 +85,14 @@ def quantity(name: str, needs: tuple[str, ...], value: Callable[[dict[str, float
     """Declare a per-layer telemetry quantity: its signal must be declared first (per_layer=True)."""
     if name in QUANTITIES:
         raise ValueError(f"telemetry quantity {name!r} declared twice")
-    sig = SIGNALS.get(name)
-    if sig is None or not sig.per_layer:
-        raise ValueError(f"telemetry quantity {name!r}: declare its signal first, per_layer=True "
-                         f"(stability/signals.py declare)")
     unknown = [n for n in needs if n not in MEASURED]
     if unknown:
         raise ValueError(f"telemetry quantity {name!r} needs {unknown}, which telemetry does not measure "
                          f"(MEASURED: {', '.join(MEASURED)})")
+    sig = SIGNALS.get(name)
+    if sig is None or not sig.per_layer:
+        raise ValueError(f"telemetry quantity {name!r}: declare its signal first, per_layer=True "
+                         f"(stability/signals.py declare)")
     q = QUANTITIES[name] = Quantity(name, tuple(needs), value)
     return q
 
