@@ -9,7 +9,13 @@ misbehave"; per layer,
     ρ_ℓ        = ‖Δθ_ℓ‖ / (‖θ_ℓ‖ + ε)     Δθ = θ after optimizer.step − θ before; θ before the step
 
 A ρ_ℓ that keeps rising while the loss looks normal exposes precision, init or data problems earlier
-than waiting for a NaN. Layer names: stability/telemetry_layers.py.
+than waiting for a NaN. Layer names: stability/telemetry_layers.py (a norm's gain is a layer of its own, so a
+matrix's ‖θ_ℓ‖ is the matrix's).
+
+Each per-layer quantity is one declaration below, `quantity(name, needs, value)`, beside its signal (stability/
+signals.py): `needs` names the per-layer sums telemetry measures (MEASURED), `value` computes the number on the
+host. finish() packs the measured sums by name (parallel/host_scalars.py Packed) into one SUM all-reduce, one MAX
+all-reduce and one transfer, and unpacks them by name: no offset is computed by hand.
 
 Attached to the step by StepTelemetry (below) at train.py's callback points (every call is a no-op
 returning {} on a step that telemetry skips; all ranks call them):

@@ -1,6 +1,6 @@
 """docs/hacking.md's recipes, each performed on a temporary module or copy: a model option, a specification check,
-a fault drill, a lab and a config option, each found (or refused) by the code and the test that guards it. (The signal
-recipe's test is tests/test_doctor_judge.py::test_a_new_signal_is_one_declaration.)"""
+a fault drill, a lab, a config option and a per-layer telemetry quantity, each found (or refused) by the code and the
+test that guards it. (The signal recipe's doctor half is tests/test_doctor_judge.py::test_a_new_signal_is_one_declaration.)"""
 from __future__ import annotations
 
 import dataclasses
