@@ -52,7 +52,8 @@ from stability.telemetry_layers import ParamLayout, layer_order, swiglu_layer
 # ---------------------------------------------------------------------------------------------- declarations
 # What telemetry measures per layer, on the device, summed over every micro-batch and every rank in ONE
 # all-reduce (logit_max: the largest, in one MAX all-reduce), then read in one transfer. Telemetry.finish
-# puts exactly these; a quantity is computed from them.
+# puts exactly these; a quantity is computed from them. "The layer's parameters" never mix a norm's gain into a
+# matrix layer: each gain is a layer of its own (stability/telemetry_layers.py GAINS).
 MEASURED = {
     "act_sq": "Σ x² of the layer's output, training forwards only",
     "act_n": "the number of elements in act_sq",
