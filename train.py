@@ -41,7 +41,7 @@ from stability.guard import GuardAbort
 from stability.inputs import InputBaseline, input_tensors
 from stability.record import config_fingerprint, step_record
 from stability.resume_fields import cpu_clock, rank_tensors, state_nonfinite, state_tensors, state_values
-from stability.step_numbers import judge
+from stability.step_numbers import ask_guard, step_numbers
 from stability.telemetry import moe_summary
 
 register()  # the typed schema conf/config.yaml's defaults list starts with (run/config.py)
@@ -139,12 +139,15 @@ def train(run: Run, stop: Interrupts) -> None:
         s.update = upd = prepare_update(params, run.scaler, s.max_grad_norm, clip=run.clip)
         host.put(grad_norm=upd.norm, clip_coef=upd.coef, overflow=upd.overflow)
         cb.after_clip(s)  # the specification checks that can refuse the update measure here (spec/)
-        if first:
+        nums, vetoed = None, False
+        if first:  # the guard judges before the update: the step's numbers are read now, and it may veto
             host.read()
-        # → guard veto → step, or a counted skip (decided on the device when nothing is read yet)
-        s.vetoed = vetoed = first and judge(s, host, reduced, guard, names, scaled=run.scaler is not None,
-                                            fingerprint=fingerprint, spec=run.spec)
-        s.result = res = apply_update(params, optimizer, run.scaler, upd, bool(host["overflow"]) if first else None,
+            s.numbers = nums = step_numbers(host, reduced, names)
+            failed = run.spec.read(s, host, "before") if run.spec is not None else []
+            s.vetoed = vetoed = ask_guard(guard, step, nums, spec=failed, scaled=run.scaler is not None,
+                                          fingerprint=fingerprint)
+        # → step, or a counted skip (decided on the device when nothing is read yet)
+        s.result = res = apply_update(params, optimizer, run.scaler, upd, nums.overflow if first else None,
                                       vetoed)
         cb.after_update(s)  # QK-clip; telemetry reads the gradients and Δθ into s.post
         run.scheduler.step()
@@ -157,16 +160,16 @@ def train(run: Run, stop: Interrupts) -> None:
         cb.end_step(s)  # the state the step leaves: the specification checks of the update measure it (spec/)
         host.put(**state_tensors(optimizer, model), **stop.tensors())  # ‖m‖, ‖v‖ per group, MoE bias norms
         host.read()  # from here the step reads only the host's copy
-        if not first:
-            judge(s, host, reduced, guard, names, scaled=run.scaler is not None, fingerprint=fingerprint,
-                  spec=run.spec)  # no veto
-        s.result = res = res._replace(norm=host["grad_norm"], coef=host["clip_coef"],
-                                      skipped=bool(host["overflow"]) if torch.is_tensor(res.skipped) else res.skipped)
+        if nums is None:  # the guard judges after the update (guard=log): from the same numbers, no veto
+            s.numbers = nums = step_numbers(host, reduced, names)
+            failed = run.spec.read(s, host, "before") if run.spec is not None else []
+            ask_guard(guard, step, nums, spec=failed, scaled=run.scaler is not None, fingerprint=fingerprint)
+        s.skipped = skipped = nums.overflow or vetoed  # the update was not applied
         failed = run.spec.read(s, host, "after") if run.spec is not None else []  # the checks read after it
-        if res.skipped and not res.vetoed:  # NOTE: a non-finite gradient would poison the weights and moments
-            s.events.append(f"non-finite grad norm ({res.norm}) at loss scale {res.loss_scale}: optimizer "
+        if nums.overflow:  # NOTE: a non-finite gradient would poison the weights and moments
+            s.events.append(f"non-finite grad norm ({nums.grad_norm}) at loss scale {res.loss_scale}: optimizer "
                             f"step skipped ({res.skipped_total if res.skipped_total is not None else 1} so far)")
-        s.moe = moe_summary(s.stats["moe_load"], s.stats["moe_out_sq"])
+        s.moe = moe_summary(nums.stats["moe_load"], nums.stats["moe_out_sq"])
         s.opt_state = state_values(host, optimizer, model)
         stop.heard(host)
         # from those norms, every step: the optimizer state holds no inf/NaN (the guard's post-update check);
@@ -174,11 +177,11 @@ def train(run: Run, stop: Interrupts) -> None:
         s.post = {**s.post, "nonfinite": {**s.post.get("nonfinite", {}),
                                           "optim_state": state_nonfinite(optimizer, s.opt_state, bool(s.post))}}
         worst = max((m["max_violation"] for m in s.moe.values()), default=None)
-        after = {"moe": s.moe, "state": s.opt_state, "clip_coef": res.coef, "grad_norm": res.norm,
-                 "skipped": res.skipped} if guard.watches_more else None
-        verdict = guard.after_update(step, s.first_id, s.n_valid, s.post, s.stats["loss"], worst, extra=after,
+        after = {"moe": s.moe, "state": s.opt_state, "clip_coef": nums.clip_coef, "grad_norm": nums.grad_norm,
+                 "skipped": skipped} if guard.watches_more else None
+        verdict = guard.after_update(step, s.first_id, nums.n_valid, s.post, nums.stats["loss"], worst, extra=after,
                                      spec=failed)
-        tokens_seen += s.n_valid
+        tokens_seen += nums.n_valid
         if step % tc.eval_every == 0 or step == ckpt.last_step:
             s.eval = evaluate(model, run.evals, names, dev)
         t4 = time.perf_counter()

@@ -38,15 +38,9 @@ class HostScalars:
         """Copy every tensor put since the last read to the host, in one transfer."""
         if not self._pending:
             return
-        ts = list(self._pending.values())
-        dev = ts[0].device
-        flat = torch.cat([t.reshape(-1).to(dev, torch.float64) for t in ts]).tolist()
+        packed = Packed(self._pending)
+        self._values.update(packed.unpack(packed.flat().tolist()))
         self.reads += 1
-        at = 0
-        for name, t in self._pending.items():
-            n = t.numel()
-            self._values[name] = _shaped(flat[at:at + n], tuple(t.shape))
-            at += n
         self._pending = {}
 
     def __getitem__(self, name: str) -> float | list:
@@ -61,6 +55,39 @@ class HostScalars:
     def names(self) -> list[str]:
         """What has been read, in the order it was put."""
         return list(self._values)
+
+
+class Packed:
+    """Named tensors laid end to end in one flat float64 vector, for one collective or one host transfer, and
+    taken apart by name again: where each one lies follows from the names, in the order given, never from
+    index arithmetic at the call site.
+
+        packed = Packed({"grad_sq": g_L, "act_sq": a_A}, device)
+        flat = all_reduce_sum(packed.flat())     # one collective (or flat.tolist(): one transfer)
+        packed.unpack(flat)["act_sq"]            # a view of flat, shaped (A,); from a list, nested lists
+    """
+
+    def __init__(self, named: dict[str, Tensor], device: torch.device | None = None):
+        self.named = dict(named)
+        self.shapes = {k: tuple(t.shape) for k, t in self.named.items()}
+        self.device = device if device is not None else next(iter(self.named.values())).device
+
+    def flat(self) -> Tensor:
+        if not self.named:
+            return torch.zeros(0, dtype=torch.float64, device=self.device)
+        return torch.cat([t.reshape(-1).to(self.device, torch.float64) for t in self.named.values()])
+
+    def unpack(self, flat: Tensor | list[float]) -> dict[str, Tensor | float | list]:
+        """By name, each shaped as put: views of a tensor, or (of the host's list) a float, lists, nested lists."""
+        out, at = {}, 0
+        for name, shape in self.shapes.items():
+            n = math.prod(shape)
+            part = flat[at:at + n]
+            out[name] = part.view(shape) if torch.is_tensor(part) else _shaped(part, shape)
+            at += n
+        if at != len(flat):
+            raise ValueError(f"Packed.unpack: {len(flat)} numbers for {at} packed")
+        return out
 
 
 def _shaped(flat: list[float], shape: tuple[int, ...]):

@@ -41,38 +41,36 @@ class StepState:
     that writes its fields and who writes them there; a later phase only reads an earlier one's (a drill
     at its point may rewrite its own phase's inputs). stability/record.py turns it into the StepRecord.
 
-    NOTE: the numbers (n_valid, inputs, stats, ranks, loss_by_source, flags) are filled from the host's copy
-    of the step's device tensors (parallel/host_scalars.py), read before the update only when the guard
-    judges first (train.py); no callback point sees them, so no callback makes the step wait for them."""
+    NOTE: `numbers` (valid tokens, input statistics, global sums, per-rank inputs, the update's norm and clip
+    coefficient: stability/step_numbers.py StepNumbers) is the host's copy of the step's device tensors
+    (parallel/host_scalars.py), set by train.py where it reads them: before the update only when the guard
+    judges first; no callback point sees them, so no callback makes the step wait for them."""
     step: int                         # the loop
-    # --- batch: train.py (loader.next, micro-batches, global valid count, input statistics) and the
+    # --- batch: train.py (loader.next, micro-batches, the global valid count on the device) and the
     # on_batch callbacks (a data drill replaces the batch; anticipatory routing sets routes, routing) ---
     first_id: int = 0                 # global id of the batch's first sample (the batch ID)
     batch: Any = None                 # this rank's Batch
     micro: list = field(default_factory=list)     # its micro-batches, on the device
     routes: list | None = None        # anticipatory routes per micro-batch (None: normal top-k routing)
     routing: dict = field(default_factory=dict)   # StepRecord.routing
-    n_valid: int = 0                  # global valid label tokens
-    n_valid_t: Any = None             # the same count as the step's device tensor, before any forward
+    n_valid_t: Any = None             # global valid label tokens, a device tensor, before any forward
     host: Any = None                  # the step's HostScalars: a callback puts device tensors for its one read
-    inputs: dict = field(default_factory=dict)    # input-layer statistics of the global batch
-    # --- forward: train.py, from the forward/backward's sums ---
-    stats: dict = field(default_factory=dict)     # reduced loss / source / MoE sums (optim.accumulate)
-    ranks: dict = field(default_factory=dict)     # per-rank first sample id, count, content hash, local loss
-    loss_by_source: dict[str, float] = field(default_factory=dict)
     # --- update: the before_update callbacks (an LR / clip drill), train.py's optimizer step and the guard's
     # veto in it, then the after_update callbacks (levers: qk_clip, clip; telemetry: post) ---
     max_grad_norm: float | None = None  # the clip threshold this step's update uses (train.max_grad_norm
     #                                   unless a drill changed it; read after before_update)
     lr: float = float("nan")          # the LR this step's update used (group 0, without its lr_scale)
-    flags: dict = field(default_factory=dict)     # non-finite loss / logits / grads
     update: Any = None                # precision.step.Update: the norm and clip coefficient, before the step
     vetoed: bool = False              # the guard vetoed this update (known before it when the guard can veto)
-    result: Any = None                # precision.step.StepResult
+    result: Any = None                # precision.step.StepResult: as the update left it, before the read (its
+    #                                   `skipped` may be the device's 0-d flag); the host's answer is `skipped`
     post: dict = field(default_factory=dict)      # telemetry after the update (layers, ρ, replicas; train.py
     #                                               adds the optimizer state's non-finite flag)
     clip: dict = field(default_factory=dict)      # the adaptive clip's numbers (train.clip=zscore)
     qk_clip: dict = field(default_factory=dict)   # heads QK-clip scaled after the update
+    # --- the read: train.py, from the host's copy (before the update when the guard judges first) ---
+    numbers: Any = None               # stability.step_numbers.StepNumbers: the forward's and the clip's numbers
+    skipped: bool = False             # the update was not applied: a non-finite gradient or the guard's veto
     # --- post-update and record: train.py after the scheduler step (time_s.route: anticipatory routing,
     # booked at on_batch; events: any writer, one-line notes) ---
     loads: dict = field(default_factory=dict)     # MoE layer -> (E,) global expert loads, on the device

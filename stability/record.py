@@ -113,24 +113,25 @@ def step_record(s: StepState, *, tokens: int, world: int, batch_size: int, seq_l
                 guard: dict, ckpt_id: str | None, device, fingerprint: dict | None = None,
                 schedule: dict | None = None) -> StepRecord:
     """The StepRecord of one finished step, from the step's state (stability/callbacks.py), its numbers
-    already on the host (train.py reads them in one transfer: s.result holds floats by then)."""
-    st, res, post = s.stats, s.result, s.post
+    already on the host: s.numbers (stability/step_numbers.py StepNumbers, train.py's read) and s.skipped."""
+    nums, post = s.numbers, s.post
+    st = nums.stats
     return StepRecord(
         step=s.step, tokens=tokens, world=world,
         batch={"first": s.first_id, "size": batch_size},
         source_mix={n: int(c) for n, c in zip(names, st["samples_by_source"])},
-        valid_tokens=s.n_valid,
-        tokens_by_source={n: int(c) for n, c in zip(names, st["tokens_by_source"])}, inputs=s.inputs,
+        valid_tokens=nums.n_valid,
+        tokens_by_source={n: int(c) for n, c in zip(names, st["tokens_by_source"])}, inputs=nums.inputs,
         loss=st["loss"], z_loss=st["z_loss"], aux_loss=st["aux_loss"], logit_max=st["logit_max"],
-        loss_by_source=s.loss_by_source,
+        loss_by_source=nums.loss_by_source,
         expert_load={str(l): share for l, share in st["expert_load"].items()},
-        lr=s.lr, grad_norm=float(res.norm), clip_coef=float(res.coef), clip=s.clip, qk_clip=s.qk_clip,
-        skipped=bool(res.skipped), loss_scale=res.loss_scale,
+        lr=s.lr, grad_norm=float(nums.grad_norm), clip_coef=float(nums.clip_coef), clip=s.clip, qk_clip=s.qk_clip,
+        skipped=s.skipped, loss_scale=s.result.loss_scale,
         layers=post.get("layers", {}), moe=s.moe, update_ratio_max=post.get("update_ratio_max"),
-        nonfinite={**s.flags, **post.get("nonfinite", {})}, replica=post.get("replica", {}), guard=guard,
+        nonfinite={**nums.flags, **post.get("nonfinite", {})}, replica=post.get("replica", {}), guard=guard,
         routing=s.routing, time_s=s.time_s, tokens_per_s=batch_size * seq_len / s.time_s["total"],
         memory_mb=peak_memory_mb(device), events=s.events, eval=s.eval, ckpt_id=ckpt_id,
-        resume=resume_marker(s.events), state=s.opt_state, ranks=s.ranks, fingerprint=fingerprint or {},
+        resume=resume_marker(s.events), state=s.opt_state, ranks=nums.ranks, fingerprint=fingerprint or {},
         floor=batch_floor(st), floor_by_source=floor_by_source(st, names), schedule=schedule or {},
         spec=s.spec,
     )

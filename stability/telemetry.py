@@ -9,7 +9,13 @@ misbehave"; per layer,
     ρ_ℓ        = ‖Δθ_ℓ‖ / (‖θ_ℓ‖ + ε)     Δθ = θ after optimizer.step − θ before; θ before the step
 
 A ρ_ℓ that keeps rising while the loss looks normal exposes precision, init or data problems earlier
-than waiting for a NaN. Layer names: stability/telemetry_layers.py.
+than waiting for a NaN. Layer names: stability/telemetry_layers.py (a norm's gain is a layer of its own, so a
+matrix's ‖θ_ℓ‖ is the matrix's).
+
+Each per-layer quantity is one declaration below, `quantity(name, needs, value)`, beside its signal (stability/
+signals.py): `needs` names the per-layer sums telemetry measures (MEASURED), `value` computes the number on the
+host. finish() packs the measured sums by name (parallel/host_scalars.py Packed) into one SUM all-reduce, one MAX
+all-reduce and one transfer, and unpacks them by name: no offset is computed by hand.
 
 Attached to the step by StepTelemetry (below) at train.py's callback points (every call is a no-op
 returning {} on a step that telemetry skips; all ranks call them):
@@ -19,16 +25,17 @@ returning {} on a step that telemetry skips; all ranks call them):
     cb.before_update(s)       → telemetry.before_update()        # snapshot θ (one foreach copy, reused buffers)
     s.result = apply_update(...)                                 # unscale → finite check → clip → [veto] → step
     cb.after_update(s)        → s.post = telemetry.finish(s.result.coef)   # before zero_grad: grads read here
-    s.moe = moe_summary(s.stats["moe_load"], s.stats["moe_out_sq"])   # every step, telemetry or not, on the host
-    rec = step_record(s, ...)   # stability/record.py: layers, replica from s.post; nonfinite = s.flags | s.post's
+    s.moe = moe_summary(nums.stats["moe_load"], nums.stats["moe_out_sq"])   # every step, on the host
+    rec = step_record(s, ...)   # stability/record.py: layers, replica from s.post; nonfinite = flags | s.post's
 
-s.flags are nonfinite_flags(loss, logit_max, ‖g‖), set where the guard judges the step (stability/step_numbers.py).
+The flags are nonfinite_flags(loss, logit_max, ‖g‖), in the step's numbers (stability/step_numbers.py).
 telemetry.finish reads its own numbers in one transfer of its own (on its steps only).
 """
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as tdist
@@ -36,9 +43,77 @@ from torch import Tensor, nn
 
 from model.checkpointing import recomputing
 from parallel.dist import all_reduce_max, all_reduce_sum
+from parallel.host_scalars import Packed
 from stability.callbacks import Callback, StepState
 from stability.config import TelemetryConfig
+from stability.signals import SIGNALS
 from stability.telemetry_layers import ParamLayout, layer_order, swiglu_layer
+
+# ---------------------------------------------------------------------------------------------- declarations
+# What telemetry measures per layer, on the device, summed over every micro-batch and every rank in ONE
+# all-reduce (logit_max: the largest, in one MAX all-reduce), then read in one transfer. Telemetry.finish
+# puts exactly these; a quantity is computed from them. "The layer's parameters" never mix a norm's gain into a
+# matrix layer: each gain is a layer of its own (stability/telemetry_layers.py GAINS).
+MEASURED = {
+    "act_sq": "Σ x² of the layer's output, training forwards only",
+    "act_n": "the number of elements in act_sq",
+    "grad_sq": "Σ g² of the layer's parameters, as the update left them: g·coef, unscaled under FP16",
+    "delta_sq": "Σ Δθ² of the layer's parameters (θ after the step − θ before it)",
+    "theta_sq": "Σ θ² of the layer's parameters before the step",
+    "clamp_hits": "SwiGLU clamp hits of the layer (model/swiglu.py)",
+    "clamp_total": "the elements the clamp saw",
+    "logit_max": "the largest probed attention logit of the block's attention (MAX over ranks)",
+}
+
+
+@dataclass(frozen=True)
+class At:
+    """What a quantity knows of its layer besides the sums: the parameters' global element count (0 for a layer
+    that owns none), the clip coefficient the update applied, telemetry's ε."""
+    numel: int
+    coef: float
+    eps: float
+
+
+@dataclass(frozen=True)
+class Quantity:
+    """One per-layer number of StepRecord.layers[<layer>][name], read by the signal of the same name
+    (stability/signals.py, per_layer=True): computed on the host from the MEASURED sums it `needs`, for every
+    layer that has them all; `value` returns None to leave the entry out."""
+    name: str
+    needs: tuple[str, ...]
+    value: Callable[[dict[str, float], At], float | None]
+
+
+QUANTITIES: dict[str, Quantity] = {}
+
+
+def quantity(name: str, needs: tuple[str, ...], value: Callable[[dict[str, float], At], float | None]) -> Quantity:
+    """Declare a per-layer telemetry quantity: its signal must be declared first (per_layer=True)."""
+    if name in QUANTITIES:
+        raise ValueError(f"telemetry quantity {name!r} declared twice")
+    unknown = [n for n in needs if n not in MEASURED]
+    if unknown:
+        raise ValueError(f"telemetry quantity {name!r} needs {unknown}, which telemetry does not measure "
+                         f"(MEASURED: {', '.join(MEASURED)})")
+    sig = SIGNALS.get(name)
+    if sig is None or not sig.per_layer:
+        raise ValueError(f"telemetry quantity {name!r}: declare its signal first, per_layer=True "
+                         f"(stability/signals.py declare)")
+    q = QUANTITIES[name] = Quantity(name, tuple(needs), value)
+    return q
+
+
+# In this order in each layer's entry (a record's key order).
+quantity("act_rms", ("act_sq", "act_n"), lambda x, at: math.sqrt(x["act_sq"] / x["act_n"]))
+# of the TRUE gradient: the measured one is g·coef, clipped
+quantity("grad_rms", ("grad_sq",), lambda x, at: math.sqrt(x["grad_sq"] / at.numel) / at.coef)
+quantity("update_ratio", ("delta_sq", "theta_sq"),
+         lambda x, at: math.sqrt(x["delta_sq"]) / (math.sqrt(x["theta_sq"]) + at.eps))
+quantity("clamp_hit_rate", ("clamp_hits", "clamp_total"),
+         lambda x, at: x["clamp_hits"] / x["clamp_total"] if x["clamp_total"] else 0.0)
+# NOTE: the probe's max over the first sequence of each micro-batch, all ranks; -inf where none was probed
+quantity("attn_logit_max", ("logit_max",), lambda x, at: None if x["logit_max"] == -math.inf else x["logit_max"])
 
 
 class Telemetry:
@@ -126,51 +201,53 @@ class Telemetry:
         # NOTE: in place into the snapshot: Δθ needs no second buffer. A skipped step gives exactly 0.
         torch._foreach_sub_(self._snap, lay.local_params())
         delta_sq_P = lay.squares(self._snap)
-        sharded_3L, replicated_3L = lay.per_layer(torch.stack([grad_sq_P, delta_sq_P, theta_sq_P]))
-
+        by_param = ("grad_sq", "delta_sq", "theta_sq")
+        sharded_XL, replicated_XL = lay.per_layer(torch.stack([grad_sq_P, delta_sq_P, theta_sq_P]))
         # Activations and clamp counts differ per rank (different data) under DDP and FSDP alike.
         act_keys = [k for k in self.order if self._act_n[k]]
         clamp_keys = [k for k in self._clamp if self._clamp[k]]
-        act_sq_A = _stack([torch.stack(self._act[k]).to(dev, torch.float64).sum() for k in act_keys], dev)
-        act_n_A = torch.tensor([float(self._act_n[k]) for k in act_keys], dtype=torch.float64, device=dev)
-        clamp_C2 = _stack([torch.stack(self._clamp[k]).to(dev, torch.float64).sum(0) for k in clamp_keys], dev)
-        # ONE all-reduce for every layer's numbers: sharded param sums, activations, clamp counts.
-        L, A = len(lay.keys), len(act_keys)
-        packed = all_reduce_sum(torch.cat([sharded_3L.flatten(), act_sq_A, act_n_A, clamp_C2.flatten()]))
-        coef_t = torch.as_tensor(coef, dtype=torch.float64, device=dev).reshape(1)  # FP32 → FP64: exact
-        logits = [b.attn.logit_max_H for b in self.model.blocks]
-        maxed, replicated = self._collective_max(grad_sq_P, coef_t, logits)
+        clamp_2C = (torch.stack([torch.stack(self._clamp[k]).to(dev, torch.float64).sum(0) for k in clamp_keys], 1)
+                    if clamp_keys else torch.zeros(2, 0, dtype=torch.float64, device=dev))
+        # every MEASURED sum: name -> (its layers, its values per layer on this rank)
+        measured = {**{n: (lay.keys, sq_L) for n, sq_L in zip(by_param, sharded_XL)},
+                    "act_sq": (act_keys, _stack([torch.stack(self._act[k]).to(dev, torch.float64).sum()
+                                                 for k in act_keys], dev)),
+                    "act_n": (act_keys, torch.tensor([float(self._act_n[k]) for k in act_keys], dtype=torch.float64,
+                                                     device=dev)),
+                    "clamp_hits": (clamp_keys, clamp_2C[0]), "clamp_total": (clamp_keys, clamp_2C[1])}
+        # ONE all-reduce for all of them (the parameters' sharded part; their replicated part is already global)
+        summed = Packed({n: v for n, (_, v) in measured.items()}, dev)
+        sums = summed.unpack(all_reduce_sum(summed.flat()))
+        for n, replicated_L in zip(by_param, replicated_XL):
+            sums[n] = sums[n] + replicated_L
+        coef_t = torch.as_tensor(coef, dtype=torch.float64, device=dev).reshape(())  # FP32 → FP64: exact
+        logit_keys = [f"block{i}.attn" for i in range(len(self.model.blocks))]
+        maxed, replicated = self._collective_max(grad_sq_P, coef_t, [b.attn.logit_max_H for b in self.model.blocks])
+        measured["logit_max"] = (logit_keys, maxed["logit_max"])
+        if set(measured) != set(MEASURED):
+            raise RuntimeError(f"telemetry.finish measured {sorted(measured)}, MEASURED declares {sorted(MEASURED)}")
         # one host sync for all of it
-        n_max = maxed.numel()
-        flat = torch.cat([(packed[:3 * L].view(3, L) + replicated_3L).flatten(), packed[3 * L:], maxed,
-                          coef_t]).tolist()
-        flat, maxed, coef = flat[:-1 - n_max], flat[-1 - n_max:-1], flat[-1]
-        sums = [flat[:L], flat[L:2 * L], flat[2 * L:3 * L]]  # grad², Δθ², θ² per layer
-        act_sq_r, act_n_r = flat[3 * L:3 * L + A], flat[3 * L + A:3 * L + 2 * A]
-        clamp_r = flat[3 * L + 2 * A:]
-        clamp_r = list(zip(clamp_r[0::2], clamp_r[1::2]))  # (hits, total) per SwiGLU layer
+        out = Packed({**sums, **maxed, "coef": coef_t}, dev)
+        host = out.unpack(out.flat().tolist())
 
+        by_layer: dict[str, dict[str, float]] = {k: {} for k in self.order}
+        for name, (keys, _) in measured.items():
+            for k, v in zip(keys, host[name]):
+                by_layer[k][name] = v
+        numel = dict(zip(lay.keys, lay.numel))
         layers: dict[str, dict[str, float]] = {k: {} for k in self.order}
-        for k, sq, n in zip(act_keys, act_sq_r, act_n_r):
-            layers[k]["act_rms"] = math.sqrt(sq / n)
-        ratios = []
-        for i, k in enumerate(lay.keys):
-            g_sq, d_sq, t_sq = sums[0][i], sums[1][i], sums[2][i]
-            layers[k]["grad_rms"] = math.sqrt(g_sq / lay.numel[i]) / coef  # g·coef → g
-            layers[k]["update_ratio"] = math.sqrt(d_sq) / (math.sqrt(t_sq) + self.eps)
-            ratios.append(layers[k]["update_ratio"])
-        for k, (hits, total) in zip(clamp_keys, clamp_r):
-            layers[k]["clamp_hit_rate"] = hits / total if total else 0.0
+        for q in QUANTITIES.values():
+            for k, x in by_layer.items():
+                if all(n in x for n in q.needs):
+                    v = q.value(x, At(numel.get(k, 0), host["coef"], self.eps))
+                    if v is not None:
+                        layers[k][q.name] = v
+        ratios = [layers[k]["update_ratio"] for k in lay.keys if "update_ratio" in layers[k]]
         # NOTE: a NaN ratio must surface, and Python's max() drops or keeps NaN depending on order.
         ratio_max = math.nan if any(math.isnan(r) for r in ratios) else max(ratios)
-        grads_bad = not all(math.isfinite(s) for s in sums[0])
-        n_logit = len(self.model.blocks)
-        logit_L = [None if v == -math.inf else v for v in maxed[:n_logit]]
-        out = maxed[n_logit:]
-        replica = {"param_sum_spread": out[0] + out[1], "grad_norm_spread": out[2] + out[3]} if replicated else {}
-        for i, v in enumerate(logit_L):
-            if v is not None:  # NOTE: the probe's max over the first sequence of each micro-batch, all ranks
-                layers[f"block{i}.attn"]["attn_logit_max"] = v
+        grads_bad = not all(math.isfinite(s) for s in host["grad_sq"])
+        spread = {n: host[n][0] + host[n][1] for n in ("param_sum", "grad_norm") if replicated}  # max(x) + max(−x)
+        replica = {f"{n}_spread": v for n, v in spread.items()}
         return {"layers": {k: v for k, v in layers.items() if v}, "update_ratio_max": ratio_max,
                 "nonfinite": {"grads": grads_bad}, "replica": replica}
 
@@ -207,25 +284,25 @@ class Telemetry:
             block.attn.probe_logits = False
         self.active = False
 
-    def _collective_max(self, grad_sq_P: Tensor, coef_1: Tensor,
-                        attn_logits: list[Tensor | None]) -> tuple[Tensor, bool]:
-        """One MAX all-reduce, still on the device: each layer's largest probed attention logit (attn_logit_max;
+    def _collective_max(self, grad_sq_P: Tensor, coef: Tensor,
+                        attn_logits: list[Tensor | None]) -> tuple[dict[str, Tensor], bool]:
+        """One MAX all-reduce, still on the device: each block's largest probed attention logit (logit_max;
         -inf where no forward was probed), and under DDP (the bool) the spread (max − min over ranks, as
-        max(x) + max(−x)) of a float64 parameter checksum Σθ and of the local pre-clip grad norm. Both are
-        exactly 0 on healthy DDP: every rank holds the same bits."""
+        max(x) + max(−x)) of a float64 parameter checksum Σθ (param_sum) and of the local pre-clip grad norm
+        (grad_norm). Both are exactly 0 on healthy DDP: every rank holds the same bits."""
         dev = self.layout.device
-        vals = [torch.full((), -math.inf, dtype=torch.float64, device=dev) if m is None
-                else m.max().to(dev, torch.float64) for m in attn_logits]
+        named = {"logit_max": _stack([torch.full((), -math.inf, dtype=torch.float64, device=dev) if m is None
+                                      else m.max().to(dev, torch.float64) for m in attn_logits], dev)}
         world = tdist.get_world_size() if tdist.is_initialized() else 1
         # NOTE: under FSDP each rank holds a different shard, so a spread means nothing there.
         replicated = world > 1 and not self.layout.any_sharded
         if replicated:
             params = self.layout.local_params()
             psum = torch.stack([p.sum(dtype=torch.float64) for p in params]).sum()
-            gnorm = grad_sq_P.sum().sqrt() / coef_1[0]
-            vals += [psum, -psum, gnorm, -gnorm]
-        maxed = all_reduce_max(torch.stack(vals)) if vals else torch.zeros(0, dtype=torch.float64, device=dev)
-        return maxed, replicated
+            gnorm = grad_sq_P.sum().sqrt() / coef
+            named |= {"param_sum": torch.stack([psum, -psum]), "grad_norm": torch.stack([gnorm, -gnorm])}
+        packed = Packed(named, dev)
+        return packed.unpack(all_reduce_max(packed.flat())), replicated
 
 
 class StepTelemetry(Callback):

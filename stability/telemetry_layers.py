@@ -4,11 +4,18 @@ Layer names, in forward order (the order of StepRecord.layers, so the earliest d
 first one read):
 
     emb                  token embedding (a tied head is counted here only)
-    block{i}.attn        attn_norm + attention of block i
-    block{i}.mlp         mlp_norm + dense SwiGLU or MoE (router, experts, shared expert) of block i
+    block{i}.attn_norm   the gain of attention's pre-norm (parameters only)
+    block{i}.attn        attention of block i: its matrices
+    block{i}.attn.q_norm, block{i}.attn.k_norm    QK-norm's gains (model.qk_norm; parameters only)
+    block{i}.mlp_norm    the gain of the MLP's pre-norm (parameters only)
+    block{i}.mlp         dense SwiGLU or MoE (router, experts, shared expert) of block i: its matrices
     block{i}             the residual stream after block i (activations only: it owns no parameters)
-    norm                 the final RMSNorm
+    norm                 the final RMSNorm (its gain, and its output)
     head                 the output projection, only when untied (its activation is the logits)
+
+Norm gains (GAINS: every RMSNorm / LayerNorm weight) are layer entries of their own, named after their module:
+a gain is ≈ 1 where a matrix entry is ~init std, so counted inside attention or the MLP it would swamp the
+layer's Σθ² (ρ_ℓ's denominator) and any per-layer max or RMS of the weights would read the gain.
 
 Sharded vs replicated (the rule of optim/clip.py): a DTensor with a Shard placement (FSDP2) holds a
 piece of the tensor on each rank, so its squares are summed over ranks; a plain tensor (DDP) is the
@@ -23,21 +30,35 @@ import torch.distributed as tdist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Shard
 
-_BLOCK_PARAM = re.compile(r"blocks\.(\d+)\.(attn|attn_norm|mlp|mlp_norm)(\.|$)")
+GAINS = (nn.RMSNorm, nn.LayerNorm)  # a norm's gain: a layer entry of its own (above)
+_BLOCK_PARAM = re.compile(r"blocks\.(\d+)\.(attn|mlp)(\.|$)")
 _BLOCK_MLP = re.compile(r"blocks\.(\d+)\.mlp(\.|$)")
-_TOP = {"tok_emb": "emb", "norm": "norm", "head": "head"}
+_TOP = {"tok_emb": "emb", "head": "head"}
+
+
+def param_layers(model: nn.Module) -> dict[str, str]:
+    """{parameter name: its layer}: 'blocks.1.attn.qkv.weight' -> 'block1.attn', 'blocks.1.attn_norm.weight' ->
+    'block1.attn_norm' (a gain), 'norm.weight' -> 'norm', 'tok_emb.weight' -> 'emb'."""
+    gain = {f"{m}.{n}" if m else n: gain_layer(m) for m, mod in model.named_modules() if isinstance(mod, GAINS)
+            for n, _ in mod.named_parameters(recurse=False)}
+    return {n: gain.get(n) or param_layer(n) for n, _ in model.named_parameters()}
+
+
+def gain_layer(module: str) -> str:
+    """A norm module's name -> its gain's layer: 'blocks.1.attn_norm' -> 'block1.attn_norm', 'norm' -> 'norm'."""
+    return re.sub(r"^blocks\.(\d+)\.", r"block\1.", module)
 
 
 def param_layer(name: str) -> str:
-    """'blocks.1.attn_norm.weight' -> 'block1.attn'; 'tok_emb.weight' -> 'emb'."""
+    """A parameter that is no norm gain -> its layer: 'blocks.1.mlp.w_down' -> 'block1.mlp', 'tok_emb.weight' -> 'emb'."""
     m = _BLOCK_PARAM.match(name)
     if m:
-        return f"block{m[1]}.{'attn' if m[2].startswith('attn') else 'mlp'}"
+        return f"block{m[1]}.{m[2]}"
     top = name.split(".", 1)[0]
     if top in _TOP:
         return _TOP[top]
     raise ValueError(f"telemetry: parameter {name!r} belongs to no known layer "
-                     f"(expected tok_emb.*, blocks.<i>.(attn|attn_norm|mlp|mlp_norm).*, norm.*, head.*)")
+                     f"(expected tok_emb.*, blocks.<i>.(attn|mlp).*, head.*, or a norm's gain)")
 
 
 def swiglu_layer(name: str) -> str:
@@ -49,9 +70,14 @@ def swiglu_layer(name: str) -> str:
 
 
 def layer_order(model: nn.Module) -> list[str]:
+    """The layers in forward order: a block's pre-norm gain before its sublayer, a gain inside it after it."""
+    gains = [gain_layer(m) for m, mod in model.named_modules() if isinstance(mod, GAINS)]
     names = ["emb"]
     for i in range(len(model.blocks)):
-        names += [f"block{i}.attn", f"block{i}.mlp", f"block{i}"]
+        for part in ("attn", "mlp"):
+            sub = f"block{i}.{part}"
+            names += [g for g in gains if g == f"{sub}_norm"] + [sub] + [g for g in gains if g.startswith(f"{sub}.")]
+        names += [g for g in gains if g.startswith(f"block{i}.") and g not in names] + [f"block{i}"]
     names.append("norm")
     # NOTE: named_parameters() lists a tied tensor once, under its first owner (tok_emb).
     if any(n.startswith("head.") for n, _ in model.named_parameters()):
@@ -108,7 +134,11 @@ class ParamLayout:
         if not named:
             raise ValueError("telemetry: the model has no trainable parameters")
         self.params = [p for _, p in named]
-        layer_of = [param_layer(n) for n, _ in named]
+        layer = param_layers(model)
+        layer_of = [layer[n] for n, _ in named]
+        lost = sorted(set(layer_of) - set(order))
+        if lost:
+            raise ValueError(f"telemetry: layers {lost} own parameters but have no place in the layer order")
         self.keys = [k for k in order if k in set(layer_of)]  # layers that own parameters, forward order
         self.device = local(self.params[0]).device
         world = tdist.get_world_size() if tdist.is_initialized() else 1

@@ -1,6 +1,6 @@
 """docs/hacking.md's recipes, each performed on a temporary module or copy: a model option, a specification check,
-a fault drill, a lab and a config option, each found (or refused) by the code and the test that guards it. (The signal
-recipe's test is tests/test_doctor_judge.py::test_a_new_signal_is_one_declaration.)"""
+a fault drill, a lab, a config option and a per-layer telemetry quantity, each found (or refused) by the code and the
+test that guards it. (The signal recipe's doctor half is tests/test_doctor_judge.py::test_a_new_signal_is_one_declaration.)"""
 from __future__ import annotations
 
 import dataclasses
@@ -179,6 +179,57 @@ def test_a_new_config_option_composes_and_sets_only_what_it_changes(tmp_path):
         base, cfg = compose_check(["guard=rollback"]), compose_check(["guard=student"])
     assert cfg.guard.detector.warmup == 80 and cfg.guard.action == base.guard.action
     assert dataclasses.replace(cfg.guard, detector=base.guard.detector) == base.guard
+
+
+QUANTITY = '''
+import math
+
+from stability.signals import BACKWARD, declare, per_layer
+from stability.telemetry import quantity
+
+declare("student_weight_rms", BACKWARD, per_layer("student_weight_rms"), log=True, direction="both", per_layer=True,
+        fix="the named layer's weights grew or shrank")
+quantity("student_weight_rms", ("theta_sq",), lambda x, at: math.sqrt(x["theta_sq"] / at.numel))
+'''
+
+
+def test_a_per_layer_quantity_is_one_declaration_beside_its_signal(tmp_path, monkeypatch):
+    """Recipe 2, a per-layer signal: its declare() and its quantity() in a module of the student's own; telemetry
+    writes it into StepRecord.layers and the signal reads it there. Its weights' RMS reads each layer's own
+    parameters: attention's matrices (≈ init std), the norm gains apart (exactly 1 at init)."""
+    import math
+
+    import test_telemetry as tt
+    from stability.config import TelemetryConfig
+    from stability.signals import SIGNALS, ReadContext
+    from stability.telemetry import QUANTITIES, Telemetry, quantity
+
+    (tmp_path / "student_quantity.py").write_text(QUANTITY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        importlib.import_module("student_quantity")
+        ds, model = tt.build()
+        from data.loader import Loader
+        from optim import build_optimizer
+        from optim.config import OptimConfig
+        opt, _ = build_optimizer(model, OptimConfig(lr=1e-2))
+        attn = [p.detach().double() for n, p in model.blocks[0].attn.named_parameters()]
+        want = math.sqrt(sum(p.square().sum().item() for p in attn) / sum(p.numel() for p in attn))
+        out, _ = tt.step(model, model, opt, Telemetry(model, TelemetryConfig(every=1)),
+                         Loader(ds, tt.BATCH).next().micro_batches(2), 1)
+        series = dict((s, v) for s, v, _, _ in SIGNALS["student_weight_rms"].read(out, ReadContext()))
+        with pytest.raises(ValueError, match="declare its signal first"):
+            quantity("student_unsignalled", ("theta_sq",), lambda x, at: 0.0)
+        with pytest.raises(ValueError, match="does not measure"):
+            quantity("student_unsignalled", ("theta_cubed",), lambda x, at: 0.0)
+    finally:
+        SIGNALS.pop("student_weight_rms", None)
+        QUANTITIES.pop("student_weight_rms", None)
+        sys.modules.pop("student_quantity", None)
+    assert series["student_weight_rms/block0.attn"] == pytest.approx(want, rel=1e-6)  # an FP32 norm (telemetry_layers)
+    assert series["student_weight_rms/block0.attn"] < 0.5  # the matrices', not the gain's
+    assert series["student_weight_rms/block0.attn_norm"] == series["student_weight_rms/norm"] == 1.0
+    assert "student_weight_rms/block0" not in series  # the residual stream owns no parameters
 
 
 def test_the_recipes_are_in_hacking_md():

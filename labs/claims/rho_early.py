@@ -31,7 +31,7 @@ from labs.claims.tiny import build, check_lines, figure, first_index, make_optim
 from labs.common import single_thread
 from stability.config import TelemetryConfig
 from stability.telemetry import Telemetry
-from stability.telemetry_layers import param_layer
+from stability.telemetry_layers import param_layers
 
 TITLE = "rho_early: per-layer update ratio ρ_ℓ crosses K× its early median steps before the loss blows up"
 LR0, RAMP = 1e-3, 1.2
@@ -71,7 +71,8 @@ def train_layer_fault(seed: int, layer: str, factor: float, start: int, steps: i
     the loss, the logged LR, every layer's ρ_ℓ and the whole-model update ratio ‖Δθ‖/‖θ‖."""
     dataset, model = build(seed)
     optimizer, scheduler = make_optimizer(model, LR0, steps)
-    faulty = [p for n, p in model.named_parameters() if param_layer(n) == layer]
+    layer_of = param_layers(model)
+    faulty = [p for n, p in model.named_parameters() if layer_of[n] == layer]
     if not faulty:
         raise ValueError(f"rho_early: fault_layer={layer!r} owns no parameters")
     adam_step, step_now = optimizer.step, [0]

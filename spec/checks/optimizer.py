@@ -214,7 +214,7 @@ class OptimizerCheck(Check):
 
     def after_read(self, s) -> None:
         """The host knows whether the update applied: the count moves on with it."""
-        if not bool(s.result.skipped):  # NOTE: the host's copy of the step's flag, read with the step
+        if not s.skipped:  # NOTE: the host's copy of the step's flag, read with the step
             self.updates = self.updates + 1
 
     def rolled_back(self, cursor: int) -> None:
