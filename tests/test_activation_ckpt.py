@@ -119,7 +119,7 @@ def test_gradients_equal_under_ddp_and_fsdp(tmp_path):
                 assert_same(got[f"{par}/{mode}"], got[f"{par}/none"])
 
 
-@pytest.mark.slow
+@pytest.mark.sweep
 def test_gradients_equal_under_compile():
     one = Dist(0, 1, 0, torch.device("cpu"), None)
     want, _ = grads("none", DENSE, one, compile=True)

@@ -111,6 +111,6 @@ def test_sigkill_during_saves_always_leaves_a_complete_latest(tmp_path):
     drill(tmp_path, kills=3, seed=0)
 
 
-@pytest.mark.slow
+@pytest.mark.sweep
 def test_sigkill_during_saves_many_times(tmp_path):
     drill(tmp_path, kills=24, seed=1)

@@ -59,7 +59,7 @@ def test_gradients_headline_is_held_out_and_vanishes_without_the_mask_bug(monkey
     assert h["bug_excess"] == h["correct_excess"] > 0
 
 
-@pytest.mark.slow
+@pytest.mark.sweep
 def test_anticipatory_lab_compares_on_and_off_and_fails_without_the_mechanism(tmp_path):
     from labs import anticipatory_ablation as anticipatory
 

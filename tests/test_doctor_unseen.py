@@ -4,7 +4,7 @@ records (continuity, per-rank inputs, resume-time state, per-step system time, e
 
 Default suite: four planted faults (input, a subtle forward one — one attention block's output ×4 for one
 step —, update, resume; ~7 short trainings of the tiny drill job, stopped a few steps after the fault); `-m slow`:
-a clean resumed run, the whole set and ten clean seeds. The project's published score is
+a clean resumed run; `-m sweep`: the whole set and ten clean seeds. The project's published score is
 bench/doctor_eval/score.py's: full-length runs of the default job, faults at random phases.
 """
 from __future__ import annotations
@@ -72,7 +72,7 @@ def test_read_watch_catches_a_file_naming_the_fault(tmp_path):
         diagnose(d, "lr_x3")
 
 
-@pytest.mark.slow
+@pytest.mark.sweep
 def test_unseen_fault_set_and_clean_seeds(tmp_path):
     """The whole set on the tiny drill job: all but 2 right in class, layer and step ±1; ten clean seeds: no false
     fault (a natural incident of a clean run is listed, judged natural, and leaves the headline healthy)."""

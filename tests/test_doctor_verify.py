@@ -105,7 +105,7 @@ def test_the_budget_caps_the_replayed_steps(drill_runs, tmp_path):
     assert doctor(run_dir, "--verify", "--budget", "0").returncode == 2
 
 
-@pytest.mark.slow
+@pytest.mark.sweep
 def test_a_natural_incident_is_not_fixed(tmp_path):
     """The default run, stopped after its induction head formed: its incident (the README's natural spike on an
     AVX2 machine) is re-executed and tested, and verify says the run recovers without intervention."""

@@ -133,7 +133,7 @@ def test_rollback_from_disk_and_the_suspect_state_is_never_saved(tmp_path):
     assert [x["step"] for x in recs][-1] == S + 4
 
 
-@pytest.mark.slow
+@pytest.mark.sweep
 def test_every_drill_is_quiet_before_its_injection(tmp_path):
     """At full size (the configs a user runs), on 3 seeds x {1, 2} threads: no guard trigger, skip or rollback
     before the fault step, so each drill's incident is the one it injects (bench/seeds/drills_quiet.py: each run

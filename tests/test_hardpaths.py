@@ -53,7 +53,7 @@ def test_fsdp2_anticipatory_routing_after_a_rollback(tmp_path):
     assert recs[-1]["step"] == 8 and any(x["routing"].get("on") for x in recs)
 
 
-@pytest.mark.slow  # NOTE: the default suite covers it with test_matrix's moe-1proc-fp32-rb_memory-resume cell
+@pytest.mark.sweep  # NOTE: the default suite covers it with test_matrix's moe-1proc-fp32-rb_memory-resume cell
 def test_resume_inside_an_anticipatory_window_is_bit_identical(tmp_path):
     """Issue 13 #4: NaN at step 5 -> rollback to 3, anticipatory routing on from step 4 (Δt = 2, window
     20); the save at step 7 is inside the window. The route cache and the open incident are in the
@@ -92,7 +92,7 @@ def test_a_vetoed_last_step_defers_the_save_or_fails_loudly(tmp_path):
     assert "vetoed" in lines[-1] and "step_000003" in lines[-1] and not any("Traceback" in x for x in lines)
 
 
-@pytest.mark.parametrize("content", [b"\xff\xfe\x00step", pytest.param(None, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("content", [b"\xff\xfe\x00step", pytest.param(None, marks=pytest.mark.sweep)])
 def test_a_damaged_latest_pointer_falls_back_to_a_scan(tmp_path, content):
     """Issue 13 #6: a `latest` with non-UTF-8 bytes, or a directory named latest, was reported as a config
     error although complete checkpoints existed. It is damage: scan, resume the newest complete one."""
@@ -138,7 +138,7 @@ def killed_and_restarted(run, overrides, kills, seed):
     return outputs
 
 
-@pytest.mark.parametrize("kills", [pytest.param(2, id="2kills"), pytest.param(6, id="6kills", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("kills", [pytest.param(2, id="2kills"), pytest.param(6, id="6kills", marks=pytest.mark.sweep)])
 def test_resume_auto_survives_random_kills_with_the_same_command(tmp_path, kills):
     """Issue 13 #12: `resume=auto` resumes from the newest complete checkpoint or starts fresh, saying which;
     killed at random moments and restarted with the same command, the run ends with the parameters of an
@@ -181,8 +181,8 @@ LATIN1 = "Olá, café à la carte\n".encode("latin-1") * 40  # 0xe1 at byte offs
                               "holds 9 tokens, and a sample needs data.seq_len + 1 = 33"),
     ("char", ("to be or not " * 40 + "\u2260\n").encode(), "lacks '\u2260' (U+2260) found at character 520 (line 1) in "
                                                            "the validation text; use data.tokenizer=byte"),
-    pytest.param("byte", LATIN1, "byte offset 2", marks=pytest.mark.slow),
-    pytest.param("char", b"", "empty", marks=pytest.mark.slow),
+    pytest.param("byte", LATIN1, "byte offset 2", marks=pytest.mark.sweep),
+    pytest.param("char", b"", "empty", marks=pytest.mark.sweep),
 ])
 def test_bad_text_files_fail_in_one_line_and_leave_nothing(tmp_path, tokenizer, content, expect):
     """Issue 13 #13: a Latin-1 file was a 42-line DatasetGenerationError traceback; an empty file named

@@ -1,5 +1,5 @@
 """Blind incidents (labs/incident.py): the sealed answer grades class, layer and step separately; the
-scrub leaves no file or field naming the fault. The end-to-end run (train.py) is under -m slow."""
+scrub leaves no file or field naming the fault. The end-to-end run (train.py) is under -m sweep."""
 from __future__ import annotations
 
 import json
@@ -57,7 +57,7 @@ def test_a_trace_the_scrub_cannot_remove_stops_it(tmp_path):
         incident.scrub(tmp_path)
 
 
-@pytest.mark.slow
+@pytest.mark.sweep
 def test_a_generated_incident_names_no_fault_and_grades_its_own_answer(tmp_path):
     out = tmp_path / "incident-13"
     assert incident.main(["new", "--seed", "13", "--out", str(out)]) == 0

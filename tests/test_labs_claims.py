@@ -168,7 +168,7 @@ def test_resume_jump_optimizer_and_scheduler_arms_fail_when_their_reset_is_remov
     assert failed == {"optimizer reset", "scheduler reset"}, failed
 
 
-@pytest.mark.slow
+@pytest.mark.sweep
 def test_resume_jump_fails_without_a_random_draw_in_the_step():
     fails(resume_jump, "RNG not restored", dropout=0.0)
 
@@ -182,7 +182,7 @@ def test_zloss_bounds_log_z_and_keeps_the_ce(tmp_path):
     assert base["eval"]["lse_rms"] > math.log(35)  # it drifted above its init (log vocab) without z-loss
 
 
-@pytest.mark.slow
+@pytest.mark.sweep
 def test_zloss_fails_when_the_z_term_carries_no_gradient(monkeypatch):
     import model.transformer as tr
     orig = tr.token_losses

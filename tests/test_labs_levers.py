@@ -10,7 +10,7 @@ import pytest
 from labs import LABS, lever_headroom as levers
 from labs import run as labs_run
 
-pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
+pytestmark = [pytest.mark.sweep, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 
 
 def test_quick_lab_passes_with_its_seed(tmp_path, capsys):

@@ -31,7 +31,7 @@ def test_bad_lever_config_is_one_line_naming_the_key(tmp_path, override, key):
     assert not (tmp_path / "run" / "metrics.jsonl").exists() and not (tmp_path / "run" / "config.yaml").exists()
 
 
-@pytest.mark.slow
+@pytest.mark.sweep
 def test_levers_resume_bit_identical(tmp_path):
     cmd = [sys.executable, "-m", "checkpoint.verify", "--out", str(tmp_path / "v"), "--steps", "3", "3", *TINY, *LEVERS]
     r = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)

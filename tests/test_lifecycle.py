@@ -309,7 +309,7 @@ def test_more_steps_continue_the_lr_and_the_doctor_reads_the_extension_as_declar
     assert any("train.steps 200 -> 230" in c for c in rep["declared"]), rep["declared"]
 
 
-@pytest.mark.slow
+@pytest.mark.sweep
 @pytest.mark.distributed
 def test_two_processes_one_writer_and_one_line_errors(tmp_path):
     d = tmp_path / "run"

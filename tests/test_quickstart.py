@@ -94,7 +94,7 @@ def test_quickstart_grid_every_point_at_its_floor(tmp_path):
     check(grid.run_grid(points, None, 0.0, [], tmp_path, jobs=2))
 
 
-@pytest.mark.slow
+@pytest.mark.sweep
 def test_quickstart_outcome_survives_a_perturbed_init(tmp_path):
     """1e-6 relative noise on the initial weights: the same outcome (head formed, both gaps at the floor)."""
     points = [{"seed": s, "data_seed": 1234, "threads": 1} for s in (0, 1)]

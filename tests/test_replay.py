@@ -94,7 +94,7 @@ def test_cli_prints_the_comparison_and_errors_in_one_line(healthy):
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "no complete checkpoint" in bad.stderr
 
 
-@pytest.mark.slow
+@pytest.mark.sweep
 def test_corrupted_batch_replays_clean_and_says_so(tmp_path):
     """labels_shuffle corrupts the batch in flight: its ids rebuild the clean batch, whose label alignment
     and loss differ from the logged ones."""

@@ -136,7 +136,7 @@ def test_ddp_resume_one_to_two_processes_matches(tmp_path, one_proc):
                         tmp_path / "ddp" / "checkpoints/step_000006") <= 1e-6
 
 
-@pytest.mark.slow
+@pytest.mark.sweep
 @pytest.mark.distributed
 @pytest.mark.parametrize("args", [["--nproc", "2", "2", "parallel.mode=ddp"], ["--nproc", "1", "2"],
                                   ["--nproc", "2", "1", "parallel=fsdp"], ["--data-change", "data.seed=99"]],
