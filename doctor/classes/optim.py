@@ -16,16 +16,18 @@ def _lr_switch(diag, run, ckpt, t, b, action, ck) -> dict:
 
 def _state(diag, run, ckpt, t, b, action, ck) -> dict:
     from stability.signals import family
-    if diag.anomaly is not None and diag.anomaly.kind == "spec":
-        return spec_fix(diag, run, ckpt, t, b, action, ck)
-    sig = family(diag.anomaly.quantity) if diag.anomaly else None
-    # the moments the update of step T wrote: T = t when the recorded quantity is the state after t's update
-    at = t if sig is not None and sig.role == "state" else t - 1
+    spec = diag.anomaly is not None and diag.anomaly.kind == "spec"
+    sig = family(diag.anomaly.quantity) if diag.anomaly and not spec else None
+    # the moments the update of step T wrote: T = t when what deviated is the state after t's update (a recorded
+    # state signal, or the optimizer check, which measures the state the update left)
+    at = t if spec or (sig is not None and sig.role == "state") else t - 1
+    override = f"intervene.kind=moments intervene.step={at}"
+    if spec:  # the code that rewrote them is the fix; the intervention tests it as a config change
+        return {**spec_fix(diag, run, ckpt, t, b, action, ck), "override": override}
     return {"variable": f"the optimizer state entering step {t}",
             "change": f"keep the moments the optimizer's own update wrote (undo what rewrote them after it; or restart "
                       f"from {ck}); audit what writes optimizer state between steps",
-            "override": f"intervene.kind=moments intervene.step={at}",
-            "expect": f"update ratio at step {t} within its baseline"}
+            "override": override, "expect": f"update ratio at step {t} within its baseline"}
 
 
 def _settings(diag, run, ckpt, t, b, action, ck) -> dict:
