@@ -63,7 +63,7 @@ def _betacf(a: float, b: float, x: float) -> float:
     return h
 
 
-def _ibeta(a: float, b: float, x: float) -> float:
+def ibeta(a: float, b: float, x: float) -> float:
     """The regularised incomplete beta I_x(a, b)."""
     if x <= 0.0:
         return 0.0
@@ -77,7 +77,7 @@ def _ibeta(a: float, b: float, x: float) -> float:
 
 def t_sf(t: float, nu: float) -> float:
     """P(T > t) for Student's t with ν degrees of freedom (t ≥ 0)."""
-    return 0.5 * _ibeta(nu / 2.0, 0.5, nu / (nu + t * t))
+    return 0.5 * ibeta(nu / 2.0, 0.5, nu / (nu + t * t))
 
 
 @lru_cache(maxsize=None)
