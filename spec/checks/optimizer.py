@@ -7,7 +7,8 @@ hyperparameter from the config and the schedule (never from the param groups):
     Muon    M' = μ·M + g     U = g + μ·M' (Nesterov) or M'     θ' = θ·(1 − η·λ) − η·s·√max(m, n)·NS5(U)
             (NS5 of the whole matrix, per fused part, in FP64 here: spec/muon_ref.py; θ' on reference steps only)
     g = coef·g₀: the backward's gradient (before the clip, unscaled) times the clip policy's coefficient
-    (spec/checks/clip.py), within the tolerance the clip check allows the applied one where it clips; a skipped step (a non-finite gradient, the guard's veto) leaves all of it as it was;
+    (spec/checks/clip.py), within the tolerance the clip check allows the applied one where it clips; a skipped
+    step (a non-finite gradient, the guard's veto) leaves all of it as it was;
     a head QK-clip scaled after the update (optim/qk_clip.py, the factor it reported) is scaled so here too.
 
 "The values the previous step left" are read at the end of the previous step, after every lever, drill and the
