@@ -39,7 +39,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from checkpoint.resume import MUST_MATCH, _under
 from doctor import checkpoints
 from doctor.classes import fix_for
 from doctor.diagnosis import FAULT, INSTABILITY, NATURAL, Diagnosis
@@ -303,6 +302,8 @@ class Verifier:
             return {"ran": False, "fix": fx, "why": f"--budget={self.budget} leaves no step past {S} for the fix"}
         keys = [o.split("=", 1)[0].lstrip("+") for o in over]
         if start:
+            # NOTE: imported here: the checkpoint package loads torch, which the doctor's reading never needs
+            from checkpoint.resume import MUST_MATCH, _under
             defining = [k for k in keys if _under(k, MUST_MATCH)]  # a resume must be told of these
             allow = [f"resume.allow_config_change=[{','.join(defining)}]"] if defining else []
             seed = [r for t, r in sorted(self.path.items()) if t <= start]
