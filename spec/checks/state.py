@@ -85,8 +85,17 @@ class ContinuityCheck(Check):
         flat = [_local(t.detach()).reshape(-1) for _, _, t in items]
         norms = torch.stack(torch._foreach_norm([f if f.dtype == torch.float32 else f.float() for f in flat], 2))
         sums = torch.stack([_bits(f[::STRIDE]).to(torch.int64).sum() for f in flat])
+        n_max = max(f.numel() for f in flat)
+        if self.ctx.sharded:
+            # NOTE: each rank holds its shards, and the checkpoint keeps one copy of this blob for every rank: the
+            # fingerprint is of the whole tensors (Σ of the shards' squared norms in FP64, the integer sums exact)
+            import torch.distributed as tdist
+            sq = norms.double().square()
+            tdist.all_reduce(sq)
+            tdist.all_reduce(sums)
+            norms, n_max = sq.sqrt(), n_max * self.ctx.dist.world
         return {"names": [n for n, _, _ in items], "norms": norms.double().to("cpu"), "sums": sums.to("cpu"),
-                "n_max": max(f.numel() for f in flat), "counter": self.counter()}
+                "n_max": n_max, "counter": self.counter()}
 
     def before_forward(self, s) -> None:
         f64 = dict(dtype=torch.float64)
