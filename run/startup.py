@@ -15,7 +15,7 @@ def _interrupted(signum, frame) -> None:
     if lifecycle is not None:
         try:
             lifecycle.remove_new_dirs()
-        except OSError:
+        except OSError:  # NOTE: best effort: the process exits next either way, and says so
             pass
     if os.environ.get("RANK", "0") == "0":  # under torchrun every rank gets the Ctrl-C: one line
         os.write(2, b"ballast: SIGINT outside the training loop: exiting (no run in progress, nothing to save)\n")
