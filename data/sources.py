@@ -6,6 +6,7 @@ everything before it: the expected loss of the Bayes-optimal predictor at that l
 """
 from __future__ import annotations
 
+import bisect
 import math
 import zlib
 
@@ -14,6 +15,7 @@ import numpy as np
 # WARN: the Markov chain lives on alphabet**order contexts and its successor draw scores every
 # (context, symbol) pair, so the table costs ~8 bytes * alphabet**(order+1) at construction.
 MAX_TABLE = 1 << 22
+ROWS_IN_PYTHON = 32  # up to this many documents a call, MarkovSource draws each in Python (generate)
 
 
 def _entropy(p: np.ndarray, axis: int = -1) -> np.ndarray:
@@ -48,27 +50,48 @@ class MarkovSource:
         # so appending y is c' = (c*A + y) mod A^k.
         self.succ_CS = (np.arange(self.n_ctx)[:, None] * A + self.next_CS) % self.n_ctx
         self._rate: float | None = None
+        self._lists: tuple | None = None  # the tables as Python lists, for _chain_rows
 
     def generate(self, u_BT: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         A, k = self.alphabet, self.order
         B, T = u_BT.shape
         x_BT = np.empty((B, T), dtype=np.int64)
-        floor_BT = np.empty((B, T), dtype=np.float64)
+        ctx_BT = np.zeros((B, T), dtype=np.int64)  # the context each symbol was drawn from (t >= k)
         k0 = min(k, T)
         x_BT[:, :k0] = np.minimum((u_BT[:, :k0] * A).astype(np.int64), A - 1)
-        floor_BT[:, :k0] = math.log(A)
         ctx_B = np.zeros(B, dtype=np.int64)
         for t in range(k0):
             ctx_B = ctx_B * A + x_BT[:, t]
-        # Inverse CDF, vectorised over documents: the next symbol is the first j with u < cdf_j.
-        for t in range(k, T):
-            j_B = (self.cdf_CS[ctx_B] <= u_BT[:, t, None]).sum(axis=1)
-            j_B = np.minimum(j_B, self.support - 1)  # cdf[-1] can round to just below 1
-            y_B = self.next_CS[ctx_B, j_B]
-            x_BT[:, t] = y_B
-            floor_BT[:, t] = self.H_C[ctx_B]
-            ctx_B = (ctx_B * A + y_B) % self.n_ctx
+        # Inverse CDF: the next symbol is the first j with u < cdf_j, i.e. j = #{cdf <= u}. The chain is sequential
+        # in t; across documents it is vectorised, unless there are few of them (a training batch's share of
+        # this source), where one bisection per symbol in Python beats a dozen numpy calls per position.
+        if B <= ROWS_IN_PYTHON:
+            self._chain_rows(u_BT, x_BT, ctx_BT, ctx_B)
+        else:
+            for t in range(k, T):
+                j_B = np.minimum((self.cdf_CS[ctx_B] <= u_BT[:, t, None]).sum(axis=1), self.support - 1)
+                ctx_BT[:, t] = ctx_B
+                x_BT[:, t] = self.next_CS[ctx_B, j_B]  # NOTE: min: cdf[-1] can round to just below 1
+                ctx_B = self.succ_CS[ctx_B, j_B]
+        floor_BT = np.empty((B, T), dtype=np.float64)
+        floor_BT[:, :k0] = math.log(A)
+        floor_BT[:, k0:] = self.H_C[ctx_BT[:, k0:]]
         return x_BT, floor_BT
+
+    def _chain_rows(self, u_BT: np.ndarray, x_BT: np.ndarray, ctx_BT: np.ndarray, ctx_B: np.ndarray) -> None:
+        """The same draws as the vectorised loop, one document at a time (bisect_right(cdf, u) = #{cdf <= u})."""
+        if self._lists is None:
+            self._lists = (self.cdf_CS.tolist(), self.next_CS.tolist(), self.succ_CS.tolist())
+        cdf, nxt, succ = self._lists
+        last, k = self.support - 1, self.order
+        for b, row in enumerate(u_BT[:, k:].tolist()):
+            ctx, xs, cs = int(ctx_B[b]), [], []
+            for u in row:
+                j = min(bisect.bisect_right(cdf[ctx], u), last)
+                cs.append(ctx)
+                xs.append(nxt[ctx][j])
+                ctx = succ[ctx][j]
+            x_BT[b, k:], ctx_BT[b, k:] = xs, cs
 
     def _propagate(self, pi_C: np.ndarray, P_weight_CS: np.ndarray) -> np.ndarray:
         return np.bincount(self.succ_CS.ravel(), weights=(pi_C[:, None] * P_weight_CS).ravel(),

@@ -207,3 +207,16 @@ def test_bad_config_raises_naming_the_key(patch, needle):
     with pytest.raises(ValueError) as e:
         build_data(DataConfig.from_dict({**DEFAULT, **patch}))
     assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("alphabet,order,support", [(32, 1, 4), (8, 2, 3), (5, 3, 5)])
+def test_markov_draws_the_same_documents_one_at_a_time_and_vectorised(alphabet, order, support):
+    """generate() draws a few documents in Python and many with numpy: the same symbols and floors either way."""
+    from data.sources import ROWS_IN_PYTHON, MarkovSource
+
+    src = MarkovSource("m", alphabet, order, support, 0.3, seed=7)
+    u = np.random.default_rng(order).random((ROWS_IN_PYTHON + 5, 40))
+    x, f = src.generate(u)  # the vectorised path
+    for b in range(0, len(u), 6):
+        xb, fb = src.generate(u[b:b + 1])  # one document: the Python path
+        assert np.array_equal(xb[0], x[b]) and np.array_equal(fb[0], f[b]), b
