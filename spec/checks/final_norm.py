@@ -79,25 +79,31 @@ class LossGradCheck(Check):
         fp16 = getattr(self.ctx.recipe, "name", "") == "fp16"
         # NOTE: a sum is finite iff every term is (one reduction a layer, no mask): no healthy output comes near
         # FP32's range, 3.4e38 over its element count
-        bad = torch.stack([~torch.isfinite(torch.stack(f)).all() if f and not fp16 else torch.tensor(False)
-                           for f in self.finite.values()])
         model, c = self.ctx.model, self.ctx.model.cfg
+        counts = [0 if fp16 else len(f) for f in self.finite.values()]  # a layer may run twice (recomputed)
+        bad = torch.zeros(len(counts), device=model.norm.weight.device)
+        if sum(counts):
+            sums = torch.stack([x for f, n in zip(self.finite.values(), counts) if n for x in f])
+            owner = self._owner(tuple(counts), sums.device)
+            bad = bad.to(sums.device).index_add_(0, owner, (~torch.isfinite(sums)).float())
         gamma, W = _full(model.norm.weight).detach().float(), _full(model.head.weight).detach().float()
         z, world = float(self.ctx.cfg.train.z_loss), self.ctx.dist.world
         scale = world / s.n_valid_t.to(F64).reshape(())
         if self.ctx.scaler is not None:
             scale = scale * float(self.ctx.scaler.scale)
-        h = torch.cat(self.h).float()  # every micro-batch's, as one batch
-        labels = torch.cat([mb.labels for mb in s.micro])
-        xh = h * torch.rsqrt(h.square().mean(-1, keepdim=True) + c.norm_eps)
-        logits = (xh * gamma) @ W.T
-        lse = torch.logsumexp(logits, -1, keepdim=True)
-        dl = ((1 + 2 * z * lse) * torch.exp(logits - lse)).scatter_add_(-1, labels.clamp(min=0)[..., None],
-                                                                         -torch.ones_like(lse))
+        h = torch.cat([x.reshape(-1, x.shape[-1]) for x in self.h]).float()  # every micro-batch's tokens, (N, D)
+        labels = torch.cat([mb.labels.reshape(-1) for mb in s.micro])
+        ms = torch.linalg.vector_norm(h, dim=-1, keepdim=True).square() / h.shape[-1]  # mean(h²), per token
+        xh = h * torch.rsqrt(ms + c.norm_eps)
+        logits = xh @ (W * gamma).T  # (x̂ ⊙ γ)·Wᵀ, the gain folded into W: one (V, D) product, not an (N, D) one
+        logp = torch.log_softmax(logits, -1)
+        lse = logits[:, :1] - logp[:, :1]  # log Σ exp(logits) = logit − log p, at any one vocabulary entry
+        dl = ((1 + 2 * z * lse) * logp.exp()).scatter_add_(-1, labels.clamp(min=0)[..., None], -torch.ones_like(lse))
         dl = torch.where((labels != IGNORE)[..., None], dl, 0.0)  # where: an ignored position's inf stays out
-        want = ((dl @ W) * xh).sum((0, 1), dtype=F64) * scale
+        # Σ_t (dl_t·W) ⊙ x̂_t = Σ_v W_v ⊙ (dlᵀ·x̂)_v: the sum over tokens inside one (V, N)·(N, D) product
+        want = (W * (dl.T @ xh)).sum(0, dtype=F64) * scale
         # the same sum with every term's magnitude, bounded: |∂/∂logits|₁ · max|W| · |x̂| per token
-        mag = (dl.abs().sum(-1, keepdim=True) * xh.abs()).sum((0, 1), dtype=F64) * scale * W.abs().max().double()
+        mag = (dl.abs().sum(-1) @ xh.abs()).double() * scale * W.abs().max().double()
         lmax = logits.abs().max()
         if world > 1:
             import torch.distributed as tdist
@@ -106,7 +112,7 @@ class LossGradCheck(Check):
             want, mag = want / world, mag / world
         got = _full(model.norm.weight.grad).to(F64) if model.norm.weight.grad is not None else torch.zeros_like(want)
         u_in = u(matmul_dtype(self.ctx.recipe, self.ctx.cfg.parallel.param_dtype))
-        n_tok = sum(m.labels.numel() for m in s.micro)
+        n_tok = labels.numel()
         # NOTE: this closed form runs in FP32 too, the same stages as the training path: twice their rounding
         stages = (stage(c.d_model, U32) + stage(c.d_model, max(u_in, U32)) + stage(W.shape[0], U32) * (1 + lmax.double())
                   + stage(W.shape[0], max(u_in, U32)) + stage(n_tok, U32) + 4 * U32)
@@ -119,13 +125,20 @@ class LossGradCheck(Check):
                           torch.where(~torch.isfinite(got).all(), nonfinite, (got - want).norm()))
         tol = rel * mag.norm() + 1e-300
         self.place = (got, want, tol)
-        layers = torch.where(bad.to(err.device), torch.inf, 0.0).double()
+        layers = torch.where(bad.to(err.device) > 0, torch.inf, 0.0).double()
         names = list(self.kinds)
         kinds = torch.tensor([float(names.index("nonfinite"))] * len(layers) + [0.0], dtype=F64)
         self.measure(torch.cat([layers, err.reshape(1)]), torch.cat([torch.full_like(layers, 0.5), tol.reshape(1)]),
                      kinds, where=[*self.finite, "norm.weight"])
         self.n_layers = len(layers)
         self.h = []
+
+    def _owner(self, counts: tuple[int, ...], device) -> Tensor:
+        """The layer of each kept sum (cached: the same every step but for a recomputed layer)."""
+        if getattr(self, "_owners", (None,))[0] != (counts, str(device)):
+            owner = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts)).to(device)
+            self._owners = ((counts, str(device)), owner)
+        return self._owners[1]
 
     def classify(self, i: int) -> str:
         if i < self.n_layers:
