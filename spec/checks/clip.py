@@ -42,11 +42,14 @@ class ClipCheck(Check):
         sharded = [_is_shard(g) for g in grads]
         local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
         dev = local[0].device
-        norms = torch.stack([n.to(dev) for n in torch._foreach_norm(local, 2)]).double()
-        sq_shard = torch.where(torch.tensor(sharded, device=dev), norms.square(), 0.0).sum()
-        if any(sharded):
+        norms = torch.stack(torch._foreach_norm(local, 2)).double()
+        if any(sharded):  # FSDP2: a shard's square summed over the ranks, a replicated tensor's counted once
+            shard = torch.tensor(sharded, device=dev)
+            sq_shard = torch.where(shard, norms.square(), 0.0).sum()
             tdist.all_reduce(sq_shard)
-        sq = sq_shard + torch.where(torch.tensor(sharded, device=dev), 0.0, norms.square()).sum()
+            sq = sq_shard + torch.where(shard, 0.0, norms.square()).sum()
+        else:
+            sq = norms.square().sum()
         scale = float(self.ctx.scaler.scale) if self.ctx.scaler is not None else 1.0  # FP16: S·g until the unscale
         self.norm = sq.sqrt() / scale
         self.n_max = max(g.numel() for g in local)

@@ -76,6 +76,10 @@ class OptimizerCheck(Check):
         wd = [group_settings(cfg, g)[1] for g in self.groups]
         self.wd = torch.repeat_interleave(torch.tensor(wd, dtype=F64, device=dev), torch.tensor(sizes, device=dev))
         self.sizes = sizes
+        self.group_names = list(dict.fromkeys(self.groups))
+        self.group_of = torch.repeat_interleave(torch.tensor([self.group_names.index(g) for g in self.groups]),
+                                                torch.tensor(sizes)).to(dev)  # each probe element's group
+        self.zeros = torch.zeros(sum(sizes), dtype=F64, device=dev)
         self.qk = {n: qk_heads(idx, ctx.model.cfg) for n, _, idx, _, _ in self.params if n.endswith("attn.qkv.weight")}
         self.start: dict[str, Tensor] | None = None
         self.updates: Tensor | None = None  # the spec's count of applied updates (AdamW's t before this step), 0-d
@@ -84,17 +88,23 @@ class OptimizerCheck(Check):
     def snapshot(self) -> dict[str, Tensor]:
         """w and each optimizer state at the probe elements, as flat float64 vectors (0 where a state is absent)."""
         opt = self.ctx.optimizer
-        out = {"w": torch.cat([_local(p.detach()).reshape(-1)[idx] for _, p, idx, _, _ in self.params]).double()}
+        states = [opt.state.get(p, {}) for _, p, *_ in self.params]
+        # NOTE: torch.take reads a tensor as flat: one op a tensor (a DTensor's local shard: its own elements)
+        out = {"w": torch.cat([torch.take(_local(p.detach()), idx) for _, p, idx, _, _ in self.params]).double()}
         for k in STATES:
-            parts = []
-            for _, p, idx, _, _ in self.params:
-                st = opt.state.get(p, {})
-                parts.append(_local(st[k]).reshape(-1)[idx] if k in st else torch.zeros(len(idx), device=idx.device))
-            out[k] = torch.cat(parts).double()
+            if not any(k in st for st in states):  # this optimizer keeps no such state
+                out[k] = self.zeros
+                continue
+            out[k] = torch.cat([torch.take(_local(st[k]), idx) if k in st else torch.zeros(len(idx), device=idx.device)
+                                for (_, _, idx, _, _), st in zip(self.params, states)]).double()
         dev = out["w"].device
         # AdamW's count per parameter (a scalar tensor, on the parameter's device when fused); −1: none
-        out["step"] = torch.stack([opt.state[p]["step"].to(dev, F64).reshape(()) if "step" in opt.state.get(p, {})
-                                   else torch.tensor(-1.0, dtype=F64, device=dev) for _, p, *_ in self.params])
+        steps = [st["step"] if "step" in st else None for st in states]
+        if all(t is not None and t.device == steps[0].device for t in steps):
+            out["step"] = torch.stack(steps).to(dev, F64).reshape(-1)
+        else:
+            out["step"] = torch.stack([t.to(dev, F64).reshape(()) if t is not None
+                                       else torch.tensor(-1.0, dtype=F64, device=dev) for t in steps])
         return out
 
     def before_batch(self, s) -> None:
@@ -146,10 +156,9 @@ class OptimizerCheck(Check):
         eps, t = float(cfg.optim.eps), self.updates.to(a["w"].device) + 1  # a 0-d tensor: the count stays there
         coef = self.ctx.coef_spec.double()
         skipped = ~self.ctx.norm_finite | torch.tensor(bool(s.vetoed), device=coef.device)
-        lr = torch.repeat_interleave(torch.tensor([lr_at(cfg, g, s.step, self.ctx.schedule) for g in self.groups],
-                                                  dtype=F64,
-                                                  device=coef.device), torch.tensor(self.sizes, device=coef.device))
-        lr, wd = lr.to(a["w"].device), self.wd.to(a["w"].device)
+        # the schedule's LR of each group (a few), spread to the probe elements of its parameters
+        lr = torch.tensor([lr_at(cfg, g, s.step, self.ctx.schedule) for g in self.group_names], dtype=F64)
+        lr, wd = lr.to(a["w"].device)[self.group_of], self.wd.to(a["w"].device)
         has_g = ~self.g0.isnan()
         g = torch.where(has_g, coef.to(self.g0.device) * self.g0, 0.0)
         clip = self.qk_factor(s.qk_clip, g)

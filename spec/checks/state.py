@@ -66,14 +66,17 @@ class ContinuityCheck(Check):
             out += [(f"{self.names.get(id(p), '?')}.{k}", "optimizer", v) for k, v in st.items() if torch.is_tensor(v)]
         return out
 
-    def marks(self) -> tuple[list[tuple], Tensor]:
-        """Each tensor's (name, identity, storage, version), and the FP32 norms of the parameters and buffers: a
-        write through .data (which PyTorch does not count) changes a value, and a norm of it, computed by the same
-        kernel on the same numbers, comes out the same bits or the write is there."""
+    def marks(self) -> tuple[list[tuple], Tensor, list[int]]:
+        """Each tensor's (name, identity, storage, version), the FP32 norms of the parameters and buffers (a write
+        through .data, which PyTorch does not count, changes a value, and a norm of it, computed by the same
+        kernel on the same numbers, comes out the same bits or the write is there), and each tensor's kind."""
         items = self.collect()
         marks = [(n, id(t), _local(t).data_ptr(), t._version) for n, _, t in items]
-        model = [_local(t.detach()).reshape(-1) for _, k, t in items if k == "state"]
-        return marks, torch.stack(torch._foreach_norm([f if f.dtype == torch.float32 else f.float() for f in model], 2))
+        with torch.no_grad():  # NOTE: a norm of each whole tensor, whatever its shape: no view made
+            model = [_local(t) for _, k, t in items if k == "state"]
+            norms = torch.stack(torch._foreach_norm([f if f.dtype == torch.float32 else f.float() for f in model], 2))
+        kinds = list(self.kinds)
+        return marks, norms, [kinds.index(k) for _, k, _ in items]
 
     def counter(self) -> float:
         return float(self.ctx.scheduler.last_epoch) if self.ctx.scheduler is not None else 0.0
@@ -103,12 +106,12 @@ class ContinuityCheck(Check):
         if self.saved is not None:
             self.measure_saved(s, counter_off)
         elif self.end is not None:
-            (now, norms), (then, norms_then) = self.marks(), self.end
+            (now, norms, kinds), (then, norms_then, _) = self.marks(), self.end
             if [m[0] for m in now] != [m[0] for m in then]:  # a tensor of the state appeared or went
                 gone = sorted(set(m[0] for m in then) ^ set(m[0] for m in now))
                 self.measure(torch.tensor([1.0], **f64), torch.tensor([0.5], **f64), "state", where=gone[:1])
             else:
-                kinds = [list(self.kinds).index(k) for _, k, _ in self.collect()] + [list(self.kinds).index("schedule")]
+                kinds = kinds + [list(self.kinds).index("schedule")]
                 err = torch.tensor([float(a[1:] != b[1:]) for a, b in zip(now, then)] + [float(counter_off)], **f64)
                 moved = (norms != norms_then).double().to(err.device)  # the parameters and buffers come first
                 err = torch.cat([torch.maximum(err[:len(moved)], moved), err[len(moved):]])
