@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from spec.reference import F64, Reference, weights_f64
+from spec.reference import F64, weights_f64
 
 
 @dataclass
@@ -90,13 +90,3 @@ def run_probe(model, micro, routes, z_coef: float, autocast, loss_scale: float |
     bias = {i: m.bias_E.detach().to(F64) for i, m in model.moe_layers()}
     loss = {"ce": out.loss_sum.detach().to(F64), "z": out.z_sum.detach().to(F64), "aux": out.aux_loss.detach().to(F64)}
     return ProbeRun(tokens, labels, taken, loss, grads, ids, weights_f64(model, requires_grad=want_grads), bias)
-
-
-def reference_grads(ref: Reference, run: ProbeRun, z_coef: float) -> dict[str, Tensor]:
-    """The FP64 reference's gradient of the same probe objective, with the training path's expert ids."""
-    out = ref.forward(run.tokens, run.labels, run.ids)
-    objective = (out["ce"] + z_coef * out["z"]) / out["n"].clamp(min=1).to(F64) + out["aux"]
-    leaves = [w for w in run.ref_w.values() if w.requires_grad]
-    names = [n for n, w in run.ref_w.items() if w.requires_grad]
-    got = torch.autograd.grad(objective, leaves, allow_unused=True)
-    return {n: torch.zeros_like(w) if g is None else g for n, w, g in zip(names, leaves, got)}

@@ -2,10 +2,12 @@
 
 On a reference step the probe's objective, (Σ CE + z·Σ lse²)/n + aux on one sequence, is differentiated twice:
 by the training path's autograd (its modules, kernels and backward hooks: spec/probe.py) and by autograd
-through the FP64 reference (spec/reference.py), with the same weights and expert ids. Every parameter tensor's
-two gradients agree within the model's chained rounding, twice over (the forward's stages, then the backward's
-two matmuls for each forward one): tol = 2·Σ_layers tol_layer + the head's (spec/checks/forward.py), normwise
-per tensor. A gradient that is the reference's times a factor is a scaled gradient (a hook that multiplies
+through the FP64 reference (spec/reference.py), with the same weights and expert ids: the reference the forward
+check built, each layer fed the training path's input to it and wired to the next (the reference linearised
+at the training path's activations: the chain rule's Jacobians at the points the training path's own backward
+used; spec/checks/forward.py `through`). Every parameter tensor's two gradients agree within the model's
+chained rounding, twice over (the forward's stages, then the backward's two matmuls for each forward one):
+tol = 2·Σ_layers tol_layer + the head's (spec/checks/forward.py), normwise per tensor. A gradient that is the reference's times a factor is a scaled gradient (a hook that multiplies
 it); otherwise the backward computes something else.
 """
 from __future__ import annotations
@@ -14,7 +16,6 @@ import torch
 
 from spec.check import AFTER, BACKWARD, REFERENCE, Check, Kind
 from spec.checks.forward import ForwardCheck, kind_of
-from spec.probe import reference_grads
 from spec.reference import Reference
 
 
@@ -41,14 +42,18 @@ class GradientCheck(Check):
         if run is None or run.grads is None:
             return
         ref = Reference(self.ctx.model.cfg, run.ref_w, run.bias)
-        want = reference_grads(ref, run, self.ctx.cfg.train.z_loss)
         fwd = ForwardCheck(self.ctx)
+        if "objective" not in run.cache:  # the forward check did not run on this probe: its graph, built here
+            for _ in fwd.layers(ref, run):
+                pass
+        names = [n for n, w in run.ref_w.items() if w.requires_grad]
+        got_ref = torch.autograd.grad(run.cache["objective"], [run.ref_w[n] for n in names], allow_unused=True)
+        want = [torch.zeros_like(run.ref_w[n]) if g is None else g for n, g in zip(names, got_ref)]
         rel = self.tolerance(fwd, ref, run)
-        names = list(want)
-        got, ref_g = [run.grads[n] for n in names], [want[n] for n in names]
-        err = torch.stack(torch._foreach_norm(torch._foreach_sub(got, ref_g)))
-        tol = rel.to(err) * torch.stack(torch._foreach_norm(ref_g)) + 1e-300
-        self.places = (got, ref_g, tol)
+        got = [run.grads[n] for n in names]
+        err = torch.stack(torch._foreach_norm(torch._foreach_sub(got, want)))
+        tol = rel.to(err) * torch.stack(torch._foreach_norm(want)) + 1e-300
+        self.places = (got, want, tol)
         self.measure(err, tol, where=names)
 
     def classify(self, i: int) -> str:

@@ -55,14 +55,14 @@ class ForwardCheck(Check):
         run = self.ctx.probe(s)
         if run is None:
             return
-        ref = Reference(self.ctx.model.cfg, {k: v.detach() for k, v in run.ref_w.items()}, run.bias)
-        rows = list(self.layers(ref, run))
+        rows = list(self.layers(Reference(self.ctx.model.cfg, run.ref_w, run.bias), run))
         names = [r[0] for r in rows]
         err, tol, scale = (torch.stack([r[i] for r in rows]) for i in (1, 2, 3))
         self.places = [r[4] for r in rows]  # what classify() reads, for a layer that failed
         self.measure(err, tol, where=names)
         self.extra["ref_err"] = (names, err / scale.clamp(min=1e-300))
 
+    @torch.no_grad()
     def classify(self, i: int) -> str:
         """The kind of layer i's miss (after the read, on a failure only): the declared rules of this module's doc."""
         got, want, tol, extra = self.places[i]
@@ -88,6 +88,7 @@ class ForwardCheck(Check):
             run.cache[key] = self._layer_tolerances(ref, run, i)
         return run.cache[key]
 
+    @torch.no_grad()
     def _layer_tolerances(self, ref: Reference, run, i: int) -> dict[str, Tensor]:
         c, u_in, io = self.ctx.model.cfg, self.u_in(), run.taken.io
         T = run.tokens.shape[1]
@@ -113,29 +114,50 @@ class ForwardCheck(Check):
     # --- the layers --------------------------------------------------------------------------------------
     def layers(self, ref: Reference, run):
         """(layer, err, tol, ‖ref‖, (got, want, tol, extra)) for every layer, in forward order: err = ‖train − ref‖,
-        tol the bound on it; the last is what classify() reads if the layer fails."""
+        tol the bound on it; the last is what classify() reads if the layer fails.
+
+        Each layer of the reference is fed what the training path's layer took, and the layers are wired into one
+        graph by `through`: the reference linearised at the training path's activations. Its probe objective
+        (run.cache["objective"], when the weights are leaves with a gradient) is what the gradient check
+        differentiates, so one FP64 forward serves both checks."""
         c, io = self.ctx.model.cfg, run.taken.io
-        u_p = u(getattr(torch, self.ctx.cfg.parallel.param_dtype, torch.float32))
-        yield ("emb", *self.compare(io["emb"][1].to(F64), ref.embed(run.tokens), torch.full((), LAMBDA * u_p, dtype=F64)))
-        for i in range(c.n_layers):
-            tol = self.layer_tolerances(ref, run, i)
-            x_in, x_out = io[f"block{i}"][0].to(F64), io[f"block{i}"][1][0].to(F64)
-            a_in, a_out = io[f"block{i}.attn"][0].to(F64), io[f"block{i}.attn"][1].to(F64)
-            m_in, m_raw = io[f"block{i}.mlp"]
-            m_in, m_out = m_in.to(F64), (m_raw.y if hasattr(m_raw, "y") else m_raw).to(F64)
-            ids = run.ids.get(i)
-            yield (f"block{i}.attn", *self.compare(a_out, ref.attention(i, a_in), tol["attn"],
-                                                   attention=lambda causal, i=i, a_in=a_in: ref.attention(i, a_in, causal)))
-            if ref.is_moe(i):
-                B, T, D = m_in.shape
-                parts = ref.moe(i, m_in.reshape(B * T, D), ids, None)
-                yield (f"block{i}.mlp", *self.compare(m_out, parts.y.reshape(B, T, D), tol["mlp"], moe=parts,
-                                                      rel=tol["mlp"]))
-            else:
-                yield (f"block{i}.mlp", *self.compare(m_out, ref.dense_mlp(i, m_in), tol["mlp"]))
-            yield (f"block{i}", *self.block_composition(ref, i, x_in, a_in, a_out, m_in, m_out, x_out, tol["norm"]))
-        logits = ref.head(io["norm"][0].to(F64))
-        ce, z = losses(logits, run.labels)
+        grad = any(w.requires_grad for w in run.ref_w.values())
+        with torch.set_grad_enabled(grad):
+            u_p = u(getattr(torch, self.ctx.cfg.parallel.param_dtype, torch.float32))
+            carry = ref.embed(run.tokens)  # the reference's output so far, the graph its gradient flows back through
+            yield ("emb", *self.compare(io["emb"][1].to(F64), carry, torch.full((), LAMBDA * u_p, dtype=F64)))
+            valid = (run.labels != IGNORE).reshape(-1)
+            aux = torch.zeros((), dtype=F64, device=carry.device)
+            for i in range(c.n_layers):
+                tol = self.layer_tolerances(ref, run, i)
+                pre = f"blocks.{i}."
+                x_in, x_out = io[f"block{i}"][0].to(F64), io[f"block{i}"][1][0].to(F64)
+                a_in, a_out = io[f"block{i}.attn"][0].to(F64), io[f"block{i}.attn"][1].to(F64)
+                m_in, m_raw = io[f"block{i}.mlp"]
+                m_in, m_out = m_in.to(F64), (m_raw.y if hasattr(m_raw, "y") else m_raw).to(F64)
+                x = through(x_in, carry)
+                n1 = rms_norm(x, ref.p(pre + "attn_norm.weight"), c.norm_eps)
+                attn = ref.attention(i, through(a_in, n1))
+                yield (f"block{i}.attn", *self.compare(a_out, attn, tol["attn"],
+                                                       attention=lambda causal, i=i, a_in=a_in: ref.attention(i, a_in, causal)))
+                mid = through(x_out - m_out, x + attn)  # the residual after the attention
+                n2 = rms_norm(mid, ref.p(pre + "mlp_norm.weight"), c.norm_eps)
+                if ref.is_moe(i):
+                    B, T, D = m_in.shape
+                    parts = ref.moe(i, through(m_in, n2).reshape(B * T, D), run.ids.get(i), valid)
+                    mlp, aux = parts.y.reshape(B, T, D), aux + parts.aux
+                    yield (f"block{i}.mlp", *self.compare(m_out, mlp, tol["mlp"], moe=parts, rel=tol["mlp"]))
+                else:
+                    mlp = ref.dense_mlp(i, through(m_in, n2))
+                    yield (f"block{i}.mlp", *self.compare(m_out, mlp, tol["mlp"]))
+                yield (f"block{i}", *self.block_composition(x_in, a_in, a_out, m_in, m_out, x_out, n1, n2, tol["norm"]))
+                carry = mid + mlp
+            logits = ref.head(through(io["norm"][0].to(F64), carry))
+            ce, z = losses(logits, run.labels)
+            if grad:
+                z_coef = float(self.ctx.cfg.train.z_loss)
+                run.cache["objective"] = (ce + z_coef * z) / valid.sum().clamp(min=1).to(F64) + aux
+            ce, z, logits = ce.detach(), z.detach(), logits.detach()
         lse = torch.logsumexp(logits, -1)
         at = logits.gather(-1, run.labels.clamp(min=0)[..., None])[..., 0]
         mag = torch.where(run.labels != IGNORE, lse.abs() + at.abs(), 0.0).sum()  # the CE sum's terms, unsigned
@@ -144,14 +166,14 @@ class ForwardCheck(Check):
         got, want = torch.stack([run.loss["ce"], run.loss["z"]]), torch.stack([ce, z])
         yield ("loss", err, tol, ce.abs(), (got, want, tol, {}))
 
-    def block_composition(self, ref: Reference, i: int, x_in, a_in, a_out, m_in, m_out, x_out, rel_norm: Tensor):
-        """Block i's own work around its two layers, from what the training path's layers took and gave: the norm
-        before each (RMSNorm of the residual stream), and the residual adds x + attn + mlp. (err, tol, scale, place)
-        of the worst of the three, as a share of its tolerance times the output's norm."""
-        c, pre = ref.cfg, f"blocks.{i}."
-        mid = x_out - m_out  # the residual after the attention (one rounding of x_out away from the path's own)
-        pairs = [(a_in, rms_norm(x_in, ref.p(pre + "attn_norm.weight"), c.norm_eps), rel_norm),
-                 (m_in, rms_norm(mid, ref.p(pre + "mlp_norm.weight"), c.norm_eps), rel_norm + LAMBDA * 2 * U32),
+    @staticmethod
+    def block_composition(x_in, a_in, a_out, m_in, m_out, x_out, n1, n2, rel_norm: Tensor):
+        """A block's own work around its two layers, from what the training path's layers took and gave: the norm
+        before each (n1, n2: the reference's RMSNorm of the residual stream, x_in and x_out − m_out), and the
+        residual adds x + attn + mlp. (err, tol, scale, place) of the worst of the three, as a share of its
+        tolerance times the output's norm."""
+        # NOTE: the residual after the attention is one rounding of x_out away from the path's own: 2·u32 more
+        pairs = [(a_in, n1.detach(), rel_norm), (m_in, n2.detach(), rel_norm + LAMBDA * 2 * U32),
                  (x_out, x_in + a_out + m_out, torch.full_like(rel_norm, LAMBDA * 2 * U32))]
         tols = [rel * want.norm() + 1e-300 for _, want, rel in pairs]
         ratios = torch.stack([(got - want).norm() / t for (got, want, _), t in zip(pairs, tols)])
@@ -163,9 +185,20 @@ class ForwardCheck(Check):
     @staticmethod
     def compare(got: Tensor, want: Tensor, rel_tol: Tensor, **extra):
         """(err, tol, scale, place) of one layer's output against its reference, normwise, on the device."""
+        want = want.detach()
         scale = want.norm()
         tol = rel_tol.to(scale) * scale + 1e-300
         return (got - want).norm(), tol, scale, (got, want, tol, extra)
+
+
+def through(value: Tensor, graph: Tensor) -> Tensor:
+    """`value` (what the training path's layer took, FP64) carrying `graph`'s gradient: value + (graph − graph),
+    exactly `value` in every bit (y − y = 0), differentiable as `graph`. Wired between the reference's layers, the
+    chain rule runs through the reference, with every layer at the training path's own input."""
+    if not graph.requires_grad:
+        return value
+    # NOTE: where: a non-finite reference (inf − inf) leaves the value as it is
+    return value + torch.where(torch.isfinite(graph), graph - graph.detach(), 0.0)
 
 
 def kind_of(got: Tensor, want: Tensor, tol: Tensor) -> str:

@@ -1,0 +1,79 @@
+"""The FP64 reference behind the forward and gradient checks (spec/reference.py, spec/checks/forward.py): the
+layers fed the training path's inputs and wired by `through` differentiate as the chain rule says."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from model.config import ModelConfig, MoEConfig
+from model.transformer import Transformer
+from spec.check import SpecContext
+from spec.checks.forward import ForwardCheck
+from spec.probe import run_probe
+from spec.reference import Reference
+
+Z = 1e-3
+
+
+def _probe():
+    """A dense + MoE model in FP64 (its activations the reference's but for its FP32 RoPE tables), one probe run."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=37, seq_len=16, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, init_std=0.2,
+                      moe=MoEConfig(n_experts=4, top_k=2, expert_hidden=16, first_dense=1, every=1))
+    model = Transformer(cfg).double()
+    tokens, labels = torch.randint(1, 37, (2, 16)), torch.randint(0, 37, (2, 16))
+    labels[0, 12:] = -100  # a padded tail: the objective and the balance loss count valid positions only
+    run = run_probe(model, [SimpleNamespace(tokens=tokens, labels=labels)], None, Z, None, None, want_grads=True)
+    ctx = SpecContext(cfg=SimpleNamespace(parallel=SimpleNamespace(param_dtype="float32"),
+                                          train=SimpleNamespace(z_loss=Z)),
+                      model=model, wrapped=model, optimizer=None, loader=None, dataset=None, dist=None,
+                      recipe=SimpleNamespace(name="fp32"), scaler=None, evals=[])
+    return cfg, run, ForwardCheck(ctx)
+
+
+def _grads(objective, run) -> dict[str, torch.Tensor]:
+    names = [n for n, w in run.ref_w.items() if w.requires_grad]
+    got = torch.autograd.grad(objective, [run.ref_w[n] for n in names], allow_unused=True)
+    return {n: torch.zeros_like(run.ref_w[n]) if g is None else g for n, g in zip(names, got)}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp(min=1e-300))
+
+
+def test_the_linearised_reference_has_the_chain_rules_gradient():
+    """The gradient check's oracle (the forward check's graph: each layer at the training path's input) against
+    autograd through the whole reference from its own embedding, and through the FP64 model itself: every
+    parameter within 1e-6 (the model's FP32 RoPE tables differ from the reference's FP64 angles by ~1e-8)."""
+    cfg, run, fwd = _probe()
+    rows = list(fwd.layers(Reference(cfg, run.ref_w, run.bias), run))
+    assert all(float(err) <= float(tol) for _, err, tol, *_ in rows), [(r[0], float(r[1] / r[2])) for r in rows]
+    linearised = _grads(run.cache["objective"], run)
+    out = Reference(cfg, run.ref_w, run.bias).forward(run.tokens, run.labels, run.ids)
+    chained = _grads((out["ce"] + Z * out["z"]) / out["n"].clamp(min=1) + out["aux"], run)
+    assert linearised.keys() == run.grads.keys()
+    for n, g in linearised.items():
+        assert _rel(g, chained[n]) < 1e-6 and _rel(g, run.grads[n]) < 1e-6, n
+
+
+@pytest.mark.parametrize("cut", [3, 4])
+def test_a_miswired_reference_is_not_the_chain_rules_gradient(cut, monkeypatch):
+    """The test above can fail: a wiring that drops its graph (block 0's 3rd, the residual after its attention;
+    its 4th, the MLP's input from its norm) leaves the layers below without their share of the gradient."""
+    import spec.checks.forward as forward
+
+    orig = forward.through
+    calls = []
+
+    def cut_through(value, graph):
+        calls.append(1)
+        if len(calls) == cut:  # a block's wirings: its input, the attention's input, the residual, the MLP's input
+            return value
+        return orig(value, graph)
+    monkeypatch.setattr(forward, "through", cut_through)
+    cfg, run, fwd = _probe()
+    list(fwd.layers(Reference(cfg, run.ref_w, run.bias), run))
+    linearised = _grads(run.cache["objective"], run)
+    assert max(_rel(g, run.grads[n]) for n, g in linearised.items()) > 1e-2
