@@ -1,4 +1,5 @@
-"""Issue 13: the stability defences on their hard paths, end to end through train.py (tiny runs)."""
+"""Issue 13: the stability defences on their hard paths, end to end through train.py (tiny runs). The runs that
+resume (a vetoed last step, a damaged pointer, random kills) and the FSDP2 launch are `-m slow`."""
 from __future__ import annotations
 
 import random
@@ -38,6 +39,7 @@ def test_a_vetoed_step_leaves_the_moe_bias_alone(tmp_path):
         assert torch.equal(at5[name], expect), (name, at3[name], at5[name], expect)
 
 
+@pytest.mark.slow  # a 2-process launch
 @pytest.mark.distributed
 def test_fsdp2_anticipatory_routing_after_a_rollback(tmp_path):
     """Issue 13 #2: under FSDP2 the routing-only forward called Transformer.compute_routes directly, so the
@@ -53,7 +55,7 @@ def test_fsdp2_anticipatory_routing_after_a_rollback(tmp_path):
     assert recs[-1]["step"] == 8 and any(x["routing"].get("on") for x in recs)
 
 
-@pytest.mark.sweep  # NOTE: the default suite covers it with test_matrix's moe-1proc-fp32-rb_memory-resume cell
+@pytest.mark.sweep  # NOTE: -m slow covers it with test_matrix's moe-fsdp2-fp32-rb_memory-resume cell
 def test_resume_inside_an_anticipatory_window_is_bit_identical(tmp_path):
     """Issue 13 #4: NaN at step 5 -> rollback to 3, anticipatory routing on from step 4 (Δt = 2, window
     20); the save at step 7 is inside the window. The route cache and the open incident are in the
@@ -73,6 +75,7 @@ def test_resume_inside_an_anticipatory_window_is_bit_identical(tmp_path):
     assert tail(ev_s) == tail(ev_r)
 
 
+@pytest.mark.slow  # three runs, one a resume
 def test_a_vetoed_last_step_defers_the_save_or_fails_loudly(tmp_path):
     """Issue 13 #5: checkpoint.stop_after=5 with step 5 vetoed wrote no checkpoint and exited 0, so
     resume=latest then failed. The save moves to step 6; at the very last step of train.steps there is
@@ -92,7 +95,8 @@ def test_a_vetoed_last_step_defers_the_save_or_fails_loudly(tmp_path):
     assert "vetoed" in lines[-1] and "step_000003" in lines[-1] and not any("Traceback" in x for x in lines)
 
 
-@pytest.mark.parametrize("content", [b"\xff\xfe\x00step", pytest.param(None, marks=pytest.mark.sweep)])
+@pytest.mark.parametrize("content", [pytest.param(b"\xff\xfe\x00step", marks=pytest.mark.slow),
+                                     pytest.param(None, marks=pytest.mark.sweep)])
 def test_a_damaged_latest_pointer_falls_back_to_a_scan(tmp_path, content):
     """Issue 13 #6: a `latest` with non-UTF-8 bytes, or a directory named latest, was reported as a config
     error although complete checkpoints existed. It is damage: scan, resume the newest complete one."""
@@ -138,7 +142,8 @@ def killed_and_restarted(run, overrides, kills, seed):
     return outputs
 
 
-@pytest.mark.parametrize("kills", [pytest.param(2, id="2kills"), pytest.param(6, id="6kills", marks=pytest.mark.sweep)])
+@pytest.mark.parametrize("kills", [pytest.param(2, id="2kills", marks=pytest.mark.slow),
+                                   pytest.param(6, id="6kills", marks=pytest.mark.sweep)])
 def test_resume_auto_survives_random_kills_with_the_same_command(tmp_path, kills):
     """Issue 13 #12: `resume=auto` resumes from the newest complete checkpoint or starts fresh, saying which;
     killed at random moments and restarted with the same command, the run ends with the parameters of an
