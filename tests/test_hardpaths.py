@@ -179,16 +179,22 @@ def test_resume_auto_survives_random_kills_with_the_same_command(tmp_path, kills
 LATIN1 = "Olá, café à la carte\n".encode("latin-1") * 40  # 0xe1 at byte offset 2
 
 
-@pytest.mark.parametrize("tokenizer, content, expect", [
-    ("char", LATIN1, "byte offset 2"), ("byte", b"", "empty"),
+BAD_TEXT = [  # data.tokenizer, the file's bytes, what the one line that refuses it says; its train.py launch's tier
+    ("char", LATIN1, "byte offset 2", None), ("byte", b"", "empty", "slow"),
     # issue 38: a 10-byte file blamed its own '\n'; a tail with a character the head lacks named no fix
     ("char", b"abcdefghi\n", "too small for one sample: the training split (the first 90% of its 10 characters) "
-                              "holds 9 tokens, and a sample needs data.seq_len + 1 = 33"),
+                              "holds 9 tokens, and a sample needs data.seq_len + 1 = 33", "slow"),
     ("char", ("to be or not " * 40 + "\u2260\n").encode(), "lacks '\u2260' (U+2260) found at character 520 (line 1) in "
-                                                           "the validation text; use data.tokenizer=byte"),
-    pytest.param("byte", LATIN1, "byte offset 2", marks=pytest.mark.sweep),
-    pytest.param("char", b"", "empty", marks=pytest.mark.sweep),
-])
+                                                           "the validation text; use data.tokenizer=byte", "slow"),
+    ("byte", LATIN1, "byte offset 2", "sweep"), ("char", b"", "empty", "sweep"),
+]
+# NOTE: train.py says any refusal of the data by one path (the start's one line, nothing written): one launch in
+# the default suite; the data refuses every file in process (test_the_data_refuses_a_bad_text_file_in_one_line)
+
+
+@pytest.mark.parametrize("tokenizer, content, expect", [
+    pytest.param(tok, content, expect, marks=getattr(pytest.mark, tier) if tier else ())
+    for tok, content, expect, tier in BAD_TEXT])
 def test_bad_text_files_fail_in_one_line_and_leave_nothing(tmp_path, tokenizer, content, expect):
     """Issue 13 #13: a Latin-1 file was a 42-line DatasetGenerationError traceback; an empty file named
     data.tokenizer; and a failed start left config.yaml, an empty metrics.jsonl and train.log behind, so
@@ -202,6 +208,21 @@ def test_bad_text_files_fail_in_one_line_and_leave_nothing(tmp_path, tokenizer, 
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "data.path=" in lines[0] and expect in lines[0], r.stderr[-2000:]
     assert not run.exists() or not any(run.iterdir()), sorted(p.name for p in run.iterdir())
+
+
+@pytest.mark.parametrize("tokenizer, content, expect", [(tok, content, expect) for tok, content, expect, _ in BAD_TEXT])
+def test_the_data_refuses_a_bad_text_file_in_one_line(tmp_path, tokenizer, content, expect):
+    from data import build_data
+    from data.config import DataConfig
+
+    text = tmp_path / "input.txt"
+    text.write_bytes(content)
+    seq_len = int(next(o for o in TINY if o.startswith("data.seq_len=")).split("=")[1])  # the launches' sample
+    with pytest.raises(ValueError) as e:
+        build_data(DataConfig.from_dict({"kind": "text", "path": str(text), "seq_len": seq_len, "seed": 0,
+                                         "tokenizer": tokenizer}))
+    said = str(e.value)
+    assert len(said.splitlines()) == 1 and said.startswith(f"data.path={text}") and expect in said, said
 
 
 def test_a_failed_resume_leaves_the_directory_usable(tmp_path):
