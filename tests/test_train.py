@@ -14,10 +14,17 @@ RECORD_FIELDS = {"step", "tokens", "ckpt_id", "batch", "source_mix", "valid_toke
                  "clip_coef", "skipped", "time_s", "tokens_per_s", "memory_mb", "world", "events", "eval"}
 
 
-def test_quickstart_smoke_writes_records(tmp_path):
-    r = run_train(tmp_path / "run", *TINY)
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """`python train.py` on TINY, once for the two tests below: its run directory and the finished process."""
+    run = tmp_path_factory.mktemp("tiny") / "run"
+    return run, run_train(run, *TINY)
+
+
+def test_quickstart_smoke_writes_records(tiny_run):
+    run, r = tiny_run
     assert r.returncode == 0, r.stderr[-3000:]
-    recs = read_records(tmp_path / "run" / "metrics.jsonl")
+    recs = read_records(run / "metrics.jsonl")
     assert [x["step"] for x in recs] == list(range(1, 7))
     assert RECORD_FIELDS <= set(recs[0])
     for x in recs:
@@ -34,8 +41,8 @@ def test_quickstart_smoke_writes_records(tmp_path):
     assert [x["step"] for x in evals] == [3, 6]
     assert evals[-1]["eval"]["floor"] > 0 and evals[-1]["eval"]["loss"] > evals[-1]["eval"]["floor"]
     assert "final eval loss" in r.stdout and "exact floor" in r.stdout
-    assert (tmp_path / "run" / "loss.png").stat().st_size > 1000
-    assert (tmp_path / "run" / "config.yaml").exists()
+    assert (run / "loss.png").stat().st_size > 1000
+    assert (run / "config.yaml").exists()
 
 
 def test_a_run_shorter_than_its_warmup_trains_on_the_clamped_schedule(tmp_path):
@@ -54,9 +61,10 @@ def test_a_run_shorter_than_its_warmup_trains_on_the_clamped_schedule(tmp_path):
     assert [x["lr"] for x in recs] == pytest.approx([lr * t / 20 for t in range(1, 21)], rel=1e-12)
 
 
-def test_run_dir_is_never_reused_silently(tmp_path):
-    assert run_train(tmp_path / "run", *TINY, "train.steps=2").returncode == 0
-    r = run_train(tmp_path / "run", *TINY, "train.steps=2")
+def test_run_dir_is_never_reused_silently(tiny_run):
+    run, first = tiny_run
+    assert first.returncode == 0, first.stderr[-3000:]
+    r = run_train(run, *TINY)
     assert r.returncode != 0 and "already holds a run" in r.stderr
 
 
@@ -103,6 +111,7 @@ def test_bad_config_is_refused_by_the_schema_naming_the_key(hydra_conf, override
     assert len(str(e.value).splitlines()) == 1 and key in str(e.value), str(e.value)
 
 
+@pytest.mark.slow  # two launches; test_config.py and test_data.py refuse both in process
 def test_text_experiment_errors(tmp_path):
     r = run_train(tmp_path / "a", "+experiment=shakespeare_char", "logging.wandb=disabled")
     assert r.returncode == 2 and "data.path" in r.stderr
