@@ -1,8 +1,9 @@
 """The doctor (doctor/cli.py) end to end on the fault drills, and its rules on synthetic records.
 
-Each drill (shrunk as in tests/helpers.py, fault at step S) trains once per session, shared with
-test_drills.py; the doctor must name the injected fault's class from the records alone (the specification
-check that failed first) and put the earliest anomaly within ±1 step of S, and its report.md must hold every section. The synthetic-record tests pin the symptom-table cases a drill
+`-m slow`: each drill (shrunk as in tests/helpers.py, fault at step S) trains once per session, shared with
+test_drills.py and test_doctor_verify.py; the doctor must name the injected fault's class from the records
+alone (the specification check that failed first) and put the earliest anomaly within ±1 step of S, and its
+report.md must hold every section. The synthetic-record tests pin the symptom-table cases a drill
 does not produce (resume jump, slow worsening, throughput drop) and the timeline rules (segmentation
 at a rollback, tie-break by timeline layer) in milliseconds.
 """
@@ -49,6 +50,7 @@ def check_drill(run_dir, drill: str) -> dict:
     return rep
 
 
+@pytest.mark.slow  # the drills' trainings (drill_runs)
 @pytest.mark.parametrize("drill", SINGLE_PROCESS_DRILLS)
 def test_doctor_names_the_drill(runs, drill):
     rep = check_drill(runs.get(drill), drill)
@@ -64,18 +66,21 @@ def test_doctor_names_the_drill(runs, drill):
         assert {"spec.lr", "spec.clip", "spec.data"} <= {c["name"] for c in rep["rejected"]}
 
 
+@pytest.mark.slow  # the drills' trainings (drill_runs)
 @pytest.mark.distributed
 def test_doctor_names_rank_divergence(runs):
     rep = check_drill(runs.get("missing_reduce"), "missing_reduce")
     assert rep["earliest"]["layer"] == "system" and rep["earliest"]["quantity"] == "spec.reduce"
 
 
+@pytest.mark.slow  # the drills' trainings (drill_runs)
 def test_healthy_run_is_healthy(runs):
     rep = doctor(runs.get("healthy"), plots=False)
     assert rep["class"] == "healthy" and rep["earliest"] is None, rep["summary"]
     assert rep["ground_truth"] is None
 
 
+@pytest.mark.slow  # the drills' trainings (drill_runs)
 def test_cli_writes_report_and_plot(runs):
     d = runs.get("lr_spike")
     r = subprocess.run([sys.executable, "-m", "doctor", str(d)], cwd=ROOT, env=env(),
@@ -85,6 +90,7 @@ def test_cli_writes_report_and_plot(runs):
     assert (d / "report.md").is_file() and (d / "doctor_timeline.png").stat().st_size > 1000
 
 
+@pytest.mark.slow  # the drills' trainings (drill_runs)
 def test_diagnosis_ignores_the_fault_answer_key(runs, tmp_path):
     """Rewrite the drill's answer key (fault events, config fault node): the diagnosis must not move."""
     d = tmp_path / "run"

@@ -1,7 +1,8 @@
 """`python -m doctor RUN --verify` proves a diagnosis on the shrunk drills (tests/helpers.py DRILL): the
 state rebuilt bit for bit, the incident re-executed, two counterfactuals whose verdicts follow the fault —
 the batch counterfactual supports "the batch" for a data fault and refutes it for a state or an LR fault,
-so no verdict is hard-coded — and the one-variable fix verified over the window."""
+so no verdict is hard-coded — and the one-variable fix verified over the window. These run under `-m slow` (on
+the drills' trainings); the default suite checks the fix's oracle on records."""
 from __future__ import annotations
 
 import json
@@ -47,9 +48,9 @@ def verified(drill_runs, tmp_path_factory):
     return get
 
 
-# a data fault in the default suite; a state fault and an LR fault (the batch refuted) under -m slow
-@pytest.mark.parametrize("drill", [d if d == "labels_shuffle" else pytest.param(d, marks=pytest.mark.slow)
-                                   for d in sorted(CASES)])
+# a data fault, a state fault and an LR fault (the batch refuted): each a handful of train.py launches
+@pytest.mark.slow
+@pytest.mark.parametrize("drill", sorted(CASES))
 def test_verify_rebuilds_reexecutes_and_tests_two_hypotheses(verified, drill):
     run_dir, v, out = verified(drill)
     cls, verdicts, fix = CASES[drill]
@@ -87,6 +88,7 @@ def test_a_rebuild_that_departs_from_the_records_is_refused(drill_runs, tmp_path
     assert v["status"] == "refused" and "departs from the run at step 50: loss" in v["why"]
 
 
+@pytest.mark.slow  # the drills' trainings (drill_runs)
 def test_a_rebuild_from_scratch_needs_the_runs_commit(drill_runs, tmp_path):
     run_dir = copy_run(drill_runs.get("lr_spike"), tmp_path / "run")
     env = json.loads((run_dir / "environment.json").read_text())
@@ -98,6 +100,7 @@ def test_a_rebuild_from_scratch_needs_the_runs_commit(drill_runs, tmp_path):
     assert not (run_dir / "verify").exists()  # refused before any run
 
 
+@pytest.mark.slow  # the drills' trainings (drill_runs)
 def test_the_budget_caps_the_replayed_steps(drill_runs, tmp_path):
     run_dir = copy_run(drill_runs.get("lr_spike"), tmp_path / "run")
     r = doctor(run_dir, "--verify", "--budget", "20")

@@ -4,6 +4,9 @@ Each drill injects its fault at step S; the guard must detect it within 2 steps 
 trigger in events.jsonl), never before S (no false alarm on the way), and act as its config says. The
 MoE spike drill must detect, roll back, run anticipatory routing, turn it off, and finish within 2 %
 of the clean run's eval loss.
+
+The drills' trainings (drill_runs, shared with test_doctor.py) and the MoE spike drill run under `-m slow`; the
+default suite runs the rollback from disk and a drill that was not quiet.
 """
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ def first_detection(events):
     return fault, triggers
 
 
+@pytest.mark.slow  # the drills' trainings (drill_runs)
 @pytest.mark.parametrize("drill", sorted(DRILLS))
 def test_drill_is_detected_within_two_steps(drill_runs, drill):
     run = drill_runs.get(drill)
@@ -57,6 +61,7 @@ def test_drill_is_detected_within_two_steps(drill_runs, drill):
     assert at["guard"]["triggers"], "the StepRecord of the detection step names its trigger"
 
 
+@pytest.mark.slow  # the drills' trainings (drill_runs)
 def test_bad_batch_replayed_then_skipped(drill_runs):
     """labels_shuffle under rollback + replay: the replayed batch spikes again, the next rollback skips it."""
     ev = read_events(drill_runs.get("labels_shuffle") / "events.jsonl")
@@ -105,6 +110,7 @@ def test_moe_spike_drill_recovers_within_two_percent_of_clean(tmp_path):
     assert abs(f_drill - f_clean) / f_clean < 0.02, (f_drill, f_clean)
 
 
+@pytest.mark.slow  # the drills' trainings (drill_runs)
 @pytest.mark.distributed
 def test_missing_reduce_drill_is_caught_by_the_reduce_check(drill_runs):
     """Rank 1 keeps its own gradient: the reduce check sees its gradient off the ranks' mean at that step, before

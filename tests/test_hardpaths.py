@@ -1,4 +1,6 @@
-"""Issue 13: the stability defences on their hard paths, end to end through train.py (tiny runs)."""
+"""Issue 13: the stability defences on their hard paths, end to end through train.py (tiny runs). The runs that
+resume (a vetoed last step, a damaged pointer, random kills), the FSDP2 launch and the MoE bias under a veto
+(a matrix cell checks it by default) are `-m slow`."""
 from __future__ import annotations
 
 import random
@@ -12,6 +14,7 @@ import torch
 from checkpoint import publish
 from checkpoint.state import read_tensors
 from helpers import ROOT, TINY, env, run_train
+from run.lifecycle import Exit
 from stability.events import read_events
 from stability.record import read_records
 
@@ -19,6 +22,7 @@ MOE = ["model=moe_tiny", "model.moe.expert_hidden=16", "model.moe.n_experts=4",
        "model.moe.bias_update_speed=0.01"]
 
 
+@pytest.mark.slow  # NOTE: the default suite checks the same with test_matrix's moe-1proc-bf16-skip-straight cell
 def test_a_vetoed_step_leaves_the_moe_bias_alone(tmp_path):
     """Issue 13 #3: guard=skip and a NaN at step 4: the bias is exactly where step 3 left it plus step 5's
     own update, computed from step 5's logged global loads (old code also moved it by step 4's loads)."""
@@ -38,6 +42,7 @@ def test_a_vetoed_step_leaves_the_moe_bias_alone(tmp_path):
         assert torch.equal(at5[name], expect), (name, at3[name], at5[name], expect)
 
 
+@pytest.mark.slow  # a 2-process launch
 @pytest.mark.distributed
 def test_fsdp2_anticipatory_routing_after_a_rollback(tmp_path):
     """Issue 13 #2: under FSDP2 the routing-only forward called Transformer.compute_routes directly, so the
@@ -53,7 +58,7 @@ def test_fsdp2_anticipatory_routing_after_a_rollback(tmp_path):
     assert recs[-1]["step"] == 8 and any(x["routing"].get("on") for x in recs)
 
 
-@pytest.mark.sweep  # NOTE: the default suite covers it with test_matrix's moe-1proc-fp32-rb_memory-resume cell
+@pytest.mark.sweep  # NOTE: -m slow covers it with test_matrix's moe-fsdp2-fp32-rb_memory-resume cell
 def test_resume_inside_an_anticipatory_window_is_bit_identical(tmp_path):
     """Issue 13 #4: NaN at step 5 -> rollback to 3, anticipatory routing on from step 4 (Δt = 2, window
     20); the save at step 7 is inside the window. The route cache and the open incident are in the
@@ -73,6 +78,7 @@ def test_resume_inside_an_anticipatory_window_is_bit_identical(tmp_path):
     assert tail(ev_s) == tail(ev_r)
 
 
+@pytest.mark.slow  # three runs, one a resume
 def test_a_vetoed_last_step_defers_the_save_or_fails_loudly(tmp_path):
     """Issue 13 #5: checkpoint.stop_after=5 with step 5 vetoed wrote no checkpoint and exited 0, so
     resume=latest then failed. The save moves to step 6; at the very last step of train.steps there is
@@ -92,7 +98,8 @@ def test_a_vetoed_last_step_defers_the_save_or_fails_loudly(tmp_path):
     assert "vetoed" in lines[-1] and "step_000003" in lines[-1] and not any("Traceback" in x for x in lines)
 
 
-@pytest.mark.parametrize("content", [b"\xff\xfe\x00step", pytest.param(None, marks=pytest.mark.sweep)])
+@pytest.mark.parametrize("content", [pytest.param(b"\xff\xfe\x00step", marks=pytest.mark.slow),
+                                     pytest.param(None, marks=pytest.mark.sweep)])
 def test_a_damaged_latest_pointer_falls_back_to_a_scan(tmp_path, content):
     """Issue 13 #6: a `latest` with non-UTF-8 bytes, or a directory named latest, was reported as a config
     error although complete checkpoints existed. It is damage: scan, resume the newest complete one."""
@@ -138,7 +145,8 @@ def killed_and_restarted(run, overrides, kills, seed):
     return outputs
 
 
-@pytest.mark.parametrize("kills", [pytest.param(2, id="2kills"), pytest.param(6, id="6kills", marks=pytest.mark.sweep)])
+@pytest.mark.parametrize("kills", [pytest.param(2, id="2kills", marks=pytest.mark.slow),
+                                   pytest.param(6, id="6kills", marks=pytest.mark.sweep)])
 def test_resume_auto_survives_random_kills_with_the_same_command(tmp_path, kills):
     """Issue 13 #12: `resume=auto` resumes from the newest complete checkpoint or starts fresh, saying which;
     killed at random moments and restarted with the same command, the run ends with the parameters of an
@@ -174,16 +182,22 @@ def test_resume_auto_survives_random_kills_with_the_same_command(tmp_path, kills
 LATIN1 = "Olá, café à la carte\n".encode("latin-1") * 40  # 0xe1 at byte offset 2
 
 
-@pytest.mark.parametrize("tokenizer, content, expect", [
-    ("char", LATIN1, "byte offset 2"), ("byte", b"", "empty"),
+BAD_TEXT = [  # data.tokenizer, the file's bytes, what the one line that refuses it says; its train.py launch's tier
+    ("char", LATIN1, "byte offset 2", None), ("byte", b"", "empty", "slow"),
     # issue 38: a 10-byte file blamed its own '\n'; a tail with a character the head lacks named no fix
     ("char", b"abcdefghi\n", "too small for one sample: the training split (the first 90% of its 10 characters) "
-                              "holds 9 tokens, and a sample needs data.seq_len + 1 = 33"),
+                              "holds 9 tokens, and a sample needs data.seq_len + 1 = 33", "slow"),
     ("char", ("to be or not " * 40 + "\u2260\n").encode(), "lacks '\u2260' (U+2260) found at character 520 (line 1) in "
-                                                           "the validation text; use data.tokenizer=byte"),
-    pytest.param("byte", LATIN1, "byte offset 2", marks=pytest.mark.sweep),
-    pytest.param("char", b"", "empty", marks=pytest.mark.sweep),
-])
+                                                           "the validation text; use data.tokenizer=byte", "slow"),
+    ("byte", LATIN1, "byte offset 2", "sweep"), ("char", b"", "empty", "sweep"),
+]
+# NOTE: train.py says any refusal of the data by one path (the start's one line, nothing written): one launch in
+# the default suite; the data refuses every file in process (test_the_data_refuses_a_bad_text_file_in_one_line)
+
+
+@pytest.mark.parametrize("tokenizer, content, expect", [
+    pytest.param(tok, content, expect, marks=getattr(pytest.mark, tier) if tier else ())
+    for tok, content, expect, tier in BAD_TEXT])
 def test_bad_text_files_fail_in_one_line_and_leave_nothing(tmp_path, tokenizer, content, expect):
     """Issue 13 #13: a Latin-1 file was a 42-line DatasetGenerationError traceback; an empty file named
     data.tokenizer; and a failed start left config.yaml, an empty metrics.jsonl and train.log behind, so
@@ -199,9 +213,27 @@ def test_bad_text_files_fail_in_one_line_and_leave_nothing(tmp_path, tokenizer, 
     assert not run.exists() or not any(run.iterdir()), sorted(p.name for p in run.iterdir())
 
 
+@pytest.mark.parametrize("tokenizer, content, expect", [(tok, content, expect) for tok, content, expect, _ in BAD_TEXT])
+def test_the_data_refuses_a_bad_text_file_in_one_line(tmp_path, tokenizer, content, expect):
+    from data import build_data
+    from data.config import DataConfig
+
+    text = tmp_path / "input.txt"
+    text.write_bytes(content)
+    seq_len = int(next(o for o in TINY if o.startswith("data.seq_len=")).split("=")[1])  # the launches' sample
+    with pytest.raises(ValueError) as e:
+        build_data(DataConfig.from_dict({"kind": "text", "path": str(text), "seq_len": seq_len, "seed": 0,
+                                         "tokenizer": tokenizer}))
+    said = str(e.value)
+    assert len(said.splitlines()) == 1 and said.startswith(f"data.path={text}") and expect in said, said
+
+
 def test_a_failed_resume_leaves_the_directory_usable(tmp_path):
-    run = tmp_path / "run"
+    """resume=latest in a new directory: one line, and nothing created, not even the parents Hydra made for it."""
+    run = tmp_path / "new" / "runs" / "run"
     r = run_train(run, *TINY, "resume=latest")
-    assert r.returncode == 2 and "resume=latest" in r.stderr.strip().splitlines()[-1]
-    assert not run.exists() or not any(run.iterdir()), sorted(p.name for p in run.iterdir())
+    err = [line for line in r.stderr.splitlines() if line.strip()]
+    assert r.returncode == Exit.START and len(err) == 1, r.stderr
+    assert err[0].startswith("ballast: config error: ") and "resume=latest" in err[0], r.stderr
+    assert not any(tmp_path.iterdir())
     assert run_train(run, *TINY).returncode == 0  # the corrected command is not refused

@@ -93,6 +93,7 @@ def test_a_guard_that_can_veto_reads_before_and_after_the_update(guard):
     check(measure([f"guard={guard}"], steps=6), reads_a_step=2, telemetry_every=10, last=6)
 
 
+@pytest.mark.slow  # 2-process launches
 @pytest.mark.distributed
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
 def test_ddp_and_fsdp_on_two_processes_read_once_a_step(mode):

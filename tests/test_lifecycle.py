@@ -2,7 +2,9 @@
 and resumes bit for bit, a failed start that leaves nothing, declared changes in the short form.
 
 Every wait is a handshake on the child's own output (a step line), never a sleep: a loaded machine changes
-when things happen, not what the test sees.
+when things happen, not what the test sees. The tests on a 200-step run (the second writer, the interrupt and its
+resume, the declared changes) and the torchrun launch run under `-m slow`; the signal handler, the start errors
+and a Ctrl-C while importing stay in the default suite.
 """
 from __future__ import annotations
 
@@ -88,6 +90,7 @@ def straight(straight_run) -> list[dict]:
     return read_records(straight_run / "metrics.jsonl")
 
 
+@pytest.mark.slow  # a 200-step run and its resume (straight_run)
 def test_second_writer_is_refused_and_a_dead_holders_lock_is_free(tmp_path, straight):
     d = tmp_path / "run"
     first = launch(d, *LIVE, "resume=auto")
@@ -115,6 +118,7 @@ def test_second_writer_is_refused_and_a_dead_holders_lock_is_free(tmp_path, stra
     assert not (d / "run.lock").exists()  # a clean exit hands the directory back
 
 
+@pytest.mark.slow  # a 200-step run and its resume (straight_run)
 def test_sigint_saves_at_the_step_boundary_and_resume_auto_is_bit_identical(tmp_path, straight):
     d = tmp_path / "run"
     child = launch(d, *LIVE, "checkpoint.every=0")  # the interrupt saves even when nothing else does
@@ -204,13 +208,13 @@ def test_a_launch_agrees_on_the_signal_its_last_step_read():
     assert stop.agreed() is True and stop.name == "SIGINT"
 
 
-@pytest.mark.parametrize("case", ["empty directory", "resume=latest in a new directory", "run dir under a file"])
+# NOTE: resume=latest in a new directory is tests/test_hardpaths.py's test_a_failed_resume_leaves_the_directory_usable
+@pytest.mark.parametrize("case", ["empty directory", "run dir under a file"])
 def test_a_start_that_cannot_run_says_one_line_and_creates_nothing(tmp_path, case):
     (tmp_path / "empty").mkdir()
     (tmp_path / "a_file").write_text("x")
     run_dir = tmp_path / "new" / "runs" / "run"
     over = {"empty directory": ["+experiment=shakespeare_char", f"data.path={tmp_path / 'empty'}"],
-            "resume=latest in a new directory": ["resume=latest"],
             "run dir under a file": []}[case]
     if case == "run dir under a file":
         run_dir = tmp_path / "a_file" / "run"
@@ -265,6 +269,7 @@ def test_ctrl_c_while_importing_is_one_line_and_leaves_nothing(tmp_path):
     assert not (tmp_path / "new").exists()
 
 
+@pytest.mark.slow  # a torchrun launch; the one-process error path is tests/test_train.py's
 @pytest.mark.distributed
 def test_a_config_error_under_torchrun_is_said_once(tmp_path):
     """Every rank checks the command line; rank 0 alone says what is wrong (torchrun adds its own report)."""
@@ -273,6 +278,7 @@ def test_a_config_error_under_torchrun_is_said_once(tmp_path):
     assert not (tmp_path / "new").exists()
 
 
+@pytest.mark.slow  # a 200-step run and its resume (straight_run)
 def test_declared_changes_take_the_short_form_and_a_refusal_names_what_differs(tmp_path, straight_run):
     d = tmp_path / "run"
     shutil.copytree(straight_run, d)
@@ -285,6 +291,7 @@ def test_declared_changes_take_the_short_form_and_a_refusal_names_what_differs(t
     assert [r["step"] for r in read_records(d / "metrics.jsonl")] == list(range(1, 203))
 
 
+@pytest.mark.slow  # a 200-step run and its resume (straight_run)
 def test_more_steps_continue_the_lr_and_the_doctor_reads_the_extension_as_declared(tmp_path, straight_run):
     """Issue 38: `resume=latest resume.allow_config_change=[train.steps] train.steps=N` re-stretched the cosine
     (the LR jumped up at the resume) and the doctor then crashed or called it a fault. The added steps train at

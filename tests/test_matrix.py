@@ -12,8 +12,9 @@ pre-update detector fires on it at once, so every guard action has something to 
   - the StepRecords' precision recipe is the configured one;
   - a vetoed step moves nothing: update ratio 0 on that step (parameters), Adam's step count +1 over
     the two steps around it (moments untouched), MoE bias exactly the next step's own update.
-Invalid cells are refused at config time with one line. The full matrix is `-m sweep`; SAMPLE runs by
-default. bf16 autocast is ~30× slower on a CPU: its cells are as tiny as the rest.
+Invalid cells are refused at config time with one line. The full matrix is `-m sweep`; SAMPLE's one-process
+cells run by default, its 2-process cells under `-m slow`. bf16 autocast is ~30× slower on a CPU: its cells are
+as tiny as the rest.
 """
 from __future__ import annotations
 
@@ -140,7 +141,8 @@ def cell_id(cell):
     return "-".join(cell)
 
 
-@pytest.mark.parametrize("cell", SAMPLE, ids=cell_id)
+@pytest.mark.parametrize("cell", [pytest.param(c, marks=pytest.mark.slow) if WORLDS[c[1]][0] > 1 else c
+                                  for c in SAMPLE], ids=cell_id)
 def test_matrix_sample(tmp_path, cell):
     check_cell(tmp_path, *cell)
 

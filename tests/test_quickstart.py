@@ -1,8 +1,8 @@
 """The quickstart's effect, off the edge: the copy source's induction head forms early and the run ends at
 the exact floor, on every seed (bench/seeds/quickstart_grid.py trains each point with train.py as a user runs it).
 
-Default suite: the recipe's mechanism at a smaller size (SHORT: the same model, mixture, optimizer and
-schedule shape on shorter documents), on 2 seeds. `-m sweep`: the full recipe over the README's grid of
+`-m slow` (two 300-step trainings): the recipe's mechanism at a smaller size (SHORT: the same model, mixture,
+optimizer and schedule shape on shorter documents), on 2 seeds, and the README's follow-ups on it. `-m sweep`: the full recipe over the README's grid of
 5 seeds x 2 data seeds x {1, 2} threads, every point at its floor, the head formed before 60 % of the run.
 """
 from __future__ import annotations
@@ -45,6 +45,7 @@ def short_runs(tmp_path_factory) -> dict:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1])
 def test_quickstart_mechanism_reaches_the_copy_floor(short_runs, seed):
     row, run_dir = short_runs[seed]
@@ -57,6 +58,7 @@ def test_quickstart_mechanism_reaches_the_copy_floor(short_runs, seed):
     assert all(i["judgement"] == "natural" and i["reason"] for i in rep["incidents"]), rep["incidents"]
 
 
+@pytest.mark.slow
 def test_the_readme_follow_ups_run_on_the_default_run(short_runs):
     """What the README shows after `python train.py`, on the default run's own checkpoints (checkpoint.every's
     default): sample it, replay a step, continue it; export says in one line what it cannot carry."""

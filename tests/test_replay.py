@@ -75,6 +75,7 @@ def test_nan_drill_replay_is_finite_and_telemetry_names_the_layer(nan_drill):
         assert abs(r.act_rms[name] - rec["layers"][name]["act_rms"]) < 1e-5 * rec["layers"][name]["act_rms"]
 
 
+@pytest.mark.slow  # three launches of the CLI; the replays themselves run in process above
 def test_cli_prints_the_comparison_and_errors_in_one_line(healthy):
     ok = subprocess.run([sys.executable, "-m", "doctor.replay", str(healthy), "--step", "9"], cwd=ROOT, env=env(),
                         capture_output=True, text=True, timeout=HANG_S)

@@ -3,7 +3,8 @@
 One process: A+B straight vs A -> save -> new process -> B is bit-identical (every loss, parameter,
 optimizer moment). Two gloo processes: FSDP2 2 -> 2 and DDP 1 -> 2 resume within 1e-6; FSDP2 2 -> 1
 keeps the exact sample sequence; the FSDP2 grad norm equals the single-process one on the same batch.
-(Slow: every `checkpoint.verify` scenario, DDP 2 -> 2 included.)
+The default suite runs the one-process verify; `-m slow` the 2-process runs; `-m sweep` every `checkpoint.verify`
+scenario, DDP 2 -> 2 included.
 """
 from __future__ import annotations
 
@@ -79,6 +80,7 @@ def fsdp_runs(tmp_path_factory):
     return tmp
 
 
+@pytest.mark.slow  # 2-process launches (fsdp_runs)
 @pytest.mark.distributed
 def test_fsdp_resume_on_two_processes_matches(fsdp_runs):
     a = read_records(fsdp_runs / "straight" / "metrics.jsonl")
@@ -91,6 +93,7 @@ def test_fsdp_resume_on_two_processes_matches(fsdp_runs):
                         fsdp_runs / "resumed" / "checkpoints/step_000006") <= 1e-6
 
 
+@pytest.mark.slow  # 2-process launches (fsdp_runs)
 @pytest.mark.distributed
 def test_world_size_two_to_one_consumes_the_same_samples(fsdp_runs):
     a = read_records(fsdp_runs / "straight" / "metrics.jsonl")
@@ -107,6 +110,7 @@ def test_world_size_two_to_one_consumes_the_same_samples(fsdp_runs):
     assert a[-1]["tokens"] == c[-1]["tokens"]
 
 
+@pytest.mark.slow  # 2-process launches (fsdp_runs)
 @pytest.mark.distributed
 def test_fsdp_grad_norm_equals_single_process(fsdp_runs, one_proc):
     fsdp = read_records(fsdp_runs / "straight" / "metrics.jsonl")
@@ -118,6 +122,7 @@ def test_fsdp_grad_norm_equals_single_process(fsdp_runs, one_proc):
         assert x["batch"] == y["batch"] and rel(x["grad_norm"], y["grad_norm"]) <= 1e-4
 
 
+@pytest.mark.slow  # a 2-process launch
 @pytest.mark.distributed
 def test_ddp_resume_one_to_two_processes_matches(tmp_path, one_proc):
     """DDP on 2 processes resumes the single-process checkpoint at step 3 (world 1 -> 2) and saves

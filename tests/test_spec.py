@@ -1,5 +1,6 @@
 """The step's specification checks (spec/): a bug planted from outside each check's code (tests/plant.py) fails
-that check at its step, naming the place; the steps before it pass."""
+that check at its step, naming the place; the steps before it pass. The 2-process launches and the resumes run
+under `-m slow`."""
 from __future__ import annotations
 
 import json
@@ -133,6 +134,7 @@ def test_muon_between_reference_steps_checks_its_momentum_and_no_update(tmp_path
         assert "optimizer" in rec["spec"]["miss"] and not rec["spec"].get("fail"), (rec["step"], rec["spec"])
 
 
+@pytest.mark.slow  # 2-process launches
 @pytest.mark.distributed
 @pytest.mark.parametrize("parallel", ["auto", "fsdp"])
 def test_clean_steps_pass_under_ddp_and_fsdp(tmp_path, parallel):
@@ -142,6 +144,7 @@ def test_clean_steps_pass_under_ddp_and_fsdp(tmp_path, parallel):
     assert {"reduce", "replicas"} <= set(recs[-1]["spec"]["miss"]) or parallel == "fsdp"
 
 
+@pytest.mark.slow  # a 2-process launch
 @pytest.mark.distributed
 def test_a_reduction_that_drops_one_ranks_share_fails_the_reduce_check(tmp_path):
     """A communication hook halves rank 1's gradient on its way into the all-reduce: every rank's reduced gradient
@@ -154,6 +157,7 @@ def test_a_reduction_that_drops_one_ranks_share_fails_the_reduce_check(tmp_path)
     assert got is not None and (got["check"], got["kind"], got["class"]) == (check, kind, "system.rank_divergence"), got
 
 
+@pytest.mark.slow  # three runs, two of them resumes
 def test_a_resume_continues_the_specification_and_a_lossy_one_fails_it(tmp_path):
     """A run resumed from its checkpoint passes every check (the continuity check compares the resumed state with
     the checkpoint's fingerprint); a resume that drops the optimizer's moments fails it at the first step after."""
@@ -172,6 +176,7 @@ def test_a_resume_continues_the_specification_and_a_lossy_one_fails_it(tmp_path)
     assert got is not None and (got["check"], got["kind"], got["class"]) == (check, kind, "state.resume_fault"), got
 
 
+@pytest.mark.slow  # a run and its resume
 def test_a_resume_that_quarantines_the_next_batch_passes_every_check(tmp_path):
     """The doctor's fix for a bad batch (doctor --verify) resumes from the step before it with train.skip_batches=[its
     first ID]: the loader serves the batch after it, and the data check's plan must serve the same — a declared

@@ -3,10 +3,13 @@
 Muon's batched bfloat16 Newton-Schulz, QK-norm and the linear schedule are all in the step; a kernel that
 picked its summation order at run time (or state leaking between steps) would show as a last-bit
 difference in some step's loss or grad norm. A second seed must differ, or the comparison proves nothing.
+Three runs of the recipe: `-m slow` (tests/test_config.py composes it; tests/test_muon.py checks its optimizer).
 """
 from __future__ import annotations
 
 import random
+
+import pytest
 
 from stability.record import read_records
 from tests.helpers import run_train
@@ -33,6 +36,7 @@ def _curve(tmp_path, name: str, seed: int):
     return [(rec["loss"], rec["grad_norm"], rec["eval"]["loss"] if rec.get("eval") else None) for rec in recs]
 
 
+@pytest.mark.slow
 def test_speedrun_loss_curve_is_bit_identical_for_a_seed(tmp_path):
     (tmp_path / "text.txt").write_text(_text())
     a, b = _curve(tmp_path, "a", 0), _curve(tmp_path, "b", 0)

@@ -1,4 +1,4 @@
-"""train.py end to end, as a user runs it: the run directory, the StepRecord, config errors, DDP."""
+"""train.py end to end, as a user runs it: the run directory, the StepRecord, config errors, DDP (`-m slow`)."""
 from __future__ import annotations
 
 import math
@@ -6,7 +6,7 @@ import math
 import pytest
 import yaml
 
-from helpers import TINY, run_train
+from helpers import ROOT, TINY, run_train
 from stability.record import read_records
 
 RECORD_FIELDS = {"step", "tokens", "ckpt_id", "batch", "source_mix", "valid_tokens", "tokens_by_source", "loss",
@@ -14,10 +14,17 @@ RECORD_FIELDS = {"step", "tokens", "ckpt_id", "batch", "source_mix", "valid_toke
                  "clip_coef", "skipped", "time_s", "tokens_per_s", "memory_mb", "world", "events", "eval"}
 
 
-def test_quickstart_smoke_writes_records(tmp_path):
-    r = run_train(tmp_path / "run", *TINY)
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """`python train.py` on TINY, once for the two tests below: its run directory and the finished process."""
+    run = tmp_path_factory.mktemp("tiny") / "run"
+    return run, run_train(run, *TINY)
+
+
+def test_quickstart_smoke_writes_records(tiny_run):
+    run, r = tiny_run
     assert r.returncode == 0, r.stderr[-3000:]
-    recs = read_records(tmp_path / "run" / "metrics.jsonl")
+    recs = read_records(run / "metrics.jsonl")
     assert [x["step"] for x in recs] == list(range(1, 7))
     assert RECORD_FIELDS <= set(recs[0])
     for x in recs:
@@ -34,8 +41,8 @@ def test_quickstart_smoke_writes_records(tmp_path):
     assert [x["step"] for x in evals] == [3, 6]
     assert evals[-1]["eval"]["floor"] > 0 and evals[-1]["eval"]["loss"] > evals[-1]["eval"]["floor"]
     assert "final eval loss" in r.stdout and "exact floor" in r.stdout
-    assert (tmp_path / "run" / "loss.png").stat().st_size > 1000
-    assert (tmp_path / "run" / "config.yaml").exists()
+    assert (run / "loss.png").stat().st_size > 1000
+    assert (run / "config.yaml").exists()
 
 
 def test_a_run_shorter_than_its_warmup_trains_on_the_clamped_schedule(tmp_path):
@@ -54,13 +61,14 @@ def test_a_run_shorter_than_its_warmup_trains_on_the_clamped_schedule(tmp_path):
     assert [x["lr"] for x in recs] == pytest.approx([lr * t / 20 for t in range(1, 21)], rel=1e-12)
 
 
-def test_run_dir_is_never_reused_silently(tmp_path):
-    assert run_train(tmp_path / "run", *TINY, "train.steps=2").returncode == 0
-    r = run_train(tmp_path / "run", *TINY, "train.steps=2")
+def test_run_dir_is_never_reused_silently(tiny_run):
+    run, first = tiny_run
+    assert first.returncode == 0, first.stderr[-3000:]
+    r = run_train(run, *TINY)
     assert r.returncode != 0 and "already holds a run" in r.stderr
 
 
-@pytest.mark.parametrize("override, key", [
+BAD_CONFIG = [  # an override, and what the one line that refuses it names
     ("model.d_model=33", "model.d_model"),
     ("model.moe.top_k=9", "model.moe.top_k"),
     ("optim.schedule.name=triangle", "optim.schedule.name"),
@@ -69,7 +77,14 @@ def test_run_dir_is_never_reused_silently(tmp_path):
     ("guard.action=panic", "guard.action"),  # the stability pieces validate before anything is written too
     ("train.stpes=100", "train.stpes: unknown key (did you mean train.steps?)"),  # Hydra's own message, in one line
     ("train.steps=abc", "train.steps=abc: expected an integer (got str)"),
-])
+]
+# NOTE: train.py turns every one of them into its line by the same path (run/config.py's pre-flight): two launches
+# in the default suite, Hydra's own message and a component's check; the schema refuses all of them in process below
+LAUNCHED = {"guard.action=panic", "train.stpes=100"}
+
+
+@pytest.mark.parametrize("override, key", [pytest.param(o, k, marks=() if o in LAUNCHED else pytest.mark.slow)
+                                           for o, k in BAD_CONFIG])
 def test_bad_config_exits_nonzero_naming_the_key(tmp_path, override, key):
     r = run_train(tmp_path / "run", *TINY, override)
     assert r.returncode == 2
@@ -78,6 +93,25 @@ def test_bad_config_exits_nonzero_naming_the_key(tmp_path, override, key):
     assert not (tmp_path / "run").exists()  # stopped before anything was written, the directory included
 
 
+@pytest.fixture(scope="module")
+def hydra_conf():
+    from hydra import initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):  # once: each init costs ~0.5 s
+        yield
+
+
+@pytest.mark.parametrize("override, key", BAD_CONFIG)
+def test_bad_config_is_refused_by_the_schema_naming_the_key(hydra_conf, override, key):
+    """What train.py runs before it writes anything (run.config.compose_check), on the same command line."""
+    from run.config import compose_check
+
+    with pytest.raises(ValueError) as e:
+        compose_check([*TINY, override])
+    assert len(str(e.value).splitlines()) == 1 and key in str(e.value), str(e.value)
+
+
+@pytest.mark.slow  # two launches; test_config.py and test_data.py refuse both in process
 def test_text_experiment_errors(tmp_path):
     r = run_train(tmp_path / "a", "+experiment=shakespeare_char", "logging.wandb=disabled")
     assert r.returncode == 2 and "data.path" in r.stderr
@@ -99,6 +133,7 @@ def test_text_file_trains(tmp_path):
     assert recs[-1]["valid_tokens"] == 12 * 64  # random crops: every label is valid
 
 
+@pytest.mark.slow  # a 2-process launch beside a 1-process run
 @pytest.mark.distributed
 def test_ddp_two_processes_match_single_process(tmp_path):
     """Same global batches on 1 and 2 gloo processes: per-step loss and grad norm agree."""

@@ -4,7 +4,9 @@ status; no partial .tmp-* directory and no run.lock is left; the last good check
 resume=auto from it finishes the run. A checkpoint write that raises what DCP raises (a BaseException) is a
 failure too, never exit 0.
 
-The faults are injected where the writes happen (tests/inject_train.py): train.py runs otherwise unchanged.
+The faults are injected where the writes happen (tests/inject_train.py): train.py runs otherwise unchanged. Each
+case is a run and its resume: a checkpoint's files and the records in the default suite, the other phases and
+the 2-process save under `-m slow`.
 """
 from __future__ import annotations
 
@@ -53,7 +55,8 @@ def resumes(run_dir: Path, good: str) -> None:
 
 @pytest.mark.parametrize("phase, code, cause", [
     ("save", Exit.NO_SPACE, "disk full"),  # inside DCP, which raises its CheckpointException: a BaseException
-    ("save_base", Exit.IO, "OSError: [Errno 5]"),  # a BaseException subclass raised by the save itself
+    # a BaseException subclass raised by the save itself
+    pytest.param("save_base", Exit.IO, "OSError: [Errno 5]", marks=pytest.mark.slow),
     pytest.param("save_io", Exit.IO, "OSError: [Errno 5]", marks=pytest.mark.slow),
     pytest.param("marker", Exit.NO_SPACE, "disk full", marks=pytest.mark.slow),
 ])
@@ -71,6 +74,7 @@ def test_a_checkpoint_that_cannot_be_written_stops_the_run_in_one_line(tmp_path,
     resumes(run, "step_000002")
 
 
+@pytest.mark.slow
 def test_the_final_save_failing_is_not_exit_0(tmp_path):
     """The last checkpoint (train.steps) fails after the last step: the run's final lines are not its success."""
     run = tmp_path / "run"
@@ -94,7 +98,8 @@ def test_a_full_disk_while_writing_the_records_is_one_line(tmp_path):
     resumes(run, "step_000004")
 
 
-@pytest.mark.parametrize("phase", ["lock", pytest.param("header", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("phase", ["lock", "header"])
 def test_a_resume_on_a_full_disk_is_one_line_and_leaves_no_lock(tmp_path, phase):
     """The disk is still full when the scheduler restarts the job: one line, exit 5, no run.lock, and the
     header files a resume rewrites are intact (written beside, then renamed)."""
@@ -109,6 +114,7 @@ def test_a_resume_on_a_full_disk_is_one_line_and_leaves_no_lock(tmp_path, phase)
     resumes(run, "step_000004")
 
 
+@pytest.mark.slow  # a 2-process launch and its resume
 @pytest.mark.distributed
 def test_one_rank_failing_a_save_stops_every_rank_at_the_next_save(tmp_path):
     """Two processes, rank 1's shard of step 4 cannot be written (EIO): the ranks agree that step_000004 did not
