@@ -57,7 +57,10 @@ class ProbeRun:
     cache: dict = field(default_factory=dict)  # what one check computed that another reads (tolerances)
 
 
-PROBE_TOKENS = 64  # the first positions of one sequence: every layer and head, some 2·64 expert assignments
+# the first positions of one sequence: every layer and head, the position rules (RoPE, the causal mask) on 32 of them,
+# some 2·32 expert assignments. NOTE: the probe's cost is more its ops' than its FLOPs: halving it from 64 saves a
+# quarter of a reference step, which the overhead goal needs (bench/speed/spec_overhead.py)
+PROBE_TOKENS = 32
 
 
 def run_probe(model, micro, routes, z_coef: float, autocast, loss_scale: float | None, want_grads: bool) -> ProbeRun:
