@@ -18,6 +18,8 @@ what was saved.
 """
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as tdist
 
@@ -45,6 +47,7 @@ class Conformance(Callback):
         self.phase = {BEFORE: [c for c in self.checks if c.phase == BEFORE],
                       AFTER: [c for c in self.checks if c.phase == AFTER]}
         self._probe: tuple[int, object] | None = None
+        self.seconds = 0.0  # the host time in the checks since took() (the points, the put, the read)
         ctx.probe = self.probe
         ctx.reference_step = self.reference_step
 
@@ -63,11 +66,19 @@ class Conformance(Callback):
         return self._probe[1]
 
     def _at(self, point: str, s: StepState) -> None:
+        t0 = time.perf_counter()
         ref = self.reference_step(s.step)
         for c in self.checks:
             if c.cadence == REFERENCE and not ref:
                 continue
             getattr(c, point)(s)
+        self.seconds += time.perf_counter() - t0
+
+    def took(self) -> float:
+        """The host seconds the checks took since the last call (the step's time_s.spec). NOTE: on a GPU, the
+        time to launch their kernels; what the kernels take shows in the step's own times."""
+        out, self.seconds = self.seconds, 0.0
+        return out
 
     def before_batch(self, s: StepState) -> None:
         for c in self.checks:
@@ -95,6 +106,11 @@ class Conformance(Callback):
 
     # --- the read ----------------------------------------------------------------------------------------
     def _put(self, s: StepState, phase: str) -> None:
+        t0 = time.perf_counter()
+        self._pack(s, phase)
+        self.seconds += time.perf_counter() - t0
+
+    def _pack(self, s: StepState, phase: str) -> None:
         checks = self.phase[phase]
         if not checks:
             return
@@ -118,6 +134,13 @@ class Conformance(Callback):
 
     def read(self, s: StepState, host, phase: str) -> list[dict]:
         """After the step's read of `phase`'s checks: fill s.spec, return the failures (dicts) found."""
+        t0 = time.perf_counter()
+        try:
+            return self._read(s, host, phase)
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+    def _read(self, s: StepState, host, phase: str) -> list[dict]:
         key = f"spec/{phase}"
         if key not in host:
             return []

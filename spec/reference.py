@@ -135,7 +135,9 @@ class Reference:
         gates = scores.gather(-1, ids_Nk)
         if k > 1 and (mc.norm_topk or mc.score == "sigmoid"):
             gates = gates / gates.sum(-1, keepdim=True)
-        w_gu, w_dn = self.p(pre + "experts.w_gate_up"), self.p(pre + "experts.w_down")
+        # NOTE: unbind, not w[e]: one backward node stacks every expert's gradient (E indexings would each add a
+        # zero-filled copy of the whole tensor)
+        w_gu, w_dn = self.p(pre + "experts.w_gate_up").unbind(0), self.p(pre + "experts.w_down").unbind(0)
         outs_NkD = x_ND.new_zeros(N, k, x_ND.shape[-1])
         for e in range(E):  # each expert once, on the tokens that chose it (a token's k experts are distinct)
             hit_Nk = ids_Nk == e
