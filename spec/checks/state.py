@@ -49,6 +49,7 @@ class ContinuityCheck(Check):
         super().__init__(ctx)
         model = ctx.model
         self.names = {id(p): n for n, p in model.named_parameters()}
+        self._names: dict[tuple[int, str], str] = {}  # (id(parameter), state key) -> the state's name
         keys = set(model.state_dict())
         self.buffers = [n for n, _ in model.named_buffers() if n in keys]  # persistent ones: training state
         self.end: list[tuple] | None = None  # each tensor's (id, storage, version) at the last step's end
@@ -63,20 +64,33 @@ class ContinuityCheck(Check):
         buffers = dict(model.named_buffers())
         out += [(n, "state", buffers[n]) for n in self.buffers]
         for p, st in opt.state.items():
-            out += [(f"{self.names.get(id(p), '?')}.{k}", "optimizer", v) for k, v in st.items() if torch.is_tensor(v)]
+            out += [(self._state_name(p, k), "optimizer", v) for k, v in st.items() if torch.is_tensor(v)]
         return out
+
+    def _state_name(self, p, key: str) -> str:
+        name = self._names.get((id(p), key))
+        if name is None:
+            name = self._names[id(p), key] = f"{self.names.get(id(p), '?')}.{key}"
+        return name
 
     def marks(self) -> tuple[list[tuple], Tensor, list[int]]:
         """Each tensor's (name, identity, storage, version), the FP32 norms of the parameters and buffers (a write
         through .data, which PyTorch does not count, changes a value, and a norm of it, computed by the same
         kernel on the same numbers, comes out the same bits or the write is there), and each tensor's kind."""
         items = self.collect()
-        marks = [(n, id(t), _local(t).data_ptr(), t._version) for n, _, t in items]
+        local = _local if self.ctx.sharded else (lambda t: t)
+        marks = [(n, id(t), local(t).data_ptr(), t._version) for n, _, t in items]
         with torch.no_grad():  # NOTE: a norm of each whole tensor, whatever its shape: no view made
-            model = [_local(t) for _, k, t in items if k == "state"]
+            model = [local(t) for _, k, t in items if k == "state"]
             norms = torch.stack(torch._foreach_norm([f if f.dtype == torch.float32 else f.float() for f in model], 2))
-        kinds = list(self.kinds)
-        return marks, norms, [kinds.index(k) for _, k, _ in items]
+        index = {k: i for i, k in enumerate(self.kinds)}
+        return marks, norms, [index[k] for _, k, _ in items]
+
+    def _kinds(self, kinds: list[int]) -> Tensor:
+        """The kinds as a tensor (cached: the same list every step while the state's tensors stay)."""
+        if getattr(self, "_kinds_of", (None,))[0] != kinds:
+            self._kinds_of = (kinds, torch.tensor(kinds, dtype=torch.float64))
+        return self._kinds_of[1]
 
     def counter(self) -> float:
         return float(self.ctx.scheduler.last_epoch) if self.ctx.scheduler is not None else 0.0
@@ -111,11 +125,11 @@ class ContinuityCheck(Check):
                 gone = sorted(set(m[0] for m in then) ^ set(m[0] for m in now))
                 self.measure(torch.tensor([1.0], **f64), torch.tensor([0.5], **f64), "state", where=gone[:1])
             else:
-                kinds = kinds + [list(self.kinds).index("schedule")]
+                kinds = self._kinds(kinds + [list(self.kinds).index("schedule")])
                 err = torch.tensor([float(a[1:] != b[1:]) for a, b in zip(now, then)] + [float(counter_off)], **f64)
                 moved = (norms != norms_then).double().to(err.device)  # the parameters and buffers come first
                 err = torch.cat([torch.maximum(err[:len(moved)], moved), err[len(moved):]])
-                self.measure(err, torch.full_like(err, 0.5), torch.tensor(kinds, **f64),
+                self.measure(err, torch.full_like(err, 0.5), kinds,
                              where=[m[0] for m in now] + ["scheduler.last_epoch"])
         else:  # the run's first step
             self.measure(torch.tensor(float(counter_off), **f64), torch.tensor(0.5, **f64), "schedule",
