@@ -21,7 +21,7 @@ import torch
 
 from data.batch import IGNORE_INDEX
 from parallel.dist import all_reduce_max, all_reduce_sum
-from parallel.host_scalars import HostScalars
+from parallel.host_scalars import HostScalars, Packed
 from parallel.wrap import no_sync
 
 
@@ -111,57 +111,44 @@ def forward_backward(wrapped, micro_batches, n_valid_global: torch.Tensor, z_coe
 
 @dataclass
 class ReducedSums:
-    """The step's sums all-reduced, still on the device: one packed (K,) vector, laid out as below, and the
-    global logit max. tensors() names what the host needs (train.py reads it with the step's other
-    numbers: parallel/host_scalars.py); stats() turns those numbers into the step's statistics."""
+    """The step's sums all-reduced, still on the device: one flat FP32 vector laid out by name (parallel/
+    host_scalars.py Packed: the loss, z and aux sums, the per-source sums, each MoE layer's loads, the floor, each
+    layer's expert output squares), and the global logit max. tensors() names what the host needs (train.py reads
+    it with the step's other numbers); stats() turns those numbers into the step's statistics."""
 
-    packed_K: torch.Tensor
+    layout: Packed
+    flat_K: torch.Tensor
     logit_max: torch.Tensor
-    n_sources: int
-    experts: dict[int, int]  # MoE layer -> E, in packing order
-    out_layers: list[int]    # the layers whose expert output squares follow the floor
+    experts: dict[int, int]  # MoE layer -> E
+    out_layers: list[int]    # the layers whose expert output squares were summed
 
     def loads_E(self) -> dict[int, torch.Tensor]:
         """layer -> (E,) global assignment counts, on the device (the balancing-bias update reads them there)."""
-        out, at = {}, 3 + 3 * self.n_sources
-        for layer, E in self.experts.items():
-            out[layer] = self.packed_K[at:at + E]
-            at += E
-        return out
+        parts = self.layout.unpack(self.flat_K)
+        return {layer: parts[f"load/{layer}"] for layer in self.experts}
 
     def tensors(self) -> dict[str, torch.Tensor]:
         loads = self.loads_E()
         # NOTE: each layer's load shares divided here, in FP32, as StepRecord.expert_load has them
-        return {"sums_K": self.packed_K, "logit_max": self.logit_max,
+        return {"sums_K": self.flat_K, "logit_max": self.logit_max,
                 **{f"expert_share/{l}": load / load.sum() for l, load in loads.items()}}
 
     def stats(self, host, n_valid_global: float) -> dict:
         """The global step statistics from the host's copy of tensors() (a mapping name -> numbers)."""
-        packed, S = host["sums_K"], self.n_sources
-        by_src = packed[3:3 + 3 * S]
-        loads, at = {}, 3 + 3 * S
-        for layer, E in self.experts.items():
-            loads[layer] = packed[at:at + E]
-            at += E
-        floor_by_source, floorless = packed[at:at + S], packed[at + S]
-        at += S + 1
-        out_sq = {}
-        for layer in self.out_layers:
-            E = self.experts[layer]
-            out_sq[layer] = packed[at:at + E]
-            at += E
+        p = self.layout.unpack(host["sums_K"])
+        loss, z, aux = p["sums"]
         return {
-            "loss": packed[0] / n_valid_global,
-            "z_loss": packed[1] / n_valid_global,
-            "aux_loss": packed[2] / n_valid_global,
-            "loss_sum_by_source": by_src[:S],
-            "tokens_by_source": by_src[S:2 * S],
-            "samples_by_source": by_src[2 * S:],
+            "loss": loss / n_valid_global,
+            "z_loss": z / n_valid_global,
+            "aux_loss": aux / n_valid_global,
+            "loss_sum_by_source": p["loss_by_source"],
+            "tokens_by_source": p["tokens_by_source"],
+            "samples_by_source": p["samples_by_source"],
             "logit_max": host["logit_max"],
-            "moe_load": loads,
+            "moe_load": {layer: p[f"load/{layer}"] for layer in self.experts},
             "expert_load": {layer: host[f"expert_share/{layer}"] for layer in self.experts},
-            "floor_sum_by_source": floor_by_source if floorless == 0 else None,
-            "moe_out_sq": out_sq,
+            "floor_sum_by_source": p["floor_by_source"] if p["floorless"] == [0.0] else None,
+            "moe_out_sq": {layer: p[f"out_sq/{layer}"] for layer in self.out_layers},
         }
 
 
@@ -169,8 +156,7 @@ def reduce_sums(sums: StepSums) -> ReducedSums:
     """Every rank's sums -> global sums on the device, in one SUM all-reduce (+ one MAX when distributed).
 
     The MoE loads ride in the same collective because the balancing-bias update needs them global on
-    every rank anyway (each rank must move its bias copy identically). The floor sums and the expert
-    output squares ride after them, so the entries before keep their positions.
+    every rank anyway (each rank must move its bias copy identically).
     """
     layers = sorted(sums.moe_load)
     S = sums.loss_by_source.numel()
@@ -178,14 +164,15 @@ def reduce_sums(sums: StepSums) -> ReducedSums:
     # NOTE: a rank without a floor (real text, a corrupted shard) adds 1 to `floorless`: the global floor
     # exists only when no rank lacks one, and every rank must enter the same collective either way
     has_floor = sums.floor_by_source is not None
-    floor_S = sums.floor_by_source if has_floor else torch.zeros(S, device=dev)
     out_layers = [l for l in layers if l in sums.moe_out_sq]
-    packed = torch.cat([torch.stack([sums.loss_sum, sums.z_sum, sums.aux_weighted]).float(),
-                        sums.loss_by_source, sums.tokens_by_source, sums.samples_by_source,
-                        *[sums.moe_load[l].float() for l in layers],
-                        floor_S.float(), torch.full((1,), 0.0 if has_floor else 1.0, device=dev),
-                        *[sums.moe_out_sq[l].float() for l in out_layers]])
-    return ReducedSums(all_reduce_sum(packed), all_reduce_max(sums.logit_max.detach().clone().float()), S,
+    layout = Packed({"sums": torch.stack([sums.loss_sum, sums.z_sum, sums.aux_weighted]),
+                     "loss_by_source": sums.loss_by_source, "tokens_by_source": sums.tokens_by_source,
+                     "samples_by_source": sums.samples_by_source,
+                     **{f"load/{l}": sums.moe_load[l] for l in layers},
+                     "floor_by_source": sums.floor_by_source if has_floor else torch.zeros(S, device=dev),
+                     "floorless": torch.full((1,), 0.0 if has_floor else 1.0, device=dev),
+                     **{f"out_sq/{l}": sums.moe_out_sq[l] for l in out_layers}}, dev, torch.float32)
+    return ReducedSums(layout, all_reduce_sum(layout.flat()), all_reduce_max(sums.logit_max.detach().clone().float()),
                        {l: sums.moe_load[l].numel() for l in layers}, out_layers)
 
 

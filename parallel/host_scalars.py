@@ -67,15 +67,17 @@ class Packed:
         packed.unpack(flat)["act_sq"]            # a view of flat, shaped (A,); from a list, nested lists
     """
 
-    def __init__(self, named: dict[str, Tensor], device: torch.device | None = None):
+    def __init__(self, named: dict[str, Tensor], device: torch.device | None = None,
+                 dtype: torch.dtype = torch.float64):
         self.named = dict(named)
         self.shapes = {k: tuple(t.shape) for k, t in self.named.items()}
         self.device = device if device is not None else next(iter(self.named.values())).device
+        self.dtype = dtype
 
     def flat(self) -> Tensor:
         if not self.named:
-            return torch.zeros(0, dtype=torch.float64, device=self.device)
-        return torch.cat([t.reshape(-1).to(self.device, torch.float64) for t in self.named.values()])
+            return torch.zeros(0, dtype=self.dtype, device=self.device)
+        return torch.cat([t.reshape(-1).to(self.device, self.dtype) for t in self.named.values()])
 
     def unpack(self, flat: Tensor | list[float]) -> dict[str, Tensor | float | list]:
         """By name, each shaped as put: views of a tensor, or (of the host's list) a float, lists, nested lists."""
