@@ -44,8 +44,7 @@ class GradientCheck(Check):
         ref = Reference(self.ctx.model.cfg, run.ref_w, run.bias)
         fwd = ForwardCheck(self.ctx)
         if "objective" not in run.cache:  # the forward check did not run on this probe: its graph, built here
-            for _ in fwd.layers(ref, run):
-                pass
+            list(fwd.layers(ref, run))
         names = [n for n, w in run.ref_w.items() if w.requires_grad]
         got_ref = torch.autograd.grad(run.cache["objective"], [run.ref_w[n] for n in names], allow_unused=True)
         want = [torch.zeros_like(run.ref_w[n]) if g is None else g for n, g in zip(names, got_ref)]
