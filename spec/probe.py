@@ -84,8 +84,10 @@ def run_probe(model, micro, routes, z_coef: float, autocast, loss_scale: float |
         if want_grads:
             scale = float(loss_scale) if loss_scale else 1.0  # FP16: scaled like the step, so nothing underflows
             got = torch.autograd.grad(objective * scale, list(params.values()), allow_unused=True)
-            grads = {n: (torch.zeros_like(p, dtype=F64) if g is None else g.detach().to(F64) / scale)
+            grads = {n: (torch.zeros_like(p, dtype=F64) if g is None else g.detach().to(F64))
                      for (n, p), g in zip(params.items(), got)}
+            if scale != 1.0:
+                torch._foreach_div_(list(grads.values()), scale)
     finally:
         for h in hooks:
             h.remove()

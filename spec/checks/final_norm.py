@@ -10,13 +10,15 @@ from the step's forward by a hook on the final norm) its gradient is exact arith
 
 This is the course's token normalisation (Σ loss, Σ count, one division), the z-loss and the labels the step
 used, checked against what the optimizer receives — a hook that scales gradients, a wrong N, a micro-batch
-dropped or counted twice. The tolerance bounds the rounding componentwise: λ·(the stages' unit roundoffs) ×
-Σ_tokens |∂obj/∂logits|·|W| ⊙ |x̂| (the same sum with every term's magnitude), so cancellation between tokens
-cannot make it tight (bounded per token by |∂/∂logits|₁·max|W|·|x̂|). The closed form is computed in FP32, the
+dropped or counted twice. The tolerance bounds the rounding of the sum by its terms' magnitudes: λ·(the stages' unit
+roundoffs) × Σ_tokens |∂obj/∂logits|₁·max|W|·‖x̂‖ (≥ ‖Σ_tokens |∂obj/∂logits|·|W| ⊙ |x̂|‖, the same sum with every
+term's magnitude), so cancellation between tokens cannot make it tight. The closed form is computed in FP32, the
 path's own precision, so the tolerance counts the roundings of both sides. Under FP16 loss scaling the gain's
 gradient holds S·g until the unscale: S times both.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import Tensor
@@ -93,18 +95,27 @@ class LossGradCheck(Check):
             scale = scale * float(self.ctx.scaler.scale)
         h = torch.cat([x.reshape(-1, x.shape[-1]) for x in self.h]).float()  # every micro-batch's tokens, (N, D)
         labels = torch.cat([mb.labels.reshape(-1) for mb in s.micro])
+        valid = labels != IGNORE
         ms = torch.linalg.vector_norm(h, dim=-1, keepdim=True).square() / h.shape[-1]  # mean(h²), per token
-        xh = h * torch.rsqrt(ms + c.norm_eps)
-        logits = xh @ (W * gamma).T  # (x̂ ⊙ γ)·Wᵀ, the gain folded into W: one (V, D) product, not an (N, D) one
+        r = torch.rsqrt(ms + c.norm_eps)  # x̂ = r·h: r scales the (N, V) and (V, N) sides, x̂ is never formed
+        logits = (h @ (W * gamma).T) * r  # (x̂ ⊙ γ)·Wᵀ, the gain folded into W: one (V, D) product, not an (N, D) one
         logp = torch.log_softmax(logits, -1)
         lse = logits[:, :1] - logp[:, :1]  # log Σ exp(logits) = logit − log p, at any one vocabulary entry
-        dl = ((1 + 2 * z * lse) * logp.exp()).scatter_add_(-1, labels.clamp(min=0)[..., None], -torch.ones_like(lse))
-        dl = torch.where((labels != IGNORE)[..., None], dl, 0.0)  # where: an ignored position's inf stays out
-        # Σ_t (dl_t·W) ⊙ x̂_t = Σ_v W_v ⊙ (dlᵀ·x̂)_v: the sum over tokens inside one (V, N)·(N, D) product
-        want = (W * (dl.T @ xh)).sum(0, dtype=F64) * scale
-        # the same sum with every term's magnitude, bounded: |∂/∂logits|₁ · max|W| · |x̂| per token
-        mag = (dl.abs().sum(-1) @ xh.abs()).double() * scale * W.abs().max().double()
-        lmax = logits.abs().max()
+        # c = 1 + 2z·lse on a valid label, 0 on an ignored one (its row of ∂/∂logits is 0: the mask in the coefficient)
+        coef = torch.where(valid[:, None], 1 + 2 * z * lse, 0.0)
+        p = logp.exp()
+        at = labels.clamp(min=0)[:, None]
+        dl = (coef * p).scatter_add_(-1, at, -valid[:, None].to(p.dtype))  # c·p − onehot(label)
+        # Σ_t (dl_t·W) ⊙ x̂_t = Σ_v W_v ⊙ ((r ⊙ dl)ᵀ·h)_v: the sum over tokens inside one (V, N)·(N, D) product
+        want = (W * ((dl * r).T @ h)).sum(0, dtype=F64) * scale
+        # the same sum with every term's magnitude, bounded per token by |∂/∂logits|₁·max|W|·‖x̂_t‖ (the triangle
+        # inequality over tokens): |c·p − onehot|₁ = c·(1 − p_y) + |c·p_y − 1| (c·p ≥ 0 off the label), and
+        # ‖x̂_t‖ = r_t·‖h_t‖ — N numbers, no (N, V) or (N, D) magnitude formed
+        p_y = p.gather(-1, at)
+        l1 = coef * (1 - p_y) + torch.where(valid[:, None], (coef * p_y - 1).abs(), 0.0)
+        mag = (l1 * r * ms.sqrt()).sum().double() * math.sqrt(h.shape[-1]) * scale * W.abs().max().double()
+        lo, hi = torch.aminmax(logits)
+        lmax = torch.maximum(hi, -lo)
         if world > 1:
             import torch.distributed as tdist
             tdist.all_reduce(want)
@@ -123,7 +134,7 @@ class LossGradCheck(Check):
         nonfinite = torch.tensor(0.0 if self.ctx.scaler is not None else torch.inf, dtype=F64, device=want.device)
         err = torch.where(~torch.isfinite(want).all(), zero,
                           torch.where(~torch.isfinite(got).all(), nonfinite, (got - want).norm()))
-        tol = rel * mag.norm() + 1e-300
+        tol = rel * mag + 1e-300
         self.place = (got, want, tol)
         layers = torch.where(bad.to(err.device) > 0, torch.inf, 0.0).double()
         names = list(self.kinds)
