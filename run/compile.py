@@ -24,12 +24,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-# The break-even run length by device type, steps ≥ t_cold / (t_eager − t_compiled):
-#   cpu: a cold start of about a minute on a quiet 2-core machine, minutes on a busy one (two graphs), for a
-#        saving of about a tenth of a step of a few tens of ms: thousands of steps before it pays, which is
-#        more than any experiment here runs on a laptop.
-#   cuda: the kernels are generated with Triton in parallel, a cold start of tens of seconds, and eager small
-#        models are bound by kernel launches, which the compiled graph mostly removes.
+# The break-even run length by device type, steps ≥ t_cold / (t_eager − t_compiled), with t_cold and the two step
+# times from `bash bench/speed/speedrun.sh` (docs/results/speedrun.md, which also prints the quotient):
+#   cpu: inductor compiles two graphs (the first step's, the first telemetry step's) and saves only the
+#        element-wise share of a matmul-bound step: the quotient is thousands of steps, and
+#        the threshold sits above it by the spread of a shared machine's cold start (more than twice the
+#        quiet figure), past any experiment here on a laptop.
+#   cuda: eager small models are bound by kernel launches, which the compiled graph mostly removes: the saving
+#        is a large share of each step, and a run of a few thousand steps repays the cold start.
 MIN_STEPS = {"cpu": 20_000, "cuda": 2_000}
 
 
