@@ -96,6 +96,7 @@ class Check:
         self.where: list[str] = []  # the names of the places it measures, in the order of its vectors
         self.out: Tensor | None = None  # this step's packed result, until the monitor takes it
         self.extra: dict[str, tuple[list[str], Tensor]] = {}  # name -> (places, (L,) values) for the record
+        self.seconds = 0.0  # host time in this check's own hooks (inside the step's forward), since took()
 
     @classmethod
     def applies(cls, ctx: SpecContext) -> bool:

@@ -19,6 +19,7 @@ gradient holds S·g until the unscale: S times both.
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 from torch import Tensor
@@ -60,8 +61,14 @@ class LossGradCheck(Check):
         self.h, self.finite = [], {name: [] for name, _ in self.layers()}
         self._hooks = [model.norm.register_forward_hook(lambda m, args, out: self.h.append(args[0].detach()))]
         for name, module in self.layers():
-            self._hooks.append(module.register_forward_hook(
-                lambda m, args, out, name=name: self.finite[name].append(_tensor(out).detach().sum(dtype=torch.float32))))
+            self._hooks.append(module.register_forward_hook(self._finite_sum(name)))
+
+    def _finite_sum(self, name: str):
+        def keep(module, args, out):
+            t0 = time.perf_counter()
+            self.finite[name].append(_tensor(out).detach().sum(dtype=torch.float32))
+            self.seconds += time.perf_counter() - t0  # the step's time_s.spec counts it (spec/monitor.py took)
+        return keep
 
     def layers(self) -> list[tuple[str, torch.nn.Module]]:
         """The layers whose outputs are checked finite, in forward order (telemetry's names)."""
