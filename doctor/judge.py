@@ -20,9 +20,9 @@ Then the run's outcome (`outcome`, per segment whose steps ran their checks) tur
   recurrence   the loss spikes more often than the run has sources — each source's circuit forms once (a phase
                transition, the copy source's induction head), so a clean run's loss spikes at most once per
                source; more is the recipe spiking again and again;
-  stall        a source stays above its floor, without progress from an incident to the run's end, while the run
-               sits on the unstable side of its recipe's default on a lever (doctor/levers.py) — the default is the
-               recipe that learns this data, which the fix's rerun proves.
+  stall        a source holds more than half its gap to its floor from an incident on for as long as the run had
+               trained before it, while the run sits on the unstable side of its recipe's default on a lever
+               (doctor/levers.py) — the default is the recipe that learns this data, which the fix's rerun proves.
 Each such finding is the incident it began at (or an incident of its own when none did), its class
 `recipe.instability`, its fix the lever the evidence picks (doctor/levers.py).
 
@@ -313,11 +313,12 @@ def outcome(ctx: Context, incidents: list) -> list[tuple[object, str, str, dict]
 
 def stall(ctx: Context, series: dict, dyn: list) -> list:
     """A source held far above its floor after an incident, on a recipe moved to its unstable side of its default
-    (doctor/levers.py): the default learns this data; this recipe stopped. "Far": its gap to the floor, beyond its
-    noise, still more than half what it was at the incident — the run did not get halfway to the floor in what was
-    left of it — and the run went on after the incident at least as long as it had trained before it."""
+    (doctor/levers.py): the default learns this data; this recipe stopped. "Held far": its gap to the floor stayed
+    above half what it was at the incident — half beyond its noise — for as long after the incident as the run had
+    trained before it (a plateau as long as the run that led to it; the end of the run if it never got halfway).
+    A source that got halfway soon after and stopped there is the damage test's (outcome)."""
     from doctor.levers import LEVERS, recipe_default
-    if not dyn or not ctx.floors:
+    if not dyn or not (ctx.floors or any(r.get("floor_by_source") for r in ctx.seg)):  # a gap needs an exact floor
         return []
     default = recipe_default(ctx.run)
     if default is None:
@@ -333,18 +334,25 @@ def stall(ctx: Context, series: dict, dyn: list) -> list:
         for q, g in series.items():
             if not ctx.tl[q].spec.per_source:
                 continue
-            steps, _, _, sigma, n = _levels(g, w)
+            steps, _, fwd, sigma, n = _levels(g, w)
             at = [v for t, v in g.items() if inc.step - w <= t < inc.step]
             if sigma <= 0 or len(steps) < 2 * w or len(at) < w // 2:
                 continue
             se = sigma * math.sqrt(MEDIAN_EFF / w)
-            end = statistics.median(g[int(t)] for t in steps[-w:])
             before = statistics.median(at)
-            if end / se > threshold(tests, n, 0.0, 1) and end > before / 2:
-                return [(inc, "stall", f"{q} ends the run {end:+.3f} nats above its exact floor, more than half the "
-                         f"{before:+.3f} it had before the incident at step {inc.step}, on a recipe moved to its "
-                         f"unstable side of its default ({', '.join(moved)}): a stall the default recipe does not have",
-                         {"series": q, "before": before, "end": end, "levers": moved})]
+            if before / 2 / se <= threshold(tests, n, 0.0, 1):  # half its gap is within the noise of the floor
+                continue
+            # the first window after the incident whose median is down to half the gap: the source got halfway
+            down = np.where((steps >= inc.step) & np.isfinite(fwd) & (fwd <= before / 2))[0]
+            reached = int(steps[down[0]]) if len(down) else last
+            if reached - inc.step >= inc.step:
+                end = statistics.median(g[int(t)] for t in steps[-w:])
+                when = f"until step {reached}" if len(down) else "to the run's end"
+                return [(inc, "stall", f"{q} held more than half the {before:+.3f} nats above its exact floor it had at "
+                         f"the incident at step {inc.step} {when} ({reached - inc.step} steps, longer than the run "
+                         f"had trained before it; {end:+.3f} at the end), on a recipe moved to its unstable side of "
+                         f"its default ({', '.join(moved)}): a stall the default recipe does not have",
+                         {"series": q, "before": before, "end": end, "reached": reached, "levers": moved})]
     return []
 
 

@@ -340,3 +340,28 @@ def test_a_levers_rerun_must_remove_the_damage(fixed):
     # a fault's fix (nothing damaged): a source left above where it was before the incident counts against it
     worse, _, _ = compare_gaps(after, before, without, {"copy": 0.05, "markov": 0.05}, 30, set())
     assert set(worse) == {"markov"}
+
+
+@pytest.mark.parametrize("late", [False, True])
+def test_a_source_held_on_its_plateau_after_a_spike_on_a_moved_recipe_is_a_stall(tmp_path, late):
+    """Conforming steps at ten times the recipe's default LR, a spike at 70 while source a sits 1.4 nats above its
+    exact floor. A head that forms soon after the spike (90) is the run's own pace: healthy. One that forms only at
+    200 — source a held above half its gap for longer than the run had trained before the spike — is a stall, fixed
+    with the LR back at its default (a run on its own default never is: doctor/levers.py `unstable`)."""
+    def tweak(t, r):
+        conforming(r)
+        r["floor_by_source"] = {"a": 2.0, "b": 3.0}
+        learning_onset(t, r, at=200 if late else 90)
+        spike(t, r)
+        r["lr"] = 2e-2 * min(1.0, t / 50)  # the schedule's linear warm-up (optim/schedule.py), then constant
+    d = fake_run(tmp_path, n=300, tweak=tweak)
+    (d / "config.yaml").write_text(json.dumps({"optim": {"lr": 2e-2, "schedule": {"name": "constant", "warmup_steps": 50}},
+                                               "train": {"steps": 400, "max_grad_norm": 1.0, "z_loss": 1e-4}}))
+    (d / "environment.json").write_text(json.dumps({"argv": ["optim.lr=2e-2", "+experiment=dense_tiny"]}))
+    rep = doctor(d, plots=False)
+    if late:
+        assert rep["class"] == "recipe.instability" and rep["earliest"]["step"] == T0, rep["summary"]
+        assert "a stall the default recipe does not have" in rep["summary"] and "loss_by_source/a" in rep["summary"]
+        assert "(lr)" in rep["summary"] and rep["fix"]["override"] == "optim.lr=0.002", rep["fix"]
+    else:
+        assert rep["class"] == "healthy", rep["summary"]
