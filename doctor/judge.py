@@ -318,7 +318,7 @@ def stall(ctx: Context, series: dict, dyn: list) -> list:
     trained before it (a plateau as long as the run that led to it; the end of the run if it never got halfway).
     A source that got halfway soon after and stopped there is the damage test's (outcome)."""
     from doctor.levers import LEVERS, recipe_default
-    if not dyn or not (ctx.floors or any(r.get("floor_by_source") for r in ctx.seg)):  # a gap needs an exact floor
+    if not (ctx.floors or any(r.get("floor_by_source") for r in ctx.seg)):  # a gap needs an exact floor
         return []
     default = recipe_default(ctx.run)
     if default is None:
@@ -353,6 +353,34 @@ def stall(ctx: Context, series: dict, dyn: list) -> list:
                          f"had trained before it; {end:+.3f} at the end), on a recipe moved to its unstable side of "
                          f"its default ({', '.join(moved)}): a stall the default recipe does not have",
                          {"series": q, "before": before, "end": end, "reached": reached, "levers": moved})]
+    return held_from_start(ctx, series, moved, default)
+
+
+def held_from_start(ctx: Context, series: dict, moved: list[str], default: dict) -> list:
+    """A recipe that breaks the model before any detector has a baseline leaves no incident: the run's start stands
+    in for it. A source that never gets down to half the gap of its first window, in a run at least as long as its
+    default recipe's (the length in which the default learns this data), is held: a stall with an incident of its
+    own at the end of that first window."""
+    from doctor.levers import get
+    w, last = ctx.window, ctx.seg[-1]["step"]
+    length = get(default, "train.steps")
+    if not isinstance(length, int) or last < length:
+        return []
+    for q, g in series.items():
+        if not ctx.tl[q].spec.per_source:
+            continue
+        steps, _, fwd, sigma, n = _levels(g, w)
+        if sigma <= 0 or len(steps) < 3 * w:
+            continue
+        first = float(np.median([g[int(t)] for t in steps[:w]]))
+        if first / 2 / (sigma * math.sqrt(MEDIAN_EFF / w)) <= threshold(len(series), n, 0.0, 1):
+            continue
+        if not (np.isfinite(fwd) & (fwd <= first / 2)).any():
+            end = float(np.median([g[int(t)] for t in steps[-w:]]))
+            return [(None, "stall", f"{q} never got down to half the {first:+.3f} nats above its exact floor of its "
+                     f"first {w} steps ({end:+.3f} at the end of a run as long as its default's), on a recipe moved to "
+                     f"its unstable side of its default ({', '.join(moved)}): a stall the default recipe does not have",
+                     {"series": q, "before": first, "end": end, "levers": moved, "onset": int(steps[w])})]
     return []
 
 

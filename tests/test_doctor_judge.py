@@ -342,26 +342,49 @@ def test_a_levers_rerun_must_remove_the_damage(fixed):
     assert set(worse) == {"markov"}
 
 
-@pytest.mark.parametrize("late", [False, True])
-def test_a_source_held_on_its_plateau_after_a_spike_on_a_moved_recipe_is_a_stall(tmp_path, late):
-    """Conforming steps at ten times the recipe's default LR, a spike at 70 while source a sits 1.4 nats above its
-    exact floor. A head that forms soon after the spike (90) is the run's own pace: healthy. One that forms only at
-    200 — source a held above half its gap for longer than the run had trained before the spike — is a stall, fixed
-    with the LR back at its default (a run on its own default never is: doctor/levers.py `unstable`)."""
+def moved_run(tmp_path, n: int, head: int, spike_at: int | None):
+    """Conforming records at ten times dense_tiny's default LR (its warm-up, then constant), source a sitting 1.4
+    nats above its exact floor until its head forms at `head`; a spike at `spike_at`."""
     def tweak(t, r):
         conforming(r)
         r["floor_by_source"] = {"a": 2.0, "b": 3.0}
-        learning_onset(t, r, at=200 if late else 90)
-        spike(t, r)
+        rng = random.Random(t)  # Gaussian batch noise, as a loss's is (the tests' medians assume it)
+        r["loss_by_source"] = {"a": 2.0 + rng.gauss(0, 0.05), "b": 3.0 + rng.gauss(0, 0.05)}
+        learning_onset(t, r, at=head)
+        if spike_at is not None:
+            spike(t, r, at=spike_at)
         r["lr"] = 2e-2 * min(1.0, t / 50)  # the schedule's linear warm-up (optim/schedule.py), then constant
-    d = fake_run(tmp_path, n=300, tweak=tweak)
+    d = fake_run(tmp_path, n=n, tweak=tweak)
     (d / "config.yaml").write_text(json.dumps({"optim": {"lr": 2e-2, "schedule": {"name": "constant", "warmup_steps": 50}},
-                                               "train": {"steps": 400, "max_grad_norm": 1.0, "z_loss": 1e-4}}))
+                                               "train": {"steps": n, "max_grad_norm": 1.0, "z_loss": 1e-4}}))
     (d / "environment.json").write_text(json.dumps({"argv": ["optim.lr=2e-2", "+experiment=dense_tiny"]}))
-    rep = doctor(d, plots=False)
+    return d
+
+
+@pytest.mark.parametrize("late", [False, True])
+def test_a_source_held_on_its_plateau_after_a_spike_on_a_moved_recipe_is_a_stall(tmp_path, late):
+    """At ten times the recipe's default LR, a spike at 70 while source a sits 1.4 nats above its exact floor. A
+    head that forms soon after the spike (90) is the run's own pace: healthy. One that forms only at 200 — source a
+    held above half its gap for longer than the run had trained before the spike — is a stall, fixed with the LR
+    back at its default (a run on its own default never is: doctor/levers.py `unstable`)."""
+    rep = doctor(moved_run(tmp_path, 300, 200 if late else 90, T0), plots=False)
     if late:
         assert rep["class"] == "recipe.instability" and rep["earliest"]["step"] == T0, rep["summary"]
         assert "a stall the default recipe does not have" in rep["summary"] and "loss_by_source/a" in rep["summary"]
         assert "(lr)" in rep["summary"] and rep["fix"]["override"] == "optim.lr=0.002", rep["fix"]
     else:
         assert rep["class"] == "healthy", rep["summary"]
+
+
+@pytest.mark.parametrize("learns", [False, True])
+def test_a_source_that_never_learns_on_a_moved_recipe_is_a_stall_without_an_incident(tmp_path, learns):
+    """No spike at all (a recipe that breaks the model before the detectors have a baseline): over a run as long
+    as its default's (400 steps), source a never getting halfway to its floor is a stall, an incident of its own
+    after the first window; the same run with a head at 150 is healthy."""
+    rep = doctor(moved_run(tmp_path, 400, 150 if learns else 10**6, None), plots=False)
+    if learns:
+        assert rep["class"] == "healthy", rep["summary"]
+    else:
+        assert rep["class"] == "recipe.instability", rep["summary"]
+        assert "never got down to half" in rep["summary"] and "loss_by_source/a" in rep["summary"], rep["summary"]
+        assert rep["fix"]["override"] == "optim.lr=0.002", rep["fix"]
