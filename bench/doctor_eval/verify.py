@@ -1,9 +1,10 @@
-"""What `python -m doctor RUN --verify` says and costs on the default job: its clean run (a natural incident)
-and a blind incident of `labs.incident` (a fault planted and scrubbed from the run's files).
+"""What `python -m doctor RUN --verify` says and costs on the default job: its clean run (a natural incident),
+a blind incident of `labs.incident` (a fault planted and scrubbed from the run's files), and the default job on a
+recipe moved off its default (25× the LR, no warm-up: a recipe instability, whose lever the fix's rerun proves).
 
-    python -m bench.doctor_eval.verify [--seed 12] [--out docs/results/doctor_verify.md]
+    python -m bench.doctor_eval.verify [--seed 12] [--cases clean blind recipe] [--out docs/results/doctor_verify.md]
 
-Trains the default job (`python train.py`) and the blind incident, verifies each and prints (and with --out
+Trains each case's run, verifies each and prints (and with --out
 writes, bench/report.py) the verify lines, the replayed steps and the seconds each run took, under a header
 naming the machine, the date and the commit. The records themselves are bit-reproducible; the seconds are this machine's.
 """
@@ -21,6 +22,7 @@ from pathlib import Path
 from bench import ROOT
 from bench.report import Report
 QUIET = ["logging.progress=false", "logging.wandb=disabled", "logging.plot=false"]
+RECIPE = ["optim.lr=5e-2", "optim.schedule.warmup_steps=0"]  # the default job's LR ×25, without its warm-up
 
 
 def sh(*cmd: str) -> subprocess.CompletedProcess:
@@ -41,16 +43,23 @@ def verify(run_dir: Path) -> tuple[list[str], dict, float]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.doctor_eval.verify", description=__doc__.split("\n\n")[0])
     ap.add_argument("--seed", type=int, default=12, help="the blind incident's seed (labs.incident new --seed)")
+    ap.add_argument("--cases", nargs="+", choices=("clean", "blind", "recipe"), default=["clean", "blind", "recipe"])
     ap.add_argument("--out", type=Path, help="also write the result as markdown here")
     a = ap.parse_args(argv)
     rep = Report("The doctor's proof on the default job", "python -m bench.doctor_eval.verify", argv)
     with tempfile.TemporaryDirectory() as tmp:
-        clean, blind = Path(tmp) / "quickstart", Path(tmp) / f"incident-{a.seed}"
-        sh("train.py", f"hydra.run.dir={clean}", *QUIET)
-        sh("-m", "labs.incident", "new", "--seed", str(a.seed), "--out", str(blind))
-        for title, d, cmd in (("The default run (`python train.py`)", clean, "python -m doctor runs/<run> --verify"),
-                              (f"A blind incident (`python -m labs.incident new --seed {a.seed}`)", blind,
-                               f"python -m doctor runs/incident-{a.seed} --verify")):
+        clean, blind, recipe = Path(tmp) / "quickstart", Path(tmp) / f"incident-{a.seed}", Path(tmp) / "recipe"
+        cases = {"clean": ("The default run (`python train.py`)", clean, "python -m doctor runs/<run> --verify",
+                           lambda: sh("train.py", f"hydra.run.dir={clean}", *QUIET)),
+                 "blind": (f"A blind incident (`python -m labs.incident new --seed {a.seed}`)", blind,
+                           f"python -m doctor runs/incident-{a.seed} --verify",
+                           lambda: sh("-m", "labs.incident", "new", "--seed", str(a.seed), "--out", str(blind))),
+                 "recipe": (f"A recipe moved off its default (`python train.py {' '.join(RECIPE)}`)", recipe,
+                            "python -m doctor runs/<run> --verify",
+                            lambda: sh("train.py", f"hydra.run.dir={recipe}", *QUIET, *RECIPE))}
+        for name in a.cases:
+            title, d, cmd, train = cases[name]
+            train()
             lines, v, secs = verify(d)
             runs = v.get("runs", [])
             each = ", ".join(f"{r['name']} {r['seconds']:.0f} s" for r in runs)
