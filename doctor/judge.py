@@ -21,7 +21,8 @@ Then the run's outcome (`outcome`, per segment whose steps ran their checks) tur
                transition, the copy source's induction head), so a clean run's loss spikes at most once per
                source; more is the recipe spiking again and again;
   stall        a source holds more than half its gap to its floor from an incident on for as long as the run had
-               trained before it, while the run sits on the unstable side of its recipe's default on a lever
+               trained before it (with no incident: never gets halfway from its first window's gap, in a run as long
+               as its default's), while the run sits on the unstable side of its recipe's default on a lever
                (doctor/levers.py) — the default is the recipe that learns this data, which the fix's rerun proves.
 Each such finding is the incident it began at (or an incident of its own when none did), its class
 `recipe.instability`, its fix the lever the evidence picks (doctor/levers.py).
