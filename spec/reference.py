@@ -136,9 +136,9 @@ class Reference:
         gates = scores.gather(-1, ids_Nk)
         if k > 1 and (mc.norm_topk or mc.score == "sigmoid"):
             gates = gates / gates.sum(-1, keepdim=True)
-        # every expert on every row, then each row's k chosen ones: a probe's few rows cost E/k times the FLOPs of
-        # routing them, in a few batched products instead of a loop of small ones (the reference's cost is its
-        # ops'); a row's gradient reaches only the experts it chose (the gather)
+        # every expert on every row, then each row's k chosen ones (the sum above as written, no loop over experts):
+        # E/k times the FLOPs of routing, which a probe's few rows afford; a row's gradient reaches only the experts
+        # it chose (the gather)
         all_END = swiglu(x_ND, self.p(pre + "experts.w_gate_up"), self.p(pre + "experts.w_down"), self.cfg.swiglu_clamp)
         outs_NkD = all_END[ids_Nk, torch.arange(N, device=x_ND.device)[:, None]]
         shared = (swiglu(x_ND, self.p(pre + "shared.w_gate_up.weight"), self.p(pre + "shared.w_down.weight"),
