@@ -348,7 +348,7 @@ def moved_run(tmp_path, n: int, head: int, spike_at: int | None):
     def tweak(t, r):
         conforming(r)
         r["floor_by_source"] = {"a": 2.0, "b": 3.0}
-        rng = random.Random(t)  # Gaussian batch noise, as a loss's is (the tests' medians assume it)
+        rng = random.Random(t)  # Gaussian batch noise, as a loss's is (doctor/judge.py MEDIAN_EFF assumes it)
         r["loss_by_source"] = {"a": 2.0 + rng.gauss(0, 0.05), "b": 3.0 + rng.gauss(0, 0.05)}
         learning_onset(t, r, at=head)
         if spike_at is not None:
