@@ -2,8 +2,8 @@
 run's own noise is known, never from a calibration run.
 
 A clean run of any length, depth and telemetry cadence must expect fewer than ALPHA incidents judged faults.
-Half of that is spent on detection, half on judgement (doctor/judge.py). Within detection the budget is split
-evenly over every test the doctor makes on the run (Bonferroni: a union bound, valid whatever the tests'
+Half of that is spent on detection, half on judgement (doctor/judge.py, doctor/outcome.py). Within detection the
+budget is split evenly over every test the doctor makes on the run (Bonferroni: a union bound, valid whatever the tests'
 dependence), so a test's threshold is the score a null value exceeds with probability
 
     p = (ALPHA / 2) / (sides · tests)          sides = 2 where a quantity can fail both ways

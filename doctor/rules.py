@@ -21,7 +21,8 @@ from doctor.conformance import spec_incidents
 from doctor.content import content_check
 from doctor.diagnosis import FAULT, INSTABILITY, Diagnosis, Judgement
 from doctor.invariants import continuity, system_change
-from doctor.judge import judge, outcome, recover_steps, settle
+from doctor.judge import judge, recover_steps
+from doctor.outcome import outcome, settle
 from doctor.scores import budget, deviations, guard_test
 from doctor.symptoms import no_point_anomaly
 from doctor.timeline import Deviation, Run, earliest, load_run, scoring_start, timeline

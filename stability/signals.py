@@ -357,7 +357,7 @@ declare("clamp_hit_rate", FORWARD, per_layer("clamp_hit_rate"), cls="numerics.ac
         fix="the SwiGLU clamp bites more often: the MLP's pre-activations grew")
 # NOTE: attention sharpens as the model learns, and one step's max over a few heads is noisy (a block can flip
 # between two levels): its moves are judged by what the run did after them; the growth QK-norm / QK-clip exist for
-# is a level that climbs and does damage (doctor/judge.py, doctor/levers.py)
+# is a level that climbs and does damage (doctor/outcome.py, doctor/levers.py)
 declare("attn_logit_max", FORWARD, per_layer("attn_logit_max"), cls="numerics.attention_logits", log=True,
         per_layer=True, role="attention", lever="qk",
         fix="the attention logits of the named block grew (QK-norm / QK-clip bound them)")

@@ -1,4 +1,4 @@
-"""The recipe's own instability (doctor/judge.py), and the healthy verdict."""
+"""The recipe's own instability (doctor/outcome.py), and the healthy verdict."""
 from __future__ import annotations
 
 from doctor.classes import declare_class, no_fix
