@@ -213,7 +213,8 @@ def settle(ctx: Context, incidents: list, found: list, make) -> list:
     default = None
     out = list(incidents)
     for inc, kind, reason, ev in found:
-        if inc is None:
+        made = inc is None  # no incident began it: it has no first read to name
+        if made:
             inc = make(kind, ev)
             if inc is None:
                 continue
@@ -231,10 +232,11 @@ def settle(ctx: Context, incidents: list, found: list, make) -> list:
         inc.lever = pick(c, inc, default or None)
         was = inc.fault_class
         inc.fault_class = "recipe.instability"
-        inc.summary = (f"recipe.instability at step {inc.step}: {reason}; the incident began as {was} "
-                       f"({inc.anomaly.describe() if inc.anomaly else '—'}), every step conforming to its specification"
-                       if inc.judgement.evidence.get("conforming") else
-                       f"recipe.instability at step {inc.step}: {reason}; the incident began as {was}")
+        began = "" if made else f"; the incident began as {was}" + (
+            f" ({inc.anomaly.describe() if inc.anomaly else '—'})" if inc.judgement.evidence.get("conforming") else "")
+        inc.summary = (f"recipe.instability at step {inc.step}: {reason}{began}"
+                       + (", every step conforming to its specification"
+                          if inc.judgement.evidence.get("conforming") else ""))
         inc.symptom = CLASSES["recipe.instability"].symptom
     return sorted(out, key=lambda i: (i.seg_index, i.step))
 

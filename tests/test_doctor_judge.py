@@ -387,4 +387,5 @@ def test_a_source_that_never_learns_on_a_moved_recipe_is_a_stall_without_an_inci
     else:
         assert rep["class"] == "recipe.instability", rep["summary"]
         assert "never got down to half" in rep["summary"] and "loss_by_source/a" in rep["summary"], rep["summary"]
+        assert "began as" not in rep["summary"], rep["summary"]  # no incident began it: no first read to name
         assert rep["fix"]["override"] == "optim.lr=0.002", rep["fix"]
