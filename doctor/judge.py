@@ -34,7 +34,10 @@ from doctor.timeline import MAD_SIGMA, Series, memory
 from stability.signals import family
 
 EXACT_KINDS = ("invariant", "exact", "nonfinite", "bound", "spec")
-MEDIAN_EFF = math.pi / 2  # the variance of a median over a mean's (Gaussian noise): a median of n has σ²·π/(2n)
+# the variance of a median over a mean's, for Gaussian noise: a median of n has σ²·π/(2n). A step's loss (and each
+# source's) is a mean over the batch's hundreds to thousands of tokens, Gaussian by the central limit theorem; a
+# flatter noise would need more (the uniform's ratio is 3: its median of n has σ²·3/n), which no loss here has
+MEDIAN_EFF = math.pi / 2
 
 
 def _values(s: Series, lo: int, hi: int) -> list[tuple[int, float]]:
