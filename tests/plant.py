@@ -29,6 +29,8 @@ FAULTS = {
     "expert_dead": ("forward", "block1.mlp", "dead_expert"),
     "grad_hook": ("gradient", "blocks.0.attn.qkv.weight", "scaled"),
     "all_grads_x2": ("loss_grad", "norm.weight", "scaled"),
+    "grad_after_backward": ("reduce", "blocks.0.attn.qkv.weight", "scaled"),
+    "grad_noise_after_backward": ("reduce", "blocks.0.mlp.w_down.weight", "written"),
     "clip_input": ("clip", "norm", "gradient"),
     "clip_threshold": ("clip", "coef", "coef"),
     "lr_x3": ("lr", None, "lr"),
@@ -100,6 +102,18 @@ def plant(name: str, S: int) -> None:
         if name == "grad_hook":
             w = self.blocks[0].attn.qkv.weight
             w.register_hook(lambda g: g * 0.5 if Clock.step == S else None)
+        if name == "grad_after_backward":  # .grad halved once the backward accumulated it (autograd.grad never runs it)
+            w, seen = self.blocks[0].attn.qkv.weight, []
+
+            def halve(p):  # after the step's last micro-batch (the tests' runs have 2)
+                seen.append(Clock.step)
+                if Clock.step == S and seen.count(S) == 2:
+                    p.grad.mul_(0.5)
+            w.register_post_accumulate_grad_hook(halve)
+        if name == "grad_noise_after_backward":  # noise added to .grad after the backward (a helper before the clip)
+            w = self.blocks[0].mlp.w_down.weight
+            w.register_post_accumulate_grad_hook(lambda p: (p.grad.add_(torch.randn_like(p.grad) * p.grad.std()), None)[1]
+                                                 if Clock.step == S else None)
         if name == "all_grads_x2":
             for p in self.parameters():
                 p.register_hook(lambda g: g * 2.0 if Clock.step == S else None)

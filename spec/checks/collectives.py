@@ -1,11 +1,15 @@
-"""The collectives (DDP): the reduced gradient is the mean of the ranks' own (reduce), and every replica ends the
-step alike (replicas).
+"""The reductions of the gradient: what the optimizer receives is the sum of what the backward produced, over the
+micro-batches and, under DDP, averaged over the ranks (reduce); and every replica ends the step alike (replicas).
 
 reduce     each rank's local gradient on probe elements of every parameter is kept as its backward produces it
-           (a tensor hook sees each micro-batch's contribution before DDP's reducer adds it up), gathered from every
-           rank after the backward, and their mean compared with the gradient the reduction left: the micro-batches
-           are summed in FP32, DDP divides by the world size and sums in FP32, 3·u32 of the terms' magnitudes per
-           element (λ of it). Known before the update: the guard can refuse a step whose reduction was wrong.
+           (a tensor hook sees each micro-batch's contribution before it is accumulated into .grad, and before DDP's
+           reducer adds the ranks up), gathered from every rank after the backward, and their mean compared with
+           the gradient .grad holds before the update: the micro-batches are summed in FP32, DDP divides by the
+           world size and sums in FP32, 3·u32 of the terms' magnitudes per element (λ of it). In one process the
+           same comparison holds .grad to its backward: a gradient written after the backward produced it (a
+           post-accumulate hook, a helper that scales or perturbs .grad before the clip) is caught at its step,
+           which the probe's autograd (spec/checks/backward.py) never runs through. Known before the update: the
+           guard can refuse the step.
 replicas   the parameters' end-of-step fingerprint (each one's FP32 norm and the exact sum of a strided sample of
            its bits, as spec/checks/state.py takes a checkpoint's) is the same bits on every rank.
 
@@ -15,12 +19,14 @@ probe's; replicas do not exist.
 """
 from __future__ import annotations
 
+import time
 import zlib
 
 import torch
 import torch.distributed as tdist
 
-from spec.check import AFTER, BEFORE, STEP, SYSTEM, Check, Kind
+from spec.check import AFTER, BACKWARD, BEFORE, STEP, SYSTEM, Check, Kind
+from spec.checks.forward import kind_of
 from spec.checks.state import STRIDE, _bits
 from spec.tolerance import LAMBDA, U32
 
@@ -34,13 +40,19 @@ def _replicated(ctx) -> bool:
 class ReduceCheck(Check):
     name, layer, cadence, phase = "reduce", SYSTEM, STEP, BEFORE
     rank = 28  # after the data and the forward's inputs, before the gradient's own checks: it explains them
-    doc = "DDP's reduced gradient against the mean of the ranks' local gradients, on probe elements"
+    doc = "the gradient before the update against the sum of the backward's micro-batches (DDP: the ranks' mean), on probe elements"
     kinds = {"reduce": Kind("system.rank_divergence", "the gradient all-reduce did not return the ranks' mean (a "
-                                                      "communication hook, a bucket, one rank's copy)")}
+                                                      "communication hook, a bucket, one rank's copy)"),
+             "written": Kind("optim.gradient_mismatch", "the named parameter's gradient was changed after the backward "
+                                                        "produced it: a post-accumulate hook, a helper that writes .grad "
+                                                        "before the clip", layer=BACKWARD),
+             "scaled": Kind("optim.gradient_spike", "the named parameter's gradient was scaled after the backward "
+                                                    "produced it (a hook or a helper that multiplies .grad)",
+                            layer=BACKWARD)}
 
     @classmethod
     def applies(cls, ctx) -> bool:
-        return _replicated(ctx)
+        return not ctx.sharded
 
     def __init__(self, ctx):
         super().__init__(ctx)
@@ -50,23 +62,28 @@ class ReduceCheck(Check):
             gen = torch.Generator().manual_seed(zlib.crc32(n.encode()) + 1)
             self.idx[n] = torch.randint(0, p.numel(), (min(K, p.numel()),), generator=gen).to(p.device)
         self.where = [n for n, _ in self.params]
-        self.local: dict[str, torch.Tensor] = {}
+        self.offset, at = {}, 0  # each parameter's first probe element in the check's flat vector
+        for n, _ in self.params:
+            self.offset[n], at = at, at + len(self.idx[n])
+        self.n = at
+        self.kept: list[tuple[str, torch.Tensor]] = []
         self.hooks = []
 
     def before_forward(self, s) -> None:
-        self.local = {}
+        self.kept = []
         self.hooks = [p.register_hook(self.keep(n)) for n, p in self.params]
 
     def keep(self, name):
-        idx = self.idx[name]
+        idx, kept = self.idx[name], self.kept
 
         def hook(grad):
-            # NOTE: summed here, never read from .grad: under gradient_as_bucket_view an earlier bucket's
-            # all-reduce may be writing the .grad of this step while the backward goes on. The FP32 accumulation
-            # of the micro-batches rounds relative to their magnitudes, not their sum's: both are kept.
-            incoming = grad.detach().reshape(-1)[idx].double()
-            prior = self.local.get(name, torch.zeros(2, len(idx), dtype=torch.float64, device=incoming.device))
-            self.local[name] = prior + torch.stack([incoming, incoming.abs()])
+            # NOTE: kept here, never read from .grad: under gradient_as_bucket_view an earlier bucket's all-reduce
+            # may be writing the .grad of this step while the backward goes on. One gather a micro-batch (take, not a
+            # flat view: a transposed gradient's would copy it all); summed after the backward (spec/monitor.py
+            # counts this time)
+            t0 = time.perf_counter()
+            kept.append((name, grad.detach().take(idx)))
+            self.seconds += time.perf_counter() - t0
         return hook
 
     def before_update(self, s) -> None:
@@ -74,21 +91,56 @@ class ReduceCheck(Check):
             h.remove()
         self.hooks = []
         world = self.ctx.dist.world
-        local = torch.cat([self.local.get(n, torch.zeros(2, len(self.idx[n]), dtype=torch.float64))
-                           for n, _ in self.params], dim=1)
-        got = torch.cat([p.grad.reshape(-1)[self.idx[n]].double() if p.grad is not None
+        dev = self.idx[self.params[0][0]].device
+        # every micro-batch's probe elements, summed into each parameter's places in FP64, with their magnitudes
+        local = torch.zeros(2, self.n, dtype=torch.float64, device=dev)
+        if self.kept:
+            terms = torch.cat([t for _, t in self.kept]).double()
+            at = self._places(tuple(n for n, _ in self.kept), dev)
+            local[0].index_add_(0, at, terms)
+            local[1].index_add_(0, at, terms.abs())
+        got = torch.cat([p.grad.take(self.idx[n]).double() if p.grad is not None
                          else torch.zeros_like(self.idx[n], dtype=torch.float64) for n, p in self.params])
-        every = [torch.empty_like(local) for _ in range(world)]
-        tdist.all_gather(every, local)
-        stacked = torch.stack(every)  # (world, 2, n): each rank's local sum and its terms' magnitude
+        if world > 1:
+            every = [torch.empty_like(local) for _ in range(world)]
+            tdist.all_gather(every, local)
+            stacked = torch.stack(every)  # (world, 2, n): each rank's local sum and its terms' magnitude
+        else:
+            stacked = local[None]
         mean, mag = stacked[:, 0].mean(0), stacked[:, 1].sum(0) / world
-        err = (got - mean).abs()
+        # NOTE: the same non-finite value on both sides is the backward's own (FP16's overflow: its scaler skips)
+        same = (got == mean) | (got.isnan() & mean.isnan())
+        err = torch.where(same, 0.0, (got - mean).abs())
         tol = LAMBDA * 3 * U32 * mag + 1e-300  # the micro-batch sum, the division by the world, the reduction
-        owner = torch.repeat_interleave(torch.arange(len(self.params)), torch.tensor([len(self.idx[n]) for n, _ in
-                                                                                     self.params])).to(err.device)
+        owner = self._owner(err.device)
         worst = torch.zeros(len(self.params), dtype=torch.float64, device=err.device).scatter_reduce(
             0, owner, err / tol, "amax")
-        self.measure(worst, torch.ones_like(worst), "reduce")
+        self.measure(worst, torch.ones_like(worst), "reduce" if world > 1 else "written")
+        self.places = (got, mean, tol, owner)
+        self.kept = []
+
+    def _places(self, order: tuple[str, ...], device) -> torch.Tensor:
+        """Where each kept element goes in the flat vector, for the order the hooks ran in (cached: the same each
+        step of a run)."""
+        if getattr(self, "_order", (None,))[0] != order:
+            at = torch.cat([torch.arange(self.offset[n], self.offset[n] + len(self.idx[n])) for n in order])
+            self._order = (order, at.to(device))
+        return self._order[1]
+
+    def classify(self, i: int) -> str:
+        """One process: a parameter's .grad that is a multiple of what its backward produced was scaled after it."""
+        if self.ctx.dist.world > 1:
+            return "reduce"
+        got, want, tol, owner = self.places
+        mine = owner == i
+        return "scaled" if kind_of(got[mine], want[mine], tol[mine].norm()) == "scaled" else "written"
+
+    def _owner(self, device) -> torch.Tensor:
+        """The parameter of each probe element (the same every step)."""
+        if getattr(self, "_owners", (None,))[0] != str(device):
+            sizes = torch.tensor([len(self.idx[n]) for n, _ in self.params])
+            self._owners = (str(device), torch.repeat_interleave(torch.arange(len(self.params)), sizes).to(device))
+        return self._owners[1]
 
 
 class ReplicasCheck(Check):
