@@ -86,6 +86,8 @@ FAULTS = [
     # backward / update
     Fault("grad_x50_layer", "optim.gradient_spike", "backward/update", "update", what="block1.attn gradients ×50, one step"),
     Fault("grad_x3_sustained", "optim.gradient_spike", "backward/update", "update", what="block0.attn gradients ×3 from S on"),
+    Fault("grad_noise_after_backward", "optim.gradient_mismatch", "backward/update", "update",
+          what="block2.attn.qkv's .grad gets noise of its own spread, written after the backward, one step"),
     Fault("lr_x3", "optim.lr_switch", "backward/update", "update", what="every LR ×3 from S on"),
     Fault("adam_v_div16", "optim.state", "backward/update", "update", what="exp_avg_sq ÷16 before the update of S"),
     # state at resume
@@ -230,6 +232,12 @@ def patch(name: str) -> None:
                     return out * 2.0 if torch.is_tensor(out) else out._replace(y=out.y * 2.0)
                 return None
             mlp.register_forward_hook(h)
+        if name == "grad_noise_after_backward":  # each time a micro-batch accumulated into .grad
+            def noise(p):
+                if Clock.step == S:
+                    g = torch.Generator().manual_seed(S)
+                    p.grad.add_(torch.randn(p.grad.shape, generator=g) * p.grad.std())
+            self.blocks[2].attn.qkv.weight.register_post_accumulate_grad_hook(noise)
         if name == "act_x2_attn1_sustained":
             self.blocks[1].attn.register_forward_hook(scale(2.0, lambda t: t >= S))
         if name == "nan_attn":
