@@ -31,6 +31,7 @@ FAULTS = {
     "all_grads_x2": ("loss_grad", "norm.weight", "scaled"),
     "grad_after_backward": ("reduce", "blocks.0.attn.qkv.weight", "scaled"),
     "grad_noise_after_backward": ("reduce", "blocks.0.mlp.w_down.weight", "written"),
+    "detached_block": ("reduce", None, "missing"),
     "clip_input": ("clip", "norm", "gradient"),
     "clip_threshold": ("clip", "coef", "coef"),
     "lr_x3": ("lr", None, "lr"),
@@ -114,6 +115,9 @@ def plant(name: str, S: int) -> None:
             w = self.blocks[0].mlp.w_down.weight
             w.register_post_accumulate_grad_hook(lambda p: (p.grad.add_(torch.randn_like(p.grad) * p.grad.std()), None)[1]
                                                  if Clock.step == S else None)
+        if name == "detached_block":  # block 1 reads block 0's output cut off the graph: block 0 gets no gradient
+            self.blocks[1].register_forward_pre_hook(
+                lambda mod, args: (args[0].detach(), *args[1:]) if Clock.step == S and torch.is_grad_enabled() else None)
         if name == "all_grads_x2":
             for p in self.parameters():
                 p.register_hook(lambda g: g * 2.0 if Clock.step == S else None)

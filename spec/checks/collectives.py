@@ -8,8 +8,9 @@ reduce     each rank's local gradient on probe elements of every parameter is ke
            world size and sums in FP32, 3·u32 of the terms' magnitudes per element (λ of it). In one process the
            same comparison holds .grad to its backward: a gradient written after the backward produced it (a
            post-accumulate hook, a helper that scales or perturbs .grad before the clip) is caught at its step,
-           which the probe's autograd (spec/checks/backward.py) never runs through. Known before the update: the
-           guard can refuse the step.
+           which the probe's autograd (spec/checks/backward.py) never runs through. And every parameter the config
+           trains got a gradient: one frozen or cut off the graph (a detach) is named every step, not only at the
+           probe's. Known before the update: the guard can refuse the step.
 replicas   the parameters' end-of-step fingerprint (each one's FP32 norm and the exact sum of a strided sample of
            its bits, as spec/checks/state.py takes a checkpoint's) is the same bits on every rank.
 
@@ -48,7 +49,10 @@ class ReduceCheck(Check):
                                                         "before the clip", layer=BACKWARD),
              "scaled": Kind("optim.gradient_spike", "the named parameter's gradient was scaled after the backward "
                                                     "produced it (a hook or a helper that multiplies .grad)",
-                            layer=BACKWARD)}
+                            layer=BACKWARD),
+             "missing": Kind("optim.gradient_mismatch", "the named parameter, trained by the config, received no "
+                                                        "gradient: frozen (requires_grad off) or cut off the graph "
+                                                        "(a detach)", layer=BACKWARD)}
 
     @classmethod
     def applies(cls, ctx) -> bool:
@@ -115,8 +119,19 @@ class ReduceCheck(Check):
         owner = self._owner(err.device)
         worst = torch.zeros(len(self.params), dtype=torch.float64, device=err.device).scatter_reduce(
             0, owner, err / tol, "amax")
-        self.measure(worst, torch.ones_like(worst), "reduce" if world > 1 else "written")
-        self.places = (got, mean, tol, owner)
+        # every parameter the config trains gets a gradient each step: no hook ran and no .grad, it got none
+        fired = {n for n, _ in self.kept}
+        none = [float(not (p.requires_grad and (n in fired or p.grad is not None))) for n, p in self.params]
+        if any(none):
+            missing = torch.tensor(none, dtype=torch.float64, device=err.device)
+            worst = torch.maximum(worst, missing * 2)  # a miss of 2: one gradient absent, where there must be one
+            names = list(self.kinds)
+            kinds = torch.where(missing > 0, float(names.index("missing")),
+                                float(names.index("reduce" if world > 1 else "written")))
+            self.measure(worst, torch.ones_like(worst), kinds)
+        else:
+            self.measure(worst, torch.ones_like(worst), "reduce" if world > 1 else "written")
+        self.places = (got, mean, tol, owner, none)
         self.kept = []
 
     def _places(self, order: tuple[str, ...], device) -> torch.Tensor:
@@ -129,9 +144,11 @@ class ReduceCheck(Check):
 
     def classify(self, i: int) -> str:
         """One process: a parameter's .grad that is a multiple of what its backward produced was scaled after it."""
+        got, want, tol, owner, none = self.places
+        if none[i]:
+            return "missing"
         if self.ctx.dist.world > 1:
             return "reduce"
-        got, want, tol, owner = self.places
         mine = owner == i
         return "scaled" if kind_of(got[mine], want[mine], tol[mine].norm()) == "scaled" else "written"
 
