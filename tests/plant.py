@@ -25,6 +25,7 @@ FAULTS = {
     "val_row": ("data", "leak", "leak"),
     "emb_row": ("continuity", "tok_emb.weight", "state"),
     "attn_x3": ("forward", "block1.attn", "scaled"),
+    "nan_mlp": ("loss_grad", "block0.mlp", "nonfinite"),  # its NaN gradient is the layer's, not a write (reduce)
     "mlp_bf16": ("forward", "block0.mlp", "precision"),
     "expert_dead": ("forward", "block1.mlp", "dead_expert"),
     "grad_hook": ("gradient", "blocks.0.attn.qkv.weight", "scaled"),
@@ -89,6 +90,15 @@ def plant(name: str, S: int) -> None:
 
         if name == "attn_x3":
             self.blocks[1].attn.register_forward_hook(lambda m, a_, out: out * 3.0 if at() else None)
+        if name == "nan_mlp":  # once: the step's first forward (the probe's, after the update, runs clean)
+            spent = []
+
+            def nan(m, a_, out):
+                if at() and not spent:
+                    spent.append(1)
+                    return out * float("nan")
+                return None
+            self.blocks[0].mlp.register_forward_hook(nan)
         if name == "mlp_bf16":
             self.blocks[0].mlp.register_forward_hook(lambda m, a_, out: out.bfloat16().float() if at() else None)
         if name == "expert_dead":

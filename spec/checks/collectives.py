@@ -112,13 +112,14 @@ class ReduceCheck(Check):
         else:
             stacked = local[None]
         mean, mag = stacked[:, 0].mean(0), stacked[:, 1].sum(0) / world
-        # NOTE: the same non-finite value on both sides is the backward's own (FP16's overflow: its scaler skips)
-        same = (got == mean) | (got.isnan() & mean.isnan())
-        err = torch.where(same, 0.0, (got - mean).abs())
+        err = (got - mean).abs()
         tol = LAMBDA * 3 * U32 * mag + 1e-300  # the micro-batch sum, the division by the world, the reduction
+        # NOTE: a non-finite gradient from the backward (its magnitude, the tolerance, non-finite) judges nothing
+        # here: it is the forward's or the backward's own (loss_grad names the layer; FP16's scaler skips the step)
+        ratio = torch.where(torch.isfinite(tol), err / tol, 0.0)
         owner = self._owner(err.device)
         worst = torch.zeros(len(self.params), dtype=torch.float64, device=err.device).scatter_reduce(
-            0, owner, err / tol, "amax")
+            0, owner, ratio, "amax")
         # every parameter the config trains gets a gradient each step: no hook ran and no .grad, it got none
         fired = {n for n, _ in self.kept}
         none = [float(not (p.requires_grad and (n in fired or p.grad is not None))) for n, p in self.params]
