@@ -71,29 +71,30 @@ class ReduceCheck(Check):
             self.offset[n], at = at, at + len(self.idx[n])
         self.n = at
         self.kept: list[tuple[str, torch.Tensor]] = []
-        self.hooks = []
+        self.armed = False  # between the step's first forward and its update: the step's own backward
+        self.hooks = None   # registered once, at the first step (the model built and wrapped by then)
 
     def before_forward(self, s) -> None:
-        self.kept = []
-        self.hooks = [p.register_hook(self.keep(n)) for n, p in self.params]
+        if self.hooks is None:
+            self.hooks = [p.register_hook(self.keep(n)) for n, p in self.params]
+        self.kept, self.armed = [], True
 
     def keep(self, name):
-        idx, kept = self.idx[name], self.kept
+        idx = self.idx[name]
 
         def hook(grad):
             # NOTE: kept here, never read from .grad: under gradient_as_bucket_view an earlier bucket's all-reduce
             # may be writing the .grad of this step while the backward goes on. One gather a micro-batch (take, not a
             # flat view: a transposed gradient's would copy it all); summed after the backward (spec/monitor.py
-            # counts this time)
-            t0 = time.perf_counter()
-            kept.append((name, grad.detach().take(idx)))
-            self.seconds += time.perf_counter() - t0
+            # counts this time). Disarmed, it passes: the probe's autograd, a drill's replay
+            if self.armed:
+                t0 = time.perf_counter()
+                self.kept.append((name, grad.detach().take(idx)))
+                self.seconds += time.perf_counter() - t0
         return hook
 
     def before_update(self, s) -> None:
-        for h in self.hooks:
-            h.remove()
-        self.hooks = []
+        self.armed = False
         world = self.ctx.dist.world
         dev = self.idx[self.params[0][0]].device
         # every micro-batch's probe elements, summed into each parameter's places in FP64, with their magnitudes
