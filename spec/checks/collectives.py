@@ -124,15 +124,12 @@ class ReduceCheck(Check):
         # every parameter the config trains gets a gradient each step: no hook ran and no .grad, it got none
         fired = {n for n, _ in self.kept}
         none = [float(not (p.requires_grad and (n in fired or p.grad is not None))) for n, p in self.params]
-        if any(none):
-            missing = torch.tensor(none, dtype=torch.float64, device=err.device)
-            worst = torch.maximum(worst, missing * 2)  # a miss of 2: one gradient absent, where there must be one
-            names = list(self.kinds)
-            kinds = torch.where(missing > 0, float(names.index("missing")),
-                                float(names.index("reduce" if world > 1 else "written")))
-            self.measure(worst, torch.ones_like(worst), kinds)
-        else:
-            self.measure(worst, torch.ones_like(worst), "reduce" if world > 1 else "written")
+        missing = torch.tensor(none, dtype=torch.float64, device=err.device)
+        worst = torch.maximum(worst, missing * 2)  # a miss of 2: one gradient absent, where there must be one
+        names = list(self.kinds)
+        kinds = torch.where(missing > 0, float(names.index("missing")),
+                            float(names.index("reduce" if world > 1 else "written")))
+        self.measure(worst, torch.ones_like(worst), kinds)
         self.places = (got, mean, tol, owner, none)
         self.kept = []
 
