@@ -86,7 +86,7 @@ class ReduceCheck(Check):
             # NOTE: kept here, never read from .grad: under gradient_as_bucket_view an earlier bucket's all-reduce
             # may be writing the .grad of this step while the backward goes on. One gather a micro-batch (take, not a
             # flat view: a transposed gradient's would copy it all); summed after the backward (spec/monitor.py
-            # counts this time). Disarmed, it passes: the probe's autograd, a drill's replay
+            # counts this time). Disarmed outside the step's backward (the probe's autograd after the update), it passes
             if self.armed:
                 t0 = time.perf_counter()
                 self.kept.append((name, grad.detach().take(idx)))
