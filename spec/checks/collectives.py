@@ -70,6 +70,8 @@ class ReduceCheck(Check):
         for n, _ in self.params:
             self.offset[n], at = at, at + len(self.idx[n])
         self.n = at
+        sizes = torch.tensor([len(self.idx[n]) for n, _ in self.params])  # the parameter of each probe element
+        self.owner = torch.repeat_interleave(torch.arange(len(self.params)), sizes).to(self.idx[self.params[0][0]].device)
         self.kept: list[tuple[str, torch.Tensor]] = []
         self.armed = False  # between the step's first forward and its update: the step's own backward
         self.hooks = None   # registered once, at the first step (the model built and wrapped by then)
@@ -118,7 +120,7 @@ class ReduceCheck(Check):
         # NOTE: a non-finite gradient from the backward (its magnitude, the tolerance, non-finite) judges nothing
         # here: it is the forward's or the backward's own (loss_grad names the layer; FP16's scaler skips the step)
         ratio = torch.where(torch.isfinite(tol), err / tol, 0.0)
-        owner = self._owner(err.device)
+        owner = self.owner
         worst = torch.zeros(len(self.params), dtype=torch.float64, device=err.device).scatter_reduce(
             0, owner, ratio, "amax")
         # every parameter the config trains gets a gradient each step: no hook ran and no .grad, it got none
@@ -150,13 +152,6 @@ class ReduceCheck(Check):
             return "reduce"
         mine = owner == i
         return "scaled" if kind_of(got[mine], want[mine], tol[mine].norm()) == "scaled" else "written"
-
-    def _owner(self, device) -> torch.Tensor:
-        """The parameter of each probe element (the same every step)."""
-        if getattr(self, "_owners", (None,))[0] != str(device):
-            sizes = torch.tensor([len(self.idx[n]) for n, _ in self.params])
-            self._owners = (str(device), torch.repeat_interleave(torch.arange(len(self.params)), sizes).to(device))
-        return self._owners[1]
 
 
 class ReplicasCheck(Check):
