@@ -80,6 +80,10 @@ class Check:
     cadence: ClassVar[str] = STEP
     phase: ClassVar[str] = BEFORE
     rank: ClassVar[int]  # the order its failures are read within a step (lower: it broke first)
+    # a check that does not run every step (cadence REFERENCE) finds a fault up to spec.every − 1 steps after it
+    # began: the record's per-step series (StepRecord.spec.<name>, by place) whose jump at the failing place dates
+    # it within that gap (doctor/conformance.py); None: the failure is dated at its step
+    onset_series: ClassVar[str | None] = None
 
     def __init_subclass__(cls, **kw) -> None:
         super().__init_subclass__(**kw)

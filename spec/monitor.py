@@ -169,7 +169,7 @@ class Conformance(Callback):
             k = c.kinds[kname]
             fails.append({"check": c.name, "kind": kname, "class": k.cls, "layer": TIMELINE[k.layer or c.layer],
                           "where": c.where[int(where)] if int(where) < len(c.where) else None, "rank": rank,
-                          "err": err, "tol": tol, "miss": miss, "fix": k.fix})
+                          "err": err, "tol": tol, "miss": miss, "fix": k.fix, "series": c.onset_series})
         # in the registry's order across both reads: the first failure listed is the one that broke first
         s.spec["fail"] = sorted(s.spec.get("fail", []) + fails, key=lambda f: self.rank[f["check"]])
         if phase == AFTER:  # the step's outcome is on the host now: the checks that count updates go on from it

@@ -22,8 +22,10 @@ Record versions (`version`; a record without one is version 1):
        decay, min_lr_ratio} (optim/schedule.py Schedule.describe), so each segment of a resumed run is
        judged against its own schedule (a declared train.steps keeps the horizon: optim/schedule.py).
        spec: the step's specification checks (spec/monitor.py): "miss" {check: worst err/tol} of every check that
-       ran (above 1: it failed), "fail" [{check, kind, class, layer, where, rank, err, tol, miss, fix}],
-       "ref_err" {layer: relative error of the training path against the FP64 reference} on reference steps.
+       ran (above 1: it failed), "fail" [{check, kind, class, layer, where, rank, err, tol, miss, fix, series}],
+       "ref_err" {layer: relative error of the training path against the FP64 reference} on reference steps,
+       "out_rms" {layer: RMS of its output over the step's batch} every step (the series that dates a failure of a
+       check that runs on reference steps only: its "series").
 """
 from __future__ import annotations
 

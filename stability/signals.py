@@ -475,13 +475,24 @@ def _spec_miss(r, c):
     return [(f"spec.{k}", v, None, None) for k, v in ((r.get("spec") or {}).get("miss") or {}).items() if _num(v)]
 
 
-def _ref_err(r, c):
-    return [(f"ref_err/{k}", v, k, None) for k, v in ((r.get("spec") or {}).get("ref_err") or {}).items() if _num(v)]
+def _spec_layers(key: str):
+    """spec[key][<model layer>], per layer (the checks' per-layer measurements)."""
+    def read(r, c):
+        return [(f"{key}/{k}", v, k, None) for k, v in ((r.get("spec") or {}).get(key) or {}).items() if _num(v)]
+    return read
 
 
 declare("spec", SYSTEM, _spec_miss, scored=False, log=True, recover=False, role="spec",
         doc="each specification check's worst err/tol this step (above 1: it failed)",
         fix="the check's own finding (record spec.fail): where it missed and by how much")
-declare("ref_err", FORWARD, _ref_err, scored=False, log=True, per_layer=True, recover=False, role="spec",
+declare("ref_err", FORWARD, _spec_layers("ref_err"), scored=False, log=True, per_layer=True, recover=False, role="spec",
         doc="‖training path − FP64 reference‖ / ‖reference‖ per layer on the probe: the recipe's numerical error",
         fix="the named layer's rounding against its precision recipe")
+declare("out_rms", FORWARD, _spec_layers("out_rms"), scored=False, log=True, per_layer=True, recover=False, role="spec",
+        doc="every layer's output RMS over the step's batch, every step (the loss_grad check's hooks): the series "
+            "that dates a failure of the forward check, which runs on reference steps only (doctor/conformance.py)",
+        fix="the named layer's output level")
+declare("param_grad_norm", BACKWARD, _spec_layers("param_grad_norm"), scored=False, log=True, per_layer=True,
+        recover=False, role="spec", doc="every parameter's gradient norm, every step (the clip check's): the series "
+                                        "that dates a failure of the gradient check, which runs on reference steps only",
+        fix="the named parameter's gradient level")

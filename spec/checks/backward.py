@@ -22,6 +22,7 @@ from spec.reference import Reference
 class GradientCheck(Check):
     name, layer, cadence, phase = "gradient", BACKWARD, REFERENCE, AFTER
     rank = 35
+    onset_series = "param_grad_norm"  # every parameter's gradient norm, every step (spec/checks/clip.py)
     doc = "each parameter's gradient of the probe objective against the FP64 reference's autograd"
     kinds = {
         "mismatch": Kind("optim.gradient_mismatch", "the backward of the named parameter computes another "

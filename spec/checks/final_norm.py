@@ -1,5 +1,7 @@
 """loss_grad: the gradient the step's backward leaves on the final norm's gain is the gradient of the step's own
-loss on the step's own batch — every step, the whole batch, in closed form; and every layer's output is finite.
+loss on the step's own batch — every step, the whole batch, in closed form; and every layer's output is finite
+(its norm, over the whole batch: recorded as the layer's output RMS, StepRecord.spec.out_rms, the per-step series
+that dates a forward fault the reference checks find only at their next step).
 
 The final RMSNorm's gain γ meets the loss only through the logits, so from the last block's outputs h (kept
 from the step's forward by a hook on the final norm) its gradient is exact arithmetic, with no model to rerun:
@@ -58,15 +60,18 @@ class LossGradCheck(Check):
 
     def before_forward(self, s) -> None:
         model = self.ctx.model
-        self.h, self.finite = [], {name: [] for name, _ in self.layers()}
+        self.h, self.norms = [], {name: [] for name, _ in self.layers()}
+        self.sizes = dict.fromkeys(self.norms, 0)
         self._hooks = [model.norm.register_forward_hook(lambda m, args, out: self.h.append(args[0].detach()))]
         for name, module in self.layers():
-            self._hooks.append(module.register_forward_hook(self._finite_sum(name)))
+            self._hooks.append(module.register_forward_hook(self._norm(name)))
 
-    def _finite_sum(self, name: str):
+    def _norm(self, name: str):
         def keep(module, args, out):
             t0 = time.perf_counter()
-            self.finite[name].append(_tensor(out).detach().sum(dtype=torch.float32))
+            y = _tensor(out).detach()
+            self.norms[name].append(torch.linalg.vector_norm(y, dtype=torch.float32))
+            self.sizes[name] += y.numel()
             self.seconds += time.perf_counter() - t0  # the step's time_s.spec counts it (spec/monitor.py took)
         return keep
 
@@ -86,15 +91,22 @@ class LossGradCheck(Check):
         # non-finite activation is the layer's fault. Not under FP16, whose range (6.5e4) a healthy forward can
         # exceed: its loss scaler skips that step.
         fp16 = getattr(self.ctx.recipe, "name", "") == "fp16"
-        # NOTE: a sum is finite iff every term is (one reduction a layer, no mask): no healthy output comes near
-        # FP32's range, 3.4e38 over its element count
+        # NOTE: a norm is finite iff every element is (one reduction a layer, no mask): no healthy output comes near
+        # where its squares leave FP32's range (an RMS of 3.4e38 over the element count, ≥ 1e16 here)
         model, c = self.ctx.model, self.ctx.model.cfg
-        counts = [0 if fp16 else len(f) for f in self.finite.values()]  # a layer may run twice (recomputed)
-        bad = torch.zeros(len(counts), device=model.norm.weight.device)
+        counts = [len(f) for f in self.norms.values()]  # a layer may run twice (recomputed)
+        dev = model.norm.weight.device
+        bad, rms = torch.zeros(len(counts), device=dev), torch.zeros(len(counts), dtype=F64, device=dev)
         if sum(counts):
-            sums = torch.stack([x for f, n in zip(self.finite.values(), counts) if n for x in f])
-            owner = self._owner(tuple(counts), sums.device)
-            bad = bad.to(sums.device).index_add_(0, owner, (~torch.isfinite(sums)).float())
+            norms = torch.stack([x for f in self.norms.values() for x in f])
+            owner = self._owner(tuple(counts), norms.device)
+            if not fp16:
+                bad = bad.to(norms.device).index_add_(0, owner, (~torch.isfinite(norms)).float())
+            size = torch.tensor([max(n, 1) for n in self.sizes.values()], dtype=F64, device=norms.device)
+            rms = (torch.zeros_like(size).index_add_(0, owner, norms.double().square()) / size).sqrt()
+        # every layer's output RMS over the whole batch, every step: the per-step series that dates a forward fault
+        # the reference checks find only at their next step (doctor/conformance.py)
+        self.extra["out_rms"] = (list(self.norms), rms)
         gamma, W = _full(model.norm.weight).detach().float(), _full(model.head.weight).detach().float()
         z, world = float(self.ctx.cfg.train.z_loss), self.ctx.dist.world
         scale = world / s.n_valid_t.to(F64).reshape(())
@@ -147,7 +159,7 @@ class LossGradCheck(Check):
         names = list(self.kinds)
         kinds = torch.tensor([float(names.index("nonfinite"))] * len(layers) + [0.0], dtype=F64)
         self.measure(torch.cat([layers, err.reshape(1)]), torch.cat([torch.full_like(layers, 0.5), tol.reshape(1)]),
-                     kinds, where=[*self.finite, "norm.weight"])
+                     kinds, where=[*self.norms, "norm.weight"])
         self.n_layers = len(layers)
         self.h = []
 

@@ -37,6 +37,7 @@ ROUNDING_ONLY = 2.0 ** -3  # unit roundoff of FP8 E5M2, the coarsest float forma
 class ForwardCheck(Check):
     name, layer, cadence, phase = "forward", FORWARD, REFERENCE, AFTER
     rank = 20
+    onset_series = "out_rms"  # every layer's output RMS, every step (spec/checks/final_norm.py)
     doc = "each layer's output on the probe against the FP64 reference fed the same input"
     kinds = {
         "mismatch": Kind("numerics.mismatch", "the named layer computes another function than its math: its "
