@@ -6,11 +6,22 @@ against the tolerance its precision recipe allows, and declared the class its wa
 step the first failure in the registry's order (the state the step started from, its data, forward, gradient,
 update, system) is the one that broke first. A check that keeps failing step after step at the same place is
 one incident, at its onset.
+
+A check that runs on reference steps only (the FP64 reference's: every spec.every steps) finds a fault up to
+spec.every − 1 steps after it began. Where the check declares a per-step series of its places (its "series": the
+forward check's, every layer's output RMS; the gradient check's, every parameter's gradient norm), the failure is dated within (the step it last held, the step it
+failed]: at the step whose change of the failing place's log series stands apart from the step-to-step changes of
+the 2·gap steps before it (a level shift is one such change; a smooth trend moves them all alike) — when it clears
+the prediction bound the false-alarm budget sets for as many candidate steps as the gap holds (doctor/budget.py).
+Otherwise it stays at the step the check failed: the first step the records show it.
 """
 from __future__ import annotations
 
 import math
 
+import numpy as np
+
+from doctor.budget import ALPHA, t_isf
 from doctor.checks import Check
 from doctor.classes import symptom
 from doctor.diagnosis import Judgement
@@ -23,7 +34,7 @@ def spec_incidents(run: Run) -> list[Diagnosis]:
     out: list[Diagnosis] = []
     for k, seg in enumerate(run.segments):
         last: tuple | None = None
-        for rec in seg:
+        for i, rec in enumerate(seg):
             fails = (rec.get("spec") or {}).get("fail") or []
             if not fails:
                 last = None
@@ -31,23 +42,65 @@ def spec_incidents(run: Run) -> list[Diagnosis]:
             f = fails[0]
             key = (f["check"], f.get("where"), f.get("kind"))
             if key != last:
-                out.append(incident(rec, f, k, len(fails)))
+                out.append(incident(rec, f, k, len(fails), onset(seg, i, f)))
             last = key
     return out
 
 
-def incident(rec: dict, f: dict, seg_index: int, n_failed: int) -> Diagnosis:
-    t, cls, layer = rec["step"], f["class"], f["layer"]
+def onset(seg: list[dict], i: int, f: dict) -> tuple[dict, int] | None:
+    """(the onset's record, the step the check last held) of the failure `f` at seg[i] when the check did not run
+    at the step before and its series dates it (this module's doc); None: dated at its own step."""
+    check, series, where = f["check"], f.get("series"), f.get("where")
+    held = None
+    for j in range(i - 1, -1, -1):
+        miss = ((seg[j].get("spec") or {}).get("miss") or {}).get(check)
+        if miss is not None:
+            held = j if isinstance(miss, (int, float)) and miss <= 1 else None
+            break
+    if held is None or not series or where is None:
+        return None
+    lo, hi = seg[held]["step"], seg[i]["step"]
+    candidates = seg[held + 1:i + 1]  # the records of the gap: the onset is one of them
+    gap = len(candidates)
+    if gap <= 1:
+        return None
+    # the place's log series over 2·gap steps before the gap and the gap itself, step to step
+    window = seg[max(0, held - 2 * gap):i + 1]
+    y = {r["step"]: ((r.get("spec") or {}).get(series) or {}).get(where) for r in window}
+    y = {t: math.log(v) for t, v in y.items() if isinstance(v, (int, float)) and math.isfinite(v) and v > 0}
+    d = {t: y[t] - y[t - 1] for t in y if t - 1 in y}
+    before = np.array([v for t, v in d.items() if t <= lo])
+    inside = [(t, v) for t, v in d.items() if lo < t <= hi]
+    if len(before) < 3 or not inside:  # a mean, a spread and a residual
+        return None
+    # a level shift at s is one step-to-step change apart from the others (a smooth trend moves them all alike):
+    # the largest change in the gap against a prediction interval from the changes before it, Bonferroni over the
+    # gap's candidate steps, two-sided, at the run's budget
+    m, sd, h = before.mean(), before.std(ddof=1), len(before)
+    t, v = max(inside, key=lambda p: abs(p[1] - m))
+    z = abs(v - m) / (sd * math.sqrt(1 + 1 / h)) if sd > 0 else math.inf
+    if z <= t_isf(ALPHA / (2 * gap), h - 1):
+        return None
+    return next(r for r in candidates if r["step"] == t), lo
+
+
+def incident(rec: dict, f: dict, seg_index: int, n_failed: int, dated: tuple[dict, int] | None = None) -> Diagnosis:
+    """The failure `f` of the record `rec`, at its onset's record when `dated` (onset()) found one."""
+    found, cls, layer = rec["step"], f["class"], f["layer"]
     where = f.get("where")
+    start = dated[0] if dated is not None else rec
+    t = start["step"]
+    when = (f"from step {t} (check {f['check']} held at step {dated[1]}, its last run before step {found}, where it "
+            f"failed; {where}'s {f.get('series')} jumped at step {t})" if dated is not None else f"at step {t}")
     miss = f["miss"] if isinstance(f["miss"], (int, float)) else float("inf")
     rank = "0 (single process)" if rec.get("world", 1) <= 1 else f"rank {f.get('rank')} (world {rec.get('world')})"
     dev = Deviation(f"spec.{f['check']}", layer, LAYERS.index(layer), t, miss, 1.0, math.inf, where, kind="spec")
     others = f"; {n_failed - 1} more check(s) failed at this step after it" if n_failed > 1 else ""
     on = f" on rank {f.get('rank')}" if rec.get("world", 1) > 1 else ""
-    summary = (f"{cls} at step {t}: the step broke its specification — check {f['check']} ({f.get('kind')}) at "
+    summary = (f"{cls} {when}: the step broke its specification — check {f['check']} ({f.get('kind')}) at "
                f"{where}{on}: off by {_fmt(f.get('err'))} where the recipe allows {_fmt(f.get('tol'))} ({_fmt(miss)}× its "
                f"tolerance){others}. {f.get('fix', '')}".rstrip())
-    diag = Diagnosis(cls, summary, dev, t, rank, {"step": t, **(rec.get("batch") or {})}, symptom(cls),
+    diag = Diagnosis(cls, summary, dev, t, rank, {"step": t, **(start.get("batch") or {})}, symptom(cls),
                      model_layer=where, layer=layer)
     diag.seg_index = seg_index
     diag.judgement = Judgement("fault", f"an execution fault: the step did not do what its specification says "
@@ -55,11 +108,14 @@ def incident(rec: dict, f: dict, seg_index: int, n_failed: int) -> Diagnosis:
                                         f"run does after it", {"check": f["check"], "kind": f.get("kind"),
                                                                "where": where, "err": f.get("err"),
                                                                "tol": f.get("tol"), "miss": miss})
-    diag.tree = [("specification", f"check {f['check']} failed at step {t} ({where}): {_fmt(miss)}× its tolerance")]
+    diag.tree = [("specification", f"check {f['check']} failed at step {found} ({where}): {_fmt(miss)}× its tolerance")]
+    if dated is not None:
+        diag.tree.append(("onset", f"{where}'s {f.get('series')} shifted at step {t}, after the check held at "
+                                   f"step {dated[1]}"))
     # the checks that held at this step are the hypotheses the record rejects, each with how close it came
     held = {c: m for c, m in ((rec.get("spec") or {}).get("miss") or {}).items()
             if isinstance(m, (int, float)) and m <= 1}
-    diag.rejected = [Check(f"spec.{c}", False, f"check {c} held at step {t}: {_fmt(m)}× its tolerance")
+    diag.rejected = [Check(f"spec.{c}", False, f"check {c} held at step {found}: {_fmt(m)}× its tolerance")
                      for c, m in held.items()]
     diag.confirmed = [Check(f"spec.{f['check']}", True, summary)]
     return diag

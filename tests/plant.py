@@ -43,6 +43,9 @@ FAULTS = {
     "reduce_rank1": ("reduce", None, "reduce"),
 }
 RESUME = {"resume_lost_moments": ("continuity", None, "resume")}  # planted on a resume from step S − 1
+# from STEP on, for a check that runs every few steps: tests/test_spec.py dates it
+SUSTAINED = {"attn_x3_on": ("forward", "block1.attn", "scaled"),
+             "grad_hook_on": ("gradient", "blocks.0.attn.qkv.weight", "scaled")}
 
 
 class Clock:
@@ -90,6 +93,9 @@ def plant(name: str, S: int) -> None:
 
         if name == "attn_x3":
             self.blocks[1].attn.register_forward_hook(lambda m, a_, out: out * 3.0 if at() else None)
+        if name == "attn_x3_on":  # from STEP on: a check that runs every few steps finds it late, the doctor dates it
+            self.blocks[1].attn.register_forward_hook(
+                lambda m, a_, out: out * 3.0 if torch.is_grad_enabled() and Clock.step >= S else None)
         if name == "nan_mlp":  # once: the step's first forward (the probe's, after the update, runs clean)
             spent = []
 
@@ -113,6 +119,8 @@ def plant(name: str, S: int) -> None:
         if name == "grad_hook":
             w = self.blocks[0].attn.qkv.weight
             w.register_hook(lambda g: g * 0.5 if Clock.step == S else None)
+        if name == "grad_hook_on":  # a tenth: this tiny job's gradient norms move by a third a step early on
+            self.blocks[0].attn.qkv.weight.register_hook(lambda g: g * 0.1 if Clock.step >= S else None)
         if name == "grad_after_backward":  # .grad halved once the backward accumulated it (autograd.grad never runs it)
             w, seen = self.blocks[0].attn.qkv.weight, []
 

@@ -13,15 +13,16 @@ import pytest
 from helpers import ROOT, TINY, env
 
 sys.path.insert(0, str(Path(__file__).parent))
-from plant import FAULTS, RESUME  # noqa: E402
+from plant import FAULTS, RESUME, SUSTAINED  # noqa: E402
 
 S = 3
 PLANTED = [*TINY, f"train.steps={S + 1}", "spec.every=1", "checkpoint.every=0", "logging.plot=false"]
 
 
-def plant(tmp_path: Path, fault: str, *overrides: str, nproc: int = 1, base: list[str] = PLANTED) -> list[dict]:
+def plant(tmp_path: Path, fault: str, *overrides: str, nproc: int = 1, base: list[str] = PLANTED,
+          step: int = S) -> list[dict]:
     d = tmp_path / fault
-    script = [str(ROOT / "tests/plant.py"), fault, str(S), str(d), *base, *overrides]
+    script = [str(ROOT / "tests/plant.py"), fault, str(step), str(d), *base, *overrides]
     cmd = ([sys.executable, *script] if nproc == 1 else
            [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *script])
     r = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=1800)
@@ -52,6 +53,21 @@ def planted(tmp_path_factory) -> dict:
             return e
     with ThreadPoolExecutor(max_workers=2) as pool:
         return dict(zip(SINGLE, pool.map(one, SINGLE)))
+
+
+@pytest.mark.parametrize("fault", list(SUSTAINED))
+def test_a_fault_between_reference_steps_is_dated_at_its_onset(tmp_path, fault):
+    """The forward and gradient checks run on reference steps only (spec.every=5: steps 1, 5, 10, 15): a fault from
+    step 13 on fails its check at 15, and the doctor dates it at 13, where the place's every-step series shifted (a
+    layer's output RMS, a parameter's gradient norm; the check held at 10)."""
+    base = [o for o in PLANTED if not o.startswith(("spec.every=", "train.steps="))] + ["spec.every=5", "train.steps=16"]
+    recs = plant(tmp_path, fault, base=base, step=13)
+    failed = {r["step"]: first_failure(r) for r in recs if first_failure(r)}
+    check, where, kind = SUSTAINED[fault]
+    assert list(failed) == [15] and (failed[15]["check"], failed[15]["where"], failed[15]["kind"]) == (check, where, kind)
+    from doctor.rules import diagnose
+    _, diag, _ = diagnose(tmp_path / fault)
+    assert (diag.fault_class, diag.step, diag.model_layer) == (failed[15]["class"], 13, where), diag.summary
 
 
 @pytest.mark.parametrize("fault", SINGLE)

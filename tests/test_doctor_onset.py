@@ -1,0 +1,57 @@
+"""doctor/conformance.py onset(): a failure of a check that runs every few steps is dated within the gap since it
+last held by its place's per-step series — where the series shifted, and only when the shift clears the bound."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from doctor.budget import ALPHA
+from doctor.conformance import onset
+
+EVERY, FOUND = 10, 40  # the check runs at 10, 20, 30, 40 and fails at 40
+
+
+def records(shift_at: int | None, size: float = math.log(2.0), noise: float = 0.02, seed: int = 0) -> list[dict]:
+    """A layer's output RMS on a slow trend with Gaussian noise in log, × e^size from `shift_at` on; the forward check
+    runs every EVERY steps and fails at FOUND."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for t in range(1, FOUND + 1):
+        y = -3.0 + 0.01 * t + noise * rng.standard_normal() + (size if shift_at is not None and t >= shift_at else 0.0)
+        spec = {"miss": {"loss_grad": 0.1}, "fail": [], "out_rms": {"block0.mlp": math.exp(y), "block1.mlp": 0.05}}
+        if t % EVERY == 0:
+            spec["miss"]["forward"] = 5.0 if t == FOUND else 0.2
+        out.append({"step": t, "spec": spec})
+    f = {"check": "forward", "where": "block0.mlp", "series": "out_rms", "kind": "scaled"}
+    out[-1]["spec"]["fail"] = [f]
+    return out
+
+
+def test_a_shift_in_the_gap_is_dated_at_its_step():
+    for s in range(31, FOUND + 1):
+        for seed in range(3):
+            recs = records(s, seed=seed)
+            got = onset(recs, len(recs) - 1, recs[-1]["spec"]["fail"][0])
+            assert got is not None and (got[0]["step"], got[1]) == (s, 30), (s, seed, got)
+
+
+def test_no_shift_in_the_series_leaves_the_failure_at_its_step():
+    """A fault the series does not show (a rounding, another function of the same size): an onset is claimed on pure
+    noise at most at the budget's rate (Bonferroni over the gap's steps makes it at most ALPHA)."""
+    n = 200
+    dated = sum(onset(r, len(r) - 1, r[-1]["spec"]["fail"][0]) is not None for r in (records(None, seed=k)
+                                                                                  for k in range(n)))
+    assert dated <= ALPHA * n, dated
+
+
+def test_only_a_check_that_held_before_a_gap_is_dated():
+    recs = records(34)
+    f = recs[-1]["spec"]["fail"][0]
+    recs[29]["spec"]["miss"]["forward"] = 3.0  # it failed at 30 too: the fault is older than this gap
+    assert onset(recs, len(recs) - 1, f) is None
+    every = records(34)
+    for r in every:  # a check that runs every step has no gap to date within
+        r["spec"]["miss"]["forward"] = r["spec"]["miss"].get("forward", 0.2)
+    assert onset(every, len(every) - 1, f) is None
+    assert onset(records(34), FOUND - 1, {**f, "series": None}) is None  # a check that declares no series
