@@ -9,9 +9,9 @@ one incident, at its onset.
 
 A check that runs on reference steps only (the FP64 reference's: every spec.every steps) finds a fault up to
 spec.every − 1 steps after it began. Where the check declares a per-step series of its places (its "series": the
-forward check's, every layer's output RMS; the gradient check's, every parameter's gradient norm), the failure is dated within (the step it last held, the step it
-failed]: at the step whose change of the failing place's log series stands apart from the step-to-step changes of
-the 2·gap steps before it (a level shift is one such change; a smooth trend moves them all alike) — when it clears
+forward check's, every layer's output RMS; the gradient check's, every parameter's gradient norm), the failure is
+dated within (the step it last held, the step it failed]: at the step whose change of the failing place's log
+series stands apart from the step-to-step changes of the 2·gap steps before it (a level shift is one such change; a smooth trend moves them all alike) — when it clears
 the prediction bound the false-alarm budget sets for as many candidate steps as the gap holds (doctor/budget.py).
 Otherwise it stays at the step the check failed: the first step the records show it.
 """
@@ -108,7 +108,8 @@ def incident(rec: dict, f: dict, seg_index: int, n_failed: int, dated: tuple[dic
                                         f"run does after it", {"check": f["check"], "kind": f.get("kind"),
                                                                "where": where, "err": f.get("err"),
                                                                "tol": f.get("tol"), "miss": miss})
-    diag.tree = [("specification", f"check {f['check']} failed at step {found} ({where}): {_fmt(miss)}× its tolerance")]
+    diag.tree = [("specification", f"check {f['check']} failed at step {found} ({where}): {_fmt(miss)}× its "
+                                   f"tolerance")]
     if dated is not None:
         diag.tree.append(("onset", f"{where}'s {f.get('series')} shifted at step {t}, after the check held at "
                                    f"step {dated[1]}"))

@@ -6,8 +6,8 @@
 
 Cheap checks run every step; the reference checks (the probe through the FP64 reference) on step 1 and every
 `spec.every` steps (telemetry's cadence by default). A check whose verdict is known before the update (phase
-"before": the data, the state the step started from, the gradient of the loss, the clip, the LR) is read with
-the step's first read when the guard can veto, so a step that broke them never reaches the weights; the rest
+"before": the data, the state the step started from, the routes, the gradient of the loss, the clip, the LR) is
+read with the step's first read when the guard can veto, so a step that broke them never reaches the weights; the rest
 (the optimizer's algebra, the balancing bias, the replicas, the probe) are read after the update, where
 guard=rollback undoes the step. Every rank runs every check on its own share; the worst rank's result is kept,
 and a failure on some ranks only takes the check's rank class (rank.data; the ranks disagreeing after a reduction: system.rank_divergence).

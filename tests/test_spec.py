@@ -55,16 +55,27 @@ def planted(tmp_path_factory) -> dict:
         return dict(zip(SINGLE, pool.map(one, SINGLE)))
 
 
+def test_every_tokens_route_is_checked_every_step(tmp_path):
+    """The route check reads the step's own forward, every token, every step: a top-k flipped at step 3 fails it at
+    3 with spec.every=5 (whose reference steps are 1 and 5), before the update."""
+    base = [o for o in PLANTED if not o.startswith("spec.every=")]
+    recs = plant(tmp_path, "route_flip", base=[*base, "spec.every=5"])
+    got = first_failure(recs[S - 1])
+    assert got is not None and (got["check"], got["where"], got["kind"]) == FAULTS["route_flip"], got
+    assert "route" in recs[S - 2]["spec"]["miss"] and not recs[S - 2]["spec"]["fail"]
+
+
 @pytest.mark.parametrize("fault", list(SUSTAINED))
 def test_a_fault_between_reference_steps_is_dated_at_its_onset(tmp_path, fault):
     """The forward and gradient checks run on reference steps only (spec.every=5: steps 1, 5, 10, 15): a fault from
     step 13 on fails its check at 15, and the doctor dates it at 13, where the place's every-step series shifted (a
     layer's output RMS, a parameter's gradient norm; the check held at 10)."""
-    base = [o for o in PLANTED if not o.startswith(("spec.every=", "train.steps="))] + ["spec.every=5", "train.steps=16"]
-    recs = plant(tmp_path, fault, base=base, step=13)
+    base = [o for o in PLANTED if not o.startswith(("spec.every=", "train.steps="))]
+    recs = plant(tmp_path, fault, base=[*base, "spec.every=5", "train.steps=16"], step=13)
     failed = {r["step"]: first_failure(r) for r in recs if first_failure(r)}
     check, where, kind = SUSTAINED[fault]
-    assert list(failed) == [15] and (failed[15]["check"], failed[15]["where"], failed[15]["kind"]) == (check, where, kind)
+    assert list(failed) == [15]
+    assert (failed[15]["check"], failed[15]["where"], failed[15]["kind"]) == (check, where, kind)
     from doctor.rules import diagnose
     _, diag, _ = diagnose(tmp_path / fault)
     assert (diag.fault_class, diag.step, diag.model_layer) == (failed[15]["class"], 13, where), diag.summary

@@ -52,8 +52,9 @@ class ClipCheck(Check):
             sq = norms.square().sum()
         scale = float(self.ctx.scaler.scale) if self.ctx.scaler is not None else 1.0  # FP16: S·g until the unscale
         self.norm = sq.sqrt() / scale
-        if not any(sharded):  # each parameter's gradient norm, every step: the series that dates a gradient fault the
-            # reference checks find only at their next step (spec/checks/backward.py; a shard's norm is not its tensor's)
+        # each parameter's gradient norm, every step: the series that dates a gradient fault the reference checks find
+        # only at their next step (spec/checks/backward.py); a shard's norm is not its tensor's
+        if not any(sharded):
             self.extra["param_grad_norm"] = ([self.ctx.names.get(id(p), "?") for p in params], norms / scale)
         self.n_max = max(g.numel() for g in local)
         self.policy = self.policy_threshold()

@@ -1,66 +1,130 @@
-"""route: the MoE layers' router chose what its definition chooses, on the probe.
+"""route: the MoE layers' router chose what its definition chooses — every step, every token of the batch.
 
-           The experts each probe token went to are a top-k of the router's scores plus the current bias,
-           recomputed in FP64 from the layer's own input: the largest score (plus bias) left out may exceed the
-           smallest one chosen only by the scores' rounding, λ·(the router's FP32 stage)·(1 + the largest
-           |router logit|) (a near-tie can fall either way). Under anticipatory routing the specification is
-           the routes the step was given: equal, exactly. Chosen experts that all lie in a set of k while the
-           router would spread them further: the routing collapsed (moe.load_collapse).
+           The experts each token went to (kept by a hook on each MoE layer, with the input it routed, from the
+           step's own forward) are a top-k of the router's scores plus the bias the step ran with, recomputed
+           in FP64 from that input: the largest score (plus bias) left out may exceed the smallest one chosen
+           only by the scores' rounding, λ·(the router's FP32 stage)·(1 + the largest |router logit|) (a near-tie
+           can fall either way). Under anticipatory routing the specification is the routes the step was given:
+           equal, exactly. Chosen experts that all lie in a set of k while the router would spread them
+           further: the routing collapsed (moe.load_collapse). Known before the update (the bias moves after
+           it): the guard can refuse the step.
+
+A compiled forward runs no Python hook: there the same comparison runs on the probe's tokens, on reference
+steps (route_probe).
 """
 from __future__ import annotations
 
-import torch
+import time
 
-from spec.check import AFTER, FORWARD, REFERENCE, Check, Kind
+import torch
+from torch import Tensor
+
+from spec.check import AFTER, BEFORE, FORWARD, REFERENCE, STEP, Check, Kind
 from spec.probe import PROBE_TOKENS
 from spec.reference import F64
 from spec.tolerance import LAMBDA, U32, stage
 
 
 class RouteCheck(Check):
-    name, layer, cadence, phase = "route", FORWARD, REFERENCE, AFTER
+    name, layer, cadence, phase = "route", FORWARD, STEP, BEFORE
     rank = 25
-    doc = "the probe tokens' experts against the router's top-k (with the bias), or the given routes"
+    doc = "every token's experts against the router's top-k (with the bias), or the given routes"
     kinds = {"topk": Kind("moe.routing", "the named MoE layer's experts are not its router's top-k"),
              "collapse": Kind("moe.load_collapse", "the named MoE layer routes every token to the same k experts")}
 
     @classmethod
     def applies(cls, ctx) -> bool:
-        return bool(ctx.model.moe_layers())
+        # NOTE: a hook inside a compiled graph breaks it: route_probe checks a compiled run
+        return bool(ctx.model.moe_layers()) and not ctx.compiled
+
+    def before_forward(self, s) -> None:
+        self.kept: dict[int, list[tuple[Tensor, Tensor]]] = {i: [] for i, _ in self.ctx.model.moe_layers()}
+        self._hooks = [moe.register_forward_hook(self._keep(i)) for i, moe in self.ctx.model.moe_layers()]
+
+    def _keep(self, i: int):
+        def keep(module, args, out):
+            t0 = time.perf_counter()
+            self.kept[i].append((args[0].detach(), out.route_ids_Nk))
+            self.seconds += time.perf_counter() - t0  # the step's time_s.spec counts it (spec/monitor.py took)
+        return keep
+
+    def before_update(self, s) -> None:
+        for h in self._hooks:
+            h.remove()
+        if any(len(v) < len(s.micro) for v in self.kept.values()):  # a forward the hooks did not see
+            return
+        rows = {}
+        for i, moe in self.ctx.model.moe_layers():
+            x = torch.cat([x.reshape(-1, x.shape[-1]) for x, _ in self.kept[i]])
+            ids = torch.cat([ids for _, ids in self.kept[i]])
+            # a layer recomputed (activation checkpointing) ran again on each micro-batch's rows in its backward, before
+            # the next micro-batch: each micro-batch's given routes as many times, in that order
+            again = len(self.kept[i]) // len(s.micro)
+            given = (None if s.routes is None else
+                     torch.cat([r[i].reshape(-1, ids.shape[-1]) for r in s.routes for _ in range(again)]))
+            rows[i] = (x, ids, given)
+        self.kept = {}
+        compare(self, rows)
+
+
+class RouteProbeCheck(RouteCheck):
+    name, cadence, phase = "route_probe", REFERENCE, AFTER
+    rank = 25
+    doc = "the probe tokens' experts against the router's top-k (with the bias), or the given routes (compiled runs)"
+
+    @classmethod
+    def applies(cls, ctx) -> bool:
+        return bool(ctx.model.moe_layers()) and ctx.compiled
+
+    def before_forward(self, s) -> None: ...
+
+    def before_update(self, s) -> None: ...
 
     def after_update(self, s) -> None:
         run = self.ctx.probe(s)
         if run is None:
             return
-        model = self.ctx.model
-        errs, tols, kinds, where = [], [], [], []
-        for i, moe in model.moe_layers():
-            x = run.taken.io[f"block{i}.mlp"][0].to(F64)
-            x = x.reshape(-1, x.shape[-1])
-            ids = run.ids[i].to(x.device)
-            w = run.ref_w[f"blocks.{i}.mlp.router.weight"].detach()
-            logits = x @ w.T
-            scores = logits.softmax(-1) if moe.cfg.score == "softmax" else torch.sigmoid(logits)
-            ranked = scores + run.bias[i].to(x.device)
-            k = ids.shape[-1]
-            if s.routes is not None:  # anticipatory routing: the specification is the routes given
-                given = s.routes[0][i][:1, :PROBE_TOKENS].reshape(-1, k).to(ids.device)
-                err, tol = (given != ids).sum().double(), torch.tensor(0.5, dtype=F64)
-                kind = 0.0
-            else:
-                chosen = torch.zeros_like(ranked, dtype=torch.bool).scatter_(-1, ids, True)
-                low = torch.where(chosen, ranked, torch.inf).min(-1).values
-                high = torch.where(chosen, -torch.inf, ranked).max(-1).values
-                err = (high - low).clamp(min=0).max()
-                tol = LAMBDA * stage(x.shape[-1], U32) * (1 + logits.abs().max()) * scores.max() + 2 * U32 * \
-                    run.bias[i].abs().max()
-                E = ranked.shape[-1]
-                used = torch.zeros(E, device=x.device).index_add(0, ids.flatten(), torch.ones(ids.numel(), device=x.device))
-                top = torch.topk(ranked, k, -1).indices.flatten()
-                wanted = torch.zeros(E, device=x.device).index_add(0, top, torch.ones(top.numel(), device=x.device))
-                kind = torch.where(((used > 0).sum() <= k) & ((wanted > 0).sum() > k), 1.0, 0.0)
-            errs.append(torch.as_tensor(err, dtype=F64))
-            tols.append(torch.as_tensor(tol, dtype=F64))
-            kinds.append(torch.as_tensor(kind, dtype=F64))
-            where.append(f"moe{i}")
-        self.measure(torch.stack(errs), torch.stack(tols), torch.stack(kinds), where=where)
+        rows = {}
+        for i, _ in self.ctx.model.moe_layers():
+            x = run.taken.io[f"block{i}.mlp"][0]
+            ids = run.ids[i]
+            given = None if s.routes is None else s.routes[0][i][:1, :PROBE_TOKENS].reshape(-1, ids.shape[-1])
+            rows[i] = (x.reshape(-1, x.shape[-1]), ids, given)
+        compare(self, rows, run.bias)
+
+
+def compare(check: Check, rows: dict[int, tuple[Tensor, Tensor, Tensor | None]], bias: dict | None = None) -> None:
+    """Measure each MoE layer's chosen experts (ids, (N, k)) on its input rows x against its router's top-k in FP64
+    with its bias (the module's own, or `bias` by layer), or against the routes given."""
+    errs, tols, kinds, where = [], [], [], []
+    for i, moe in check.ctx.model.moe_layers():
+        x, ids, given = rows[i]
+        x, ids = x.to(F64), ids.to(x.device)
+        b = (bias[i] if bias is not None else moe.bias_E.detach()).to(x.device, F64)
+        w = moe.router.weight.detach()
+        w = (w.full_tensor() if hasattr(w, "full_tensor") else w).to(x.device, F64)
+        logits = x @ w.T
+        scores = logits.softmax(-1) if moe.cfg.score == "softmax" else torch.sigmoid(logits)
+        ranked = scores + b
+        k = ids.shape[-1]
+        if given is not None:  # anticipatory routing: the specification is the routes given
+            err, tol, kind = (given.to(ids.device) != ids).sum().double(), torch.tensor(0.5, dtype=F64), 0.0
+        else:
+            # NOTE: a non-finite input row is upstream's miss (loss_grad names the layer), not the router's
+            ok = torch.isfinite(ranked).all(-1, keepdim=True)
+            ranked, logits, scores = (torch.where(ok, t, 0.0) for t in (ranked, logits, scores))
+            chosen = torch.zeros_like(ranked, dtype=torch.bool).scatter_(-1, ids, True)
+            low = torch.where(chosen, ranked, torch.inf).min(-1).values
+            high = torch.where(chosen, -torch.inf, ranked).max(-1).values
+            err = (high - low).clamp(min=0).max()
+            tol = LAMBDA * stage(x.shape[-1], U32) * (1 + logits.abs().max()) * scores.max() + 2 * U32 * b.abs().max()
+            E = ranked.shape[-1]
+            used = torch.zeros(E, device=x.device).index_add(0, ids.flatten(), torch.ones(ids.numel(), device=x.device))
+            top = torch.topk(ranked, k, -1).indices.flatten()
+            wanted = torch.zeros(E, device=x.device).index_add(0, top, torch.ones(top.numel(), device=x.device))
+            kind = torch.where(((used > 0).sum() <= k) & ((wanted > 0).sum() > k), 1.0, 0.0)
+        errs.append(torch.as_tensor(err, dtype=F64))
+        tols.append(torch.as_tensor(tol, dtype=F64, device=x.device))
+        kinds.append(torch.as_tensor(kind, dtype=F64, device=x.device))
+        where.append(f"moe{i}")
+    check.measure(torch.stack(errs), torch.stack(tols), torch.stack(kinds), where=where)
