@@ -79,7 +79,7 @@ def onset(seg: list[dict], i: int, f: dict) -> tuple[dict, int] | None:
     m, sd, h = before.mean(), before.std(ddof=1), len(before)
     t, v = max(inside, key=lambda p: abs(p[1] - m))
     z = abs(v - m) / (sd * math.sqrt(1 + 1 / h)) if sd > 0 else math.inf
-    if z <= t_isf(ALPHA / (2 * gap), h - 1):
+    if z <= t_isf(ALPHA / (2 * gap), h - 1) or t == hi:  # at the failing step itself: nothing to date
         return None
     return next(r for r in candidates if r["step"] == t), lo
 
