@@ -5,7 +5,7 @@
     spec.read(s, host, phase)        # train.py, after each read: s.spec filled, the new failures returned
 
 Cheap checks run every step; the reference checks (the probe through the FP64 reference) on step 1 and every
-`spec.every` steps (telemetry's cadence by default). A check whose verdict is known before the update (phase
+`spec.every` steps (telemetry's cadence by default), and on a step the guard flagged (on_demand). A check whose verdict is known before the update (phase
 "before": the data, the state the step started from, the routes, the gradient of the loss, the clip, the LR) is
 read with the step's first read when the guard can veto, so a step that broke them never reaches the weights; the rest
 (the optimizer's algebra, the balancing bias, the replicas, the probe) are read after the update, where
@@ -24,6 +24,8 @@ import torch
 import torch.distributed as tdist
 
 from spec.check import AFTER, BEFORE, REFERENCE, SpecContext
+
+DEMAND = "demand"  # the reference checks run on a step the guard flagged that was not a reference step
 from spec.checks import registry
 from spec.probe import run_probe
 from stability.callbacks import Callback, StepState
@@ -45,8 +47,10 @@ class Conformance(Callback):
         self.checks = [cls(ctx) for cls in registry().values() if cls.applies(ctx)]
         self.rank = {c.name: c.rank for c in self.checks}
         self.phase = {BEFORE: [c for c in self.checks if c.phase == BEFORE],
-                      AFTER: [c for c in self.checks if c.phase == AFTER]}
+                      AFTER: [c for c in self.checks if c.phase == AFTER],
+                      DEMAND: [c for c in self.checks if c.cadence == REFERENCE]}
         self._probe: tuple[int, object] | None = None
+        self._demand: int | None = None  # the step whose reference checks run on demand (on_demand)
         self.seconds = 0.0  # the host time in the checks since took() (the points, the put, the read)
         ctx.probe = self.probe
         ctx.reference_step = self.reference_step
@@ -56,7 +60,7 @@ class Conformance(Callback):
 
     def probe(self, s: StepState):
         """The probe run of this step (spec/probe.py), once, on a reference step; None otherwise."""
-        if not self.reference_step(s.step):
+        if not (self.reference_step(s.step) or self._demand == s.step):
             return None
         if self._probe is None or self._probe[0] != s.step:
             c, scaler = self.ctx, self.ctx.scaler
@@ -106,6 +110,28 @@ class Conformance(Callback):
         self._at("end_step", s)
         self._put(s, AFTER)
         self._probe = None
+
+    def on_demand(self, s: StepState, host) -> list[dict]:
+        """A step the guard flagged (a statistic left its band) that was not a reference step and failed no check:
+        its reference checks run now, after its read — the probe re-executes the training path on the step's own
+        first row, with the weights the update left, as on any reference step — and their results join the step's
+        record through a host read of their own (a flagged step's only). So an incident the doctor judges natural
+        is one whose step computed what its specification says, not one no reference check looked at (a rerun of
+        the suspect step, as Megatron-core's rerun state machine does, here by the checks). Returns the failures."""
+        if self.reference_step(s.step) or s.spec.get("fail") or not self.phase[DEMAND]:
+            return []
+        t0 = time.perf_counter()
+        self._demand = s.step
+        try:
+            for c in self.phase[DEMAND]:
+                c.out, c.extra = None, {}
+                c.after_update(s)
+            self._pack(s, DEMAND)
+        finally:
+            self._demand, self._probe = None, None
+        host.read()
+        self.seconds += time.perf_counter() - t0
+        return self.read(s, host, DEMAND)
 
     # --- the read ----------------------------------------------------------------------------------------
     def _put(self, s: StepState, phase: str) -> None:

@@ -44,6 +44,8 @@ FAULTS = {
 }
 RESUME = {"resume_lost_moments": ("continuity", None, "resume")}  # planted on a resume from step S − 1
 # from STEP on, for a check that runs every few steps: tests/test_spec.py dates it
+# one step between reference steps that the guard's detector flags (a planted trigger): tests/test_spec.py
+FLAGGED = {"flagged": None, "attn_x3_flagged": ("forward", "block1.attn", "scaled")}
 SUSTAINED = {"attn_x3_on": ("forward", "block1.attn", "scaled"),
              "grad_hook_on": ("gradient", "blocks.0.attn.qkv.weight", "scaled")}
 
@@ -92,6 +94,8 @@ def plant(name: str, S: int) -> None:
         at = lambda: torch.is_grad_enabled() and Clock.step == S  # noqa: E731
 
         if name == "attn_x3":
+            self.blocks[1].attn.register_forward_hook(lambda m, a_, out: out * 3.0 if at() else None)
+        if name == "attn_x3_flagged":  # one step between reference steps, the guard's detector flags it
             self.blocks[1].attn.register_forward_hook(lambda m, a_, out: out * 3.0 if at() else None)
         if name == "attn_x3_on":  # from STEP on: a check that runs every few steps finds it late, the doctor dates it
             self.blocks[1].attn.register_forward_hook(
@@ -150,6 +154,18 @@ def plant(name: str, S: int) -> None:
             moe.update_bias = lambda load, skipped=False: (orig_ub(-load, skipped) if Clock.step == S
                                                            else orig_ub(load, skipped))
     tr.Transformer.__init__ = init
+
+    if name in ("flagged", "attn_x3_flagged"):  # the detector flags step STEP, as a spike would make it
+        from stability import guard as guard_mod
+        from stability.detector import Trigger
+        orig_after = guard_mod.Guard.after_update
+
+        def after_update(self, step, *a, **k):
+            v = orig_after(self, step, *a, **k)
+            if step == S:
+                v.triggers.append(Trigger("loss", 9.0, 1.0, 1.0, 8.0, 0))
+            return v
+        guard_mod.Guard.after_update = after_update
 
     import precision.step as pstep
     orig_prepare, orig_apply = pstep.prepare_update, pstep.apply_update

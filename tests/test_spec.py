@@ -13,7 +13,7 @@ import pytest
 from helpers import ROOT, TINY, env
 
 sys.path.insert(0, str(Path(__file__).parent))
-from plant import FAULTS, RESUME, SUSTAINED  # noqa: E402
+from plant import FAULTS, FLAGGED, RESUME, SUSTAINED  # noqa: E402
 
 S = 3
 PLANTED = [*TINY, f"train.steps={S + 1}", "spec.every=1", "checkpoint.every=0", "logging.plot=false"]
@@ -63,6 +63,22 @@ def test_every_tokens_route_is_checked_every_step(tmp_path):
     got = first_failure(recs[S - 1])
     assert got is not None and (got["check"], got["where"], got["kind"]) == FAULTS["route_flip"], got
     assert "route" in recs[S - 2]["spec"]["miss"] and not recs[S - 2]["spec"]["fail"]
+
+
+@pytest.mark.parametrize("fault", list(FLAGGED))
+def test_a_step_the_guard_flags_gets_its_reference_checks(tmp_path, fault):
+    """A step the guard's detector flags between reference steps (spec.every=5: 1 and 5; flagged: 3) runs the
+    reference checks after its read: a clean one holds them, an attention scaled at that step alone fails the
+    forward check there — a one-step fault no reference step would see."""
+    base = [o for o in PLANTED if not o.startswith("spec.every=")]
+    recs = plant(tmp_path, fault, base=[*base, "spec.every=5"])
+    ran = [r["step"] for r in recs if "forward" in r["spec"]["miss"]]
+    assert ran == [1, S], ran
+    got = first_failure(recs[S - 1])
+    if FLAGGED[fault] is None:
+        assert got is None and recs[S - 1]["spec"]["miss"]["forward"] <= 1
+    else:
+        assert got is not None and (got["check"], got["where"], got["kind"]) == FLAGGED[fault], got
 
 
 @pytest.mark.parametrize("fault", list(SUSTAINED))
