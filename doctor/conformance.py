@@ -11,9 +11,11 @@ A check that runs on reference steps only (the FP64 reference's: every spec.ever
 spec.every − 1 steps after it began. Where the check declares a per-step series of its places (its "series": the
 forward check's, every layer's output RMS; the gradient check's, every parameter's gradient norm), the failure is
 dated within (the step it last held, the step it failed]: at the step whose change of the failing place's log
-series stands apart from the step-to-step changes of the 2·gap steps before it (a level shift is one such change; a smooth trend moves them all alike) — when it clears
-the prediction bound the false-alarm budget sets for as many candidate steps as the gap holds (doctor/budget.py).
-Otherwise it stays at the step the check failed: the first step the records show it.
+series stands apart from the step-to-step changes of the 2·gap steps before it (a level shift is one such change;
+a smooth trend moves them all alike) — when it clears the prediction bound the false-alarm budget sets for as
+many candidate steps as the gap holds (doctor/budget.py). Otherwise it stays at the step the check failed: the
+first step the records show it, as when its check runs every step, or ran at the step before on the guard's demand
+(spec/monitor.py on_demand).
 """
 from __future__ import annotations
 

@@ -5,12 +5,13 @@
     spec.read(s, host, phase)        # train.py, after each read: s.spec filled, the new failures returned
 
 Cheap checks run every step; the reference checks (the probe through the FP64 reference) on step 1 and every
-`spec.every` steps (telemetry's cadence by default), and on a step the guard flagged (on_demand). A check whose verdict is known before the update (phase
-"before": the data, the state the step started from, the routes, the gradient of the loss, the clip, the LR) is
-read with the step's first read when the guard can veto, so a step that broke them never reaches the weights; the rest
-(the optimizer's algebra, the balancing bias, the replicas, the probe) are read after the update, where
-guard=rollback undoes the step. Every rank runs every check on its own share; the worst rank's result is kept,
-and a failure on some ranks only takes the check's rank class (rank.data; the ranks disagreeing after a reduction: system.rank_divergence).
+`spec.every` steps (telemetry's cadence by default), and on a step the guard flagged (on_demand). A check whose
+verdict is known before the update (phase "before": the data, the state the step started from, the routes, the
+gradient of the loss, the clip, the LR) is read with the step's first read when the guard can veto, so a step
+that broke them never reaches the weights; the rest (the optimizer's algebra, the balancing bias, the replicas,
+the probe) are read after the update, where guard=rollback undoes the step. Every rank runs every check on its own
+share; the worst rank's result is kept, and a failure on some ranks only takes the check's rank class (rank.data;
+the ranks disagreeing after a reduction: system.rank_divergence).
 
 The monitor's state (each check's: the data cursor of the plan, the fingerprint the state ended with, the
 update count) rides in the checkpoint as a TrainState extra, so a resume and a rollback are checked against
@@ -24,11 +25,11 @@ import torch
 import torch.distributed as tdist
 
 from spec.check import AFTER, BEFORE, REFERENCE, SpecContext
-
-DEMAND = "demand"  # the reference checks run on a step the guard flagged that was not a reference step
 from spec.checks import registry
 from spec.probe import run_probe
 from stability.callbacks import Callback, StepState
+
+DEMAND = "demand"  # the reference checks run on a step the guard flagged that was not a reference step
 
 TIMELINE = {"input": "input", "forward": "forward", "backward": "backward/update", "update": "backward/update",
             "system": "system"}  # a check's layer -> the doctor's timeline layer

@@ -57,8 +57,8 @@ class RouteCheck(Check):
         for i, moe in self.ctx.model.moe_layers():
             x = torch.cat([x.reshape(-1, x.shape[-1]) for x, _ in self.kept[i]])
             ids = torch.cat([ids for _, ids in self.kept[i]])
-            # a layer recomputed (activation checkpointing) ran again on each micro-batch's rows in its backward, before
-            # the next micro-batch: each micro-batch's given routes as many times, in that order
+            # a layer recomputed (activation checkpointing) ran again on each micro-batch's rows in its backward,
+            # before the next micro-batch: each micro-batch's given routes as many times, in that order
             again = len(self.kept[i]) // len(s.micro)
             given = (None if s.routes is None else
                      torch.cat([r[i].reshape(-1, ids.shape[-1]) for r in s.routes for _ in range(again)]))
