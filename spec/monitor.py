@@ -119,6 +119,8 @@ class Conformance(Callback):
         record through a host read of their own (a flagged step's only). So an incident the doctor judges natural
         is one whose step computed what its specification says, not one no reference check looked at (a rerun of
         the suspect step, as Megatron-core's rerun state machine does, here by the checks). Returns the failures."""
+        # NOTE: every rank decides alike (the guard judges the reduced numbers, the failures are every rank's), as the
+        # probe's and the pack's collectives need
         if self.reference_step(s.step) or s.spec.get("fail") or not self.phase[DEMAND]:
             return []
         t0 = time.perf_counter()
