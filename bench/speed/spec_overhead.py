@@ -12,8 +12,9 @@ other jobs on the machine move it less than the wall clock), over steps 2.. (ste
 the last (it evaluates and saves). The figure is the median over rounds of the per-round ratio on / off − 1.
 Beside it, from the on arm alone, the checks' own host time (time_s.spec: every point of the step they act at,
 their put and their read) over the rest of its step: a ratio inside one run, which the drift of a shared
-machine between two runs (often ±10 %, more than the overhead itself) does not move. It counts the checks' forward
-hooks (the loss_grad check's sum per layer output) and leaves out their share of the step's one read.
+machine between two runs (often ±10 %, more than the overhead itself) does not move. It counts the checks' hooks (the
+loss_grad check's norm per layer output, the route check's and the reduce check's keeps) and leaves out their share
+of the step's one read.
 NOTE: on a shared 2-core machine pass threads=1 (the default here): two intra-op threads competing with other
 jobs drown any overhead.
 """
