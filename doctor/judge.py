@@ -119,6 +119,7 @@ class Facts:
     quantity: str
     step: int
     spec: dict | None = None  # the step's own specification checks (record v5 `spec`)
+    unchecked: tuple = ()     # the checks the run ran that did not run at this step (the reference checks')
 
 
 def _exact(f: Facts) -> str | None:
@@ -167,7 +168,10 @@ def _natural(f: Facts) -> str:
     how = (f"back in its band within {max(back)} step(s)" if back and not held else
            f"{held[0]} held a new level (the model's internals moving as it learns)" if held else
            "no return can be seen before the run's end")
-    checked = ("every step conformed to its specification" if f.conforming else
+    checked = (f"every check that ran conformed to its specification ({', '.join(f.unchecked)} did not run at step "
+               f"{f.step}: a reference check runs every spec.every steps and on a step the guard flags)"
+               if f.conforming and f.unchecked else
+               "every step conformed to its specification" if f.conforming else
                "the records carry no specification check" if f.conforming is None else
                "a specification check failed at its steps (an incident of its own)")
     return f"{how}; {checked}, and the run took no lasting damage: the run's own behaviour"
@@ -193,8 +197,10 @@ def judge(ctx: Context, diag) -> Judgement:
     # NOTE: a quantity that counts only beside a run-level one (its Signal's `needs`) holds only when that one does
     rec = {q: ({**r, "held": False} if _unbacked(ctx, q, rec) else r) for q, r in rec.items()}
     at = ctx.rec(t0) or {}
+    ran = {c for r in ctx.seg for c in ((r.get("spec") or {}).get("miss") or {})}
+    unchecked = tuple(sorted(ran - set(((at.get("spec") or {}).get("miss") or {}))))
     f = Facts(a.kind, family(a.quantity), CLASSES.get(diag.fault_class), conforms(ctx, t0), rec, a.quantity, t0,
-              at.get("spec"))
+              at.get("spec"), unchecked)
     ev = {"recovery": rec, "conforming": f.conforming}
     for verdict, rule in VERDICTS:
         why = rule(f)

@@ -112,7 +112,7 @@ def diagnose(run_dir) -> tuple[Run, Diagnosis, dict]:
     if everything and diag.fault_class == "healthy":
         steps = ", ".join(str(i.step) for i in everything)
         diag.summary = (f"healthy: no fault; {len(everything)} incident(s) (step {steps}) judged natural — the run's "
-                        f"own behaviour: each recovered under steps that did what they were told, nothing lasting"
+                        f"own behaviour: each recovered under steps whose checks held, nothing lasting"
                         + (f" ({env})" if env else ""))
     return run, diag, {}
 

@@ -72,6 +72,23 @@ def test_a_conforming_spike_is_natural_unless_damage_lasts(tmp_path, damage, lea
         assert "Natural incidents" in md and "Verdict: healthy" in md
 
 
+@pytest.mark.parametrize("flagged", [False, True])
+def test_a_natural_spike_says_which_checks_did_not_look_at_its_step(tmp_path, flagged):
+    """A reference check (here: forward) runs every 10 steps, and on a step the guard flagged: a spike it did not
+    look at is natural on the checks that ran, and the reason names the one that did not; looked at, every step
+    conformed."""
+    def tweak(t, r):
+        conforming(r)
+        if t % 10 == 0 or (flagged and t == T0 + 3):
+            r["spec"]["miss"]["forward"] = 0.03
+        spike(t, r, at=T0 + 3)
+    rep = doctor(fake_run(tmp_path, n=140, tweak=tweak), plots=False)
+    inc = [i for i in rep["incidents"] if i["step"] == T0 + 3]
+    assert inc and inc[0]["judgement"] == "natural", rep["incidents"]
+    named = f"forward did not run at step {T0 + 3}" in inc[0]["reason"]
+    assert named != flagged and ("every step conformed" in inc[0]["reason"]) == flagged, inc[0]["reason"]
+
+
 @pytest.mark.parametrize("recurring", [False, True])
 def test_a_loss_that_spikes_again_and_again_is_a_recipe_instability(tmp_path, recurring):
     """Conforming steps, two sources: one loss spike that returns is natural; four of them (more than the run's
