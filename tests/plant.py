@@ -43,9 +43,9 @@ FAULTS = {
     "reduce_rank1": ("reduce", None, "reduce"),
 }
 RESUME = {"resume_lost_moments": ("continuity", None, "resume")}  # planted on a resume from step S − 1
-# from STEP on, for a check that runs every few steps: tests/test_spec.py dates it
 # one step between reference steps that the guard's detector flags (a planted trigger): tests/test_spec.py
 FLAGGED = {"flagged": None, "attn_x3_flagged": ("forward", "block1.attn", "scaled")}
+# from STEP on, for a check that runs every few steps: tests/test_spec.py dates it
 SUSTAINED = {"attn_x3_on": ("forward", "block1.attn", "scaled"),
              "grad_hook_on": ("gradient", "blocks.0.attn.qkv.weight", "scaled")}
 
@@ -93,9 +93,7 @@ def plant(name: str, S: int) -> None:
         models[:] = [self]
         at = lambda: torch.is_grad_enabled() and Clock.step == S  # noqa: E731
 
-        if name == "attn_x3":
-            self.blocks[1].attn.register_forward_hook(lambda m, a_, out: out * 3.0 if at() else None)
-        if name == "attn_x3_flagged":  # one step between reference steps, the guard's detector flags it
+        if name in ("attn_x3", "attn_x3_flagged"):  # the second between reference steps, the guard flagging it
             self.blocks[1].attn.register_forward_hook(lambda m, a_, out: out * 3.0 if at() else None)
         if name == "attn_x3_on":  # from STEP on: a check that runs every few steps finds it late, the doctor dates it
             self.blocks[1].attn.register_forward_hook(
