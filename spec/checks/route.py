@@ -103,18 +103,19 @@ def compare(check: Check, rows: dict[int, tuple[Tensor, Tensor, Tensor | None]],
     errs, tols, where, check.places = [], [], [], []
     for i, moe in check.ctx.model.moe_layers():
         x, ids, given = rows[i]
-        x, ids = x.to(F64), ids.to(x.device)
-        b = (bias[i] if bias is not None else moe.bias_E.detach()).to(x.device, F64)
-        w = moe.router.weight.detach()
-        w = (w.full_tensor() if hasattr(w, "full_tensor") else w).to(x.device, F64)
-        # NOTE: experts along the rows, (E, N): E is a handful, and a softmax or a product along a short contiguous
-        # last dimension costs CPU kernels several times more than along a long one
-        logits_EN = w @ x.T
-        scores_EN = logits_EN.softmax(0) if moe.cfg.score == "softmax" else torch.sigmoid(logits_EN)
-        ranked_EN = scores_EN + b[:, None]
-        if given is not None:  # anticipatory routing: the specification is the routes given
-            err, tol = (given.to(ids.device) != ids).sum().double(), torch.tensor(0.5, dtype=F64, device=x.device)
+        ranked_EN = None
+        if given is not None:  # anticipatory routing: the specification is the routes given, no router to rerun
+            err, tol = (given.to(ids.device) != ids).sum().double(), torch.tensor(0.5, dtype=F64, device=ids.device)
         else:
+            x, ids = x.to(F64), ids.to(x.device)
+            b = (bias[i] if bias is not None else moe.bias_E.detach()).to(x.device, F64)
+            w = moe.router.weight.detach()
+            w = (w.full_tensor() if hasattr(w, "full_tensor") else w).to(x.device, F64)
+            # NOTE: experts along the rows, (E, N): E is a handful, and a softmax or a product along a short
+            # contiguous last dimension costs CPU kernels several times more than along a long one
+            logits_EN = w @ x.T
+            scores_EN = logits_EN.softmax(0) if moe.cfg.score == "softmax" else torch.sigmoid(logits_EN)
+            ranked_EN = scores_EN + b[:, None]
             ids_kN = ids.T
             low = ranked_EN.gather(0, ids_kN).min(0).values                    # the weakest expert chosen
             high = ranked_EN.scatter(0, ids_kN, -torch.inf).max(0).values      # the strongest left out
@@ -124,7 +125,7 @@ def compare(check: Check, rows: dict[int, tuple[Tensor, Tensor, Tensor | None]],
             tol = (LAMBDA * stage(x.shape[-1], U32) * (1 + logits_EN.abs().max()) * scores_EN.max()
                    + 2 * U32 * b.abs().max())
         errs.append(torch.as_tensor(err, dtype=F64))
-        tols.append(torch.as_tensor(tol, dtype=F64, device=x.device))
+        tols.append(torch.as_tensor(tol, dtype=F64, device=err.device))
         where.append(f"moe{i}")
         check.places.append((ranked_EN, ids, given))
     check.measure(torch.stack(errs), torch.stack(tols), "topk", where=where)
