@@ -45,6 +45,8 @@ FAULTS = {
 RESUME = {"resume_lost_moments": ("continuity", None, "resume")}  # planted on a resume from step S − 1
 # one step between reference steps that the guard's detector flags (a planted trigger): tests/test_spec.py
 FLAGGED = {"flagged": None, "attn_x3_flagged": ("forward", "block1.attn", "scaled")}
+# at STEP, between reference steps (spec.every=5): a check that runs every step fails there (tests/test_spec.py)
+BETWEEN = {"route_flip": FAULTS["route_flip"], "mlp_bf16": ("precision", "block0.mlp", "coarse")}
 # from STEP on, for a check that runs every few steps: tests/test_spec.py dates it
 SUSTAINED = {"attn_x3_on": ("forward", "block1.attn", "scaled"),
              "grad_hook_on": ("gradient", "blocks.0.attn.qkv.weight", "scaled")}

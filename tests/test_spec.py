@@ -13,7 +13,7 @@ import pytest
 from helpers import ROOT, TINY, env
 
 sys.path.insert(0, str(Path(__file__).parent))
-from plant import FAULTS, FLAGGED, RESUME, SUSTAINED  # noqa: E402
+from plant import BETWEEN, FAULTS, FLAGGED, RESUME, SUSTAINED  # noqa: E402
 
 S = 3
 PLANTED = [*TINY, f"train.steps={S + 1}", "spec.every=1", "checkpoint.every=0", "logging.plot=false"]
@@ -55,14 +55,17 @@ def planted(tmp_path_factory) -> dict:
         return dict(zip(SINGLE, pool.map(one, SINGLE)))
 
 
-def test_every_tokens_route_is_checked_every_step(tmp_path):
-    """The route check reads the step's own forward, every token, every step: a top-k flipped at step 3 fails it at
-    3 with spec.every=5 (whose reference steps are 1 and 5), before the update."""
+@pytest.mark.parametrize("fault", list(BETWEEN))
+def test_a_check_that_reads_the_steps_own_forward_fails_between_reference_steps(tmp_path, fault):
+    """The route and precision checks read the step's own forward, every step: a top-k flipped at step 3, or a layer's
+    output rounded to bf16 there, fails its check at 3 with spec.every=5 (whose reference steps are 1 and 5), before
+    the update; the step before held it."""
     base = [o for o in PLANTED if not o.startswith("spec.every=")]
-    recs = plant(tmp_path, "route_flip", base=[*base, "spec.every=5"])
+    recs = plant(tmp_path, fault, base=[*base, "spec.every=5"])
+    check, where, kind = BETWEEN[fault]
     got = first_failure(recs[S - 1])
-    assert got is not None and (got["check"], got["where"], got["kind"]) == FAULTS["route_flip"], got
-    assert "route" in recs[S - 2]["spec"]["miss"] and not recs[S - 2]["spec"]["fail"]
+    assert got is not None and (got["check"], got["where"], got["kind"]) == (check, where, kind), got
+    assert check in recs[S - 2]["spec"]["miss"] and not recs[S - 2]["spec"]["fail"]
 
 
 @pytest.mark.parametrize("fault", list(FLAGGED))

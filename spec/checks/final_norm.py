@@ -76,11 +76,7 @@ class LossGradCheck(Check):
         return keep
 
     def layers(self) -> list[tuple[str, torch.nn.Module]]:
-        """The layers whose outputs are checked finite, in forward order (telemetry's names)."""
-        out = [("emb", self.ctx.model.tok_emb)]
-        for i, b in enumerate(self.ctx.model.blocks):
-            out += [(f"block{i}.attn", b.attn), (f"block{i}.mlp", b.mlp), (f"block{i}", b)]
-        return out
+        return output_layers(self.ctx.model)
 
     def before_update(self, s) -> None:
         for h in self._hooks:
@@ -175,6 +171,15 @@ class LossGradCheck(Check):
             return "nonfinite"
         kind = kind_of(*self.place)
         return kind if kind in self.kinds else "mismatch"
+
+
+def output_layers(model) -> list[tuple[str, torch.nn.Module]]:
+    """The layers whose outputs the every-step checks read (finite here, full precision in spec/checks/precision.py),
+    in forward order, by telemetry's names."""
+    out = [("emb", model.tok_emb)]
+    for i, b in enumerate(model.blocks):
+        out += [(f"block{i}.attn", b.attn), (f"block{i}.mlp", b.mlp), (f"block{i}", b)]
+    return out
 
 
 def _full(t: Tensor) -> Tensor:
