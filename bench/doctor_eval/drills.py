@@ -82,6 +82,8 @@ FAULTS = [
     Fault("act_x2_attn1_sustained", "numerics.activation_outlier", "forward", "forward",
           what="block1.attn output ×2 from S on (subtle, sustained)"),
     Fault("nan_attn", "numerics.nonfinite", "forward", "forward", what="NaN into block1.attn output for one step"),
+    Fault("attn1_bf16_sustained", "numerics.precision", "forward", "forward",
+          what="block1.attn output rounded to bf16 and back from S on (every value finite)"),
     Fault("emb_row_x50", "numerics.activation_outlier", "forward", "forward", what="one embedding row ×50 (the copy BOS)"),
     # backward / update
     Fault("grad_x50_layer", "optim.gradient_spike", "backward/update", "update", what="block1.attn gradients ×50, one step"),
@@ -240,6 +242,12 @@ def patch(name: str) -> None:
             self.blocks[2].attn.qkv.weight.register_post_accumulate_grad_hook(noise)
         if name == "act_x2_attn1_sustained":
             self.blocks[1].attn.register_forward_hook(scale(2.0, lambda t: t >= S))
+        if name == "attn1_bf16_sustained":
+            def hb(mod, args, out):
+                if torch.is_grad_enabled() and Clock.step >= S:
+                    return out.bfloat16().to(out.dtype)
+                return None
+            self.blocks[1].attn.register_forward_hook(hb)
         if name == "nan_attn":
             def hn(mod, args, out):
                 if torch.is_grad_enabled() and Clock.step == S:
