@@ -7,13 +7,13 @@ at least the low b = m − m_next bits of a dtype with m stored bits, m_next the
 
     fp32 (23): b = 13        fp16 (10): b = 3 (bf16)        bf16 (7): b = 4 (E4M3)
 
-A rounded result of the dtype's own arithmetic has its last bits spread evenly, so each finite nonzero element has
-its low b bits zero with probability p = 2^−b. The check takes a strided sample of each layer's output on the
-step's first micro-batch (kept by a forward hook) and fails a layer when more than half of its sampled normal
-numbers (not zero, subnormal or non-finite: loss_grad's) have those bits zero. Out of n such elements under the recipe that happens with probability at most exp(−n·KL(½‖p))
-(Chernoff), so a layer is judged only when n·KL(½‖p) ≥ λ²/2: the failure probability exp(−λ²/2) of every other
-tolerance here (spec/tolerance.py), and n ≥ 13 elements for fp32. A layer whose sample is all zero (an output
-projection at its zero init) is not judged.
+A rounded result of the dtype's own arithmetic has its last bits spread evenly, so each normal number (not zero,
+subnormal or non-finite: loss_grad's) has its low b bits zero with probability p = 2^−b. The check takes a strided
+sample of each layer's output on the step's first micro-batch (kept by a forward hook) and fails a layer when more
+than half of its sampled normal numbers have those bits zero. Out of n of them under the recipe that happens with
+probability at most exp(−n·KL(½‖p)) (Chernoff), so a layer is judged only when n·KL(½‖p) ≥ λ²/2, the failure
+probability exp(−λ²/2) of every other tolerance here (spec/tolerance.py): from 14 sampled numbers under FP32, 69
+under bf16, 121 under fp16. A layer whose sample is all zero (an output projection at its zero init) is not judged.
 
 The reference forward check names such a layer too (numerics.precision), on reference steps only; this one every
 step, from the bits alone, and before the update: the guard can refuse the step. A precision lost inside a layer
@@ -30,9 +30,9 @@ from torch import Tensor
 
 from spec.check import BEFORE, FORWARD, STEP, Check, Kind
 from spec.checks.final_norm import _tensor, output_layers
+from spec.checks.state import STRIDE  # a prime: the sample meets every row, column and head of an output
 from spec.tolerance import LAMBDA
 
-STRIDE = 61  # a prime: the sample meets every row, column and head of an output (spec/checks/state.py's)
 STORED = {torch.float32: 23, torch.float16: 10, torch.bfloat16: 7}  # significand bits stored, the implicit one not
 COARSER = (10, 7, 3, 2)  # stored bits of tf32 / fp16, bf16, FP8 E4M3, E5M2: the formats a value can be rounded to
 INT_OF = {4: torch.int32, 2: torch.int16}
