@@ -52,6 +52,18 @@ def min_count(b: int) -> float:
     return LAMBDA ** 2 / 2 / kl
 
 
+def coarse_counts(y: Tensor) -> tuple[Tensor, Tensor]:
+    """(k, n) along the last dimension of y: its normal numbers whose low b bits (low_bits of its dtype) are zero,
+    and its normal numbers, as float64."""
+    b, m = low_bits(y.dtype), STORED[y.dtype]
+    bits = y.view(INT_OF[y.element_size()])
+    exp_mask = ((1 << (8 * y.element_size() - 1 - m)) - 1) << m
+    exp = bits & exp_mask
+    counted = (exp != 0) & (exp != exp_mask)  # a normal number: not zero, subnormal, inf or NaN
+    coarse = ((bits & ((1 << b) - 1)) == 0) & counted
+    return coarse.sum(-1, dtype=torch.float64), counted.sum(-1, dtype=torch.float64)
+
+
 class PrecisionCheck(Check):
     name, layer, cadence, phase = "precision", FORWARD, STEP, BEFORE
     rank = 22
@@ -89,16 +101,9 @@ class PrecisionCheck(Check):
         for name, y in self.samples.items():  # is (B, T, D)); two under autocast
             groups.setdefault((y.dtype, len(y)), []).append(name)
         for (dtype, _), group in groups.items():
-            b, m = low_bits(dtype), STORED[dtype]
-            y = torch.stack([self.samples[n] for n in group])  # (layers, sample)
-            bits = y.view(INT_OF[y.element_size()])
-            exp_mask = ((1 << (8 * y.element_size() - 1 - m)) - 1) << m
-            exp = bits & exp_mask
-            counted = (exp != 0) & (exp != exp_mask)  # a normal number: not zero, subnormal, inf or NaN
-            coarse = ((bits & ((1 << b) - 1)) == 0) & counted
-            k, n = coarse.sum(-1, dtype=torch.float64), counted.sum(-1, dtype=torch.float64)
+            k, n = coarse_counts(torch.stack([self.samples[n] for n in group]))
             names += group
-            err.append(torch.where(n >= min_count(b), k / n.clamp(min=1), 0.0))
+            err.append(torch.where(n >= min_count(low_bits(dtype)), k / n.clamp(min=1), 0.0))
             tol.append(torch.full_like(k, 0.5))
         self.measure(torch.cat(err), torch.cat(tol), where=names)
         self.samples = {}

@@ -1,0 +1,43 @@
+"""The precision check's statistic (spec/checks/precision.py): a value rounded to a coarser format and stored back
+has the low bits of its own significand zero; a value of the dtype's own arithmetic has them zero by chance
+(2^−b). Zeros, subnormals and non-finite values are not counted."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from spec.checks.precision import coarse_counts, low_bits, min_count
+
+N = 4096
+
+
+def share(y: torch.Tensor) -> float:
+    k, n = coarse_counts(y[None])
+    return float(k[0] / n[0])
+
+
+def values(dtype: torch.dtype) -> torch.Tensor:
+    # products and sums, as a layer's arithmetic makes them: every bit of the significand in use
+    g = torch.Generator().manual_seed(0)
+    return (torch.randn(N, 8, generator=g) @ torch.randn(8, generator=g)).to(dtype)
+
+
+@pytest.mark.parametrize("dtype, coarser", [(torch.float32, torch.bfloat16), (torch.float32, torch.float16),
+                                            (torch.bfloat16, torch.float8_e4m3fn), (torch.float16, torch.bfloat16)])
+def test_a_value_rounded_coarser_and_back_is_named_and_its_own_arithmetic_is_not(dtype, coarser):
+    y = values(dtype)
+    # by chance only: expected 2^−b (at most 1/8), far under the check's half (P(≥ 1/4 of 4096) < e^−100)
+    assert share(y) < 0.25
+    assert share(y.to(coarser).to(dtype)) > 0.99
+
+
+def test_zeros_subnormals_and_nonfinite_values_are_not_counted():
+    y = torch.tensor([0.0, -0.0, 1e-40, float("inf"), float("nan"), 1.5, 1.0000001])  # 1e-40: an FP32 subnormal
+    k, n = coarse_counts(y[None])
+    assert (float(k[0]), float(n[0])) == (1.0, 2.0)  # 1.5 is coarse (exact in bf16), 1.0000001 is not
+
+
+def test_the_judged_sample_sizes_follow_from_the_chernoff_bound():
+    """n·KL(½‖2^−b) = λ²/2 = 50: FP32 (b = 13) from 14 sampled numbers, bf16 (b = 4) from 69."""
+    assert (low_bits(torch.float32), low_bits(torch.bfloat16), low_bits(torch.float16)) == (13, 4, 3)
+    assert 13 < min_count(13) < 14 and 68 < min_count(4) < 69
