@@ -106,7 +106,7 @@ class PrecisionCheck(Check):
         for name, y in self.samples.items():  # is (B, T, D)); two under autocast
             groups.setdefault((y.dtype, len(y)), []).append(name)
         for (dtype, _), group in groups.items():
-            k, n = coarse_counts(torch.stack([self.samples[n] for n in group]))
+            k, n = coarse_counts(torch.stack([self.samples[name] for name in group]))
             names += group
             err.append(torch.where(n >= MIN_COUNT, k / n.clamp(min=1), 0.0))
             tol.append(torch.full_like(k, 0.5))
