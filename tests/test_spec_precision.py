@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spec.checks.precision import MIN_COUNT, coarse_counts, low_bits, sample_stride
+from spec.checks.precision import MIN_COUNT, coarse_counts, sample_stride
 
 N = 4096
 
