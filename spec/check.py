@@ -18,6 +18,7 @@ other numbers. `rank` orders the registry: within a step the first failed check 
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -69,6 +70,15 @@ class SpecContext:
 
 
 CHECKS: dict[str, type["Check"]] = {}
+_ARANGE: dict[tuple[int, str], Tensor] = {}
+
+
+def _arange(n: int, device) -> Tensor:
+    """0..n−1 in float64 on `device` (cached: the places a check measures are the same every step)."""
+    key = (n, str(device))
+    if key not in _ARANGE:
+        _ARANGE[key] = torch.arange(n, dtype=torch.float64, device=device)
+    return _ARANGE[key]
 
 
 class Check:
@@ -100,7 +110,7 @@ class Check:
         self.where: list[str] = []  # the names of the places it measures, in the order of its vectors
         self.out: Tensor | None = None  # this step's packed result, until the monitor takes it
         self.extra: dict[str, tuple[list[str], Tensor]] = {}  # name -> (places, (L,) values) for the record
-        self.seconds = 0.0  # host time in this check's own hooks (inside the step's forward), since took()
+        self.seconds = 0.0  # host time in this check (its points, its hooks inside the step's forward) since took()
 
     @classmethod
     def applies(cls, ctx: SpecContext) -> bool:
@@ -113,17 +123,20 @@ class Check:
         The worst place (largest err/tol; a NaN err is a miss of inf) is kept for the read."""
         if where is not None:
             self.where = where
-        err, tol = torch.atleast_1d(err).double(), torch.atleast_1d(tol).double().to(err.device)
-        # NOTE: a tolerance that came out NaN (its scale is non-finite: upstream's miss) judges nothing; a NaN or
-        # infinite error is a miss whatever the tolerance
-        tol = torch.where(tol.isnan(), torch.inf, tol)
-        miss = err / tol.clamp(min=1e-300)
-        miss = torch.where(err.isnan() | miss.isnan(), torch.inf, miss)
+        err = torch.atleast_1d(err).to(torch.float64)
+        tol = torch.atleast_1d(tol).to(err.device, torch.float64).expand_as(err)
+        tol = tol.nan_to_num(nan=math.inf, posinf=math.inf, neginf=-math.inf)
+        # NOTE: a tolerance that came out NaN (its scale is non-finite: upstream's miss) judges nothing (inf); a NaN or
+        # infinite error is a miss whatever the tolerance (inf / inf and NaN / anything are NaN, made inf). One op
+        # each: the checks run between the step's kernels, where every op costs its dispatch from cold caches
+        miss = (err / tol.clamp(min=1e-300)).nan_to_num(nan=math.inf, posinf=math.inf, neginf=-math.inf)
         at = miss.argmax()
-        names = list(self.kinds)
-        k = (torch.atleast_1d(kind).to(err.device)[at].double() if torch.is_tensor(kind)
-             else torch.tensor(float(names.index(kind or names[0])), dtype=torch.float64, device=err.device))
-        self.out = torch.stack([miss[at], at.double(), k, err[at], tol[at]])
+        if torch.is_tensor(kind):
+            k = torch.atleast_1d(kind).to(err.device, torch.float64).expand_as(err)
+        else:
+            names = list(self.kinds)
+            k = torch.full_like(err, float(names.index(kind or names[0])))
+        self.out = torch.stack([miss, _arange(len(err), err.device), k, err, tol], 1)[at]
 
     def kind_name(self, index: float) -> str:
         return list(self.kinds)[int(index)]
