@@ -52,7 +52,7 @@ class Conformance(Callback):
                       DEMAND: [c for c in self.checks if c.cadence == REFERENCE]}
         self._probe: tuple[int, object] | None = None
         self._demand: int | None = None  # the step whose reference checks run on demand (on_demand)
-        self.seconds = 0.0  # the host time in the checks since took() (the points, the put, the read)
+        self.seconds = 0.0  # the monitor's own host time since took() (the put, the read); each check keeps its own
         ctx.probe = self.probe
         ctx.reference_step = self.reference_step
 
@@ -70,23 +70,25 @@ class Conformance(Callback):
                                              want_grads=not c.sharded))
         return self._probe[1]
 
-    def _at(self, point: str, s: StepState) -> None:
-        t0 = time.perf_counter()
+    def _at(self, point: str, s: StepState, checks=None) -> None:
         ref = self.reference_step(s.step)
-        for c in self.checks:
-            if c.cadence == REFERENCE and not ref:
+        for c in self.checks if checks is None else checks:
+            if c.cadence == REFERENCE and not ref and checks is None:
                 continue
+            t0 = time.perf_counter()
             getattr(c, point)(s)
-        self.seconds += time.perf_counter() - t0
+            c.seconds += time.perf_counter() - t0
 
-    def took(self) -> float:
-        """The host seconds the checks took since the last call (the step's time_s.spec), their forward hooks'
-        included. NOTE: on a GPU, the
-        time to launch their kernels; what the kernels take shows in the step's own times."""
-        out, self.seconds = self.seconds, 0.0
-        for c in self.checks:  # and what their hooks took inside the step's forward
-            out, c.seconds = out + c.seconds, 0.0
-        return out
+    def took(self) -> tuple[float, dict[str, float]]:
+        """The host seconds the checks took since the last call: in all (the step's time_s.spec) and by check (its
+        points and its forward hooks; StepRecord.spec.seconds), the monitor's own (the put, the read) under
+        "monitor". NOTE: on a GPU, the time to launch their kernels; what the kernels take shows in the step's own
+        times."""
+        by = {"monitor": self.seconds}
+        self.seconds = 0.0
+        for c in self.checks:
+            by[c.name], c.seconds = c.seconds, 0.0
+        return sum(by.values()), by
 
     def before_batch(self, s: StepState) -> None:
         for c in self.checks:
@@ -123,17 +125,17 @@ class Conformance(Callback):
         # probe's and the pack's collectives need
         if self.reference_step(s.step) or s.spec.get("fail") or not self.phase[DEMAND]:
             return []
-        t0 = time.perf_counter()
         self._demand = s.step
         try:
             for c in self.phase[DEMAND]:
                 c.out, c.extra = None, {}
-                c.after_update(s)
+            self._at("after_update", s, self.phase[DEMAND])
+            t1 = time.perf_counter()
             self._pack(s, DEMAND)
         finally:
             self._demand, self._probe = None, None
         host.read()
-        self.seconds += time.perf_counter() - t0
+        self.seconds += time.perf_counter() - t1
         return self.read(s, host, DEMAND)
 
     # --- the read ----------------------------------------------------------------------------------------

@@ -4,12 +4,14 @@ under `-m slow`."""
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from bench.speed.spec_overhead import by_check
 from helpers import ROOT, TINY, env
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -157,6 +159,14 @@ def test_clean_steps_pass_every_check(tmp_path, name):
         assert rec["spec"]["miss"] and not rec["spec"].get("fail"), (name, rec["step"], rec["spec"].get("fail"))
     ran = set().union(*(r["spec"]["miss"] for r in recs))
     assert {"continuity", "data", "forward", "gradient", "clip", "lr", "optimizer"} <= ran
+    # every check's host time, the monitor's beside them, adds up to the step's time_s.spec
+    for rec in recs:
+        took = rec["spec"]["seconds"]
+        assert set(rec["spec"]["miss"]) | {"monitor"} <= set(took) and min(took.values()) >= 0, (name, rec["step"])
+        assert sum(took.values()) == pytest.approx(rec["time_s"]["spec"], rel=1e-9), (name, rec["step"])
+    # the overhead bench's per-check table (spec.every=1: every step is a reference step, none is another)
+    table = {row[0]: row[1:] for row in by_check(recs)}
+    assert table["forward"][1] > 0 and table["data"][2] > 0 and math.isnan(table["data"][0]), table
 
 
 def test_a_clipped_step_within_the_clip_tolerance_passes_the_optimizer_check(tmp_path):

@@ -14,7 +14,8 @@ Beside it, from the on arm alone, the checks' own host time (time_s.spec: every 
 their put and their read) over the rest of its step: a ratio inside one run, which the drift of a shared
 machine between two runs (often ±10 %, more than the overhead itself) does not move. It counts the checks' hooks (the
 loss_grad check's norm per layer output, the route check's and the reduce check's keeps) and leaves out their share
-of the step's one read.
+of the step's one read. Below it, each check's share (StepRecord.spec.seconds), on the steps that ran only the
+every-step checks and on the reference steps (the probe's run counted by the first check that reads it, forward).
 NOTE: on a shared 2-core machine pass threads=1 (the default here): two intra-op threads competing with other
 jobs drown any overhead.
 """
@@ -30,13 +31,15 @@ from pathlib import Path
 
 from bench import ROOT
 from bench.report import Report
+from spec.check import REFERENCE
+from spec.checks import registry
 
 COMMON = ["logging.wandb=disabled", "logging.progress=false", "logging.plot=false", "checkpoint.every=0",
           "train.eval_every=1000"]
 
 
-def run(out: Path, steps: int, on: bool, extra: list[str]) -> tuple[float, float, float]:
-    """(mean wall ms, mean CPU ms, mean ms in the checks: time_s.spec) per step of one run."""
+def run(out: Path, steps: int, on: bool, extra: list[str]) -> tuple[float, float, float, list[dict]]:
+    """(mean wall ms, mean CPU ms, mean ms in the checks: time_s.spec) per step of one run, and its timed records."""
     cmd = [sys.executable, "train.py", f"hydra.run.dir={out}", *COMMON, f"checkpoint.stop_after={steps}",
            f"spec.enabled={str(on).lower()}", *extra]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
@@ -45,7 +48,22 @@ def run(out: Path, steps: int, on: bool, extra: list[str]) -> tuple[float, float
     recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()][1:-1]
     return (statistics.fmean(x["time_s"]["total"] for x in recs) * 1e3,
             statistics.fmean(x["time_s"]["cpu"] for x in recs) * 1e3,
-            statistics.fmean(x["time_s"].get("spec", 0.0) for x in recs) * 1e3)
+            statistics.fmean(x["time_s"].get("spec", 0.0) for x in recs) * 1e3, recs)
+
+
+def by_check(recs: list[dict]) -> list[list]:
+    """[check, ms on an every-step-only step, ms on a reference step, ms per step over the run] from the on arm's
+    records (spec.seconds); a reference step is one where a reference-cadence check measured (spec.miss)."""
+    reference = {name for name, c in registry().items() if c.cadence == REFERENCE}
+    is_ref = [bool(reference & set((r.get("spec") or {}).get("miss") or {})) for r in recs]
+    names = list(dict.fromkeys(k for r in recs for k in (r.get("spec") or {}).get("seconds") or {}))
+
+    def mean(name, rows):
+        xs = [(r["spec"].get("seconds") or {}).get(name, 0.0) * 1e3 for r in rows]
+        return statistics.fmean(xs) if xs else float("nan")
+    rows = [[n, mean(n, [r for r, f in zip(recs, is_ref) if not f]), mean(n, [r for r, f in zip(recs, is_ref) if f]),
+             mean(n, recs)] for n in names]
+    return sorted(rows, key=lambda row: -row[3])
 
 
 def main() -> None:
@@ -58,12 +76,13 @@ def main() -> None:
     rep = Report("The specification checks' overhead on the default job", "python -m bench.speed.spec_overhead")
     rep.add(f"{args.rounds} rounds, {args.steps} steps an arm (steps 2..{args.steps - 1} timed), overrides: "
             f"{' '.join(args.overrides) or 'none'}; the arms alternate, their order flipping every round.")
-    rows, ratios = [], {"wall": [], "cpu": [], "inside": []}
+    rows, ratios, on_recs = [], {"wall": [], "cpu": [], "inside": []}, []
     with tempfile.TemporaryDirectory() as tmp:
         for k in range(args.rounds):
             order = (False, True) if k % 2 == 0 else (True, False)
             got = {on: run(Path(tmp) / f"r{k}-{on}", args.steps, on, args.overrides) for on in order}
-            (w0, c0, _), (w1, c1, in1) = got[False], got[True]
+            (w0, c0, _, _), (w1, c1, in1, recs) = got[False], got[True]
+            on_recs += recs
             ratios["wall"].append(w1 / w0 - 1)
             ratios["cpu"].append(c1 / c0 - 1)
             ratios["inside"].append(in1 / (w1 - in1))
@@ -74,6 +93,10 @@ def main() -> None:
     rep.add(f"overhead, median over rounds: wall {100 * statistics.median(ratios['wall']):+.1f} %, "
             f"CPU {100 * statistics.median(ratios['cpu']):+.1f} %; the checks' own time in the on arm "
             f"{100 * statistics.median(ratios['inside']):.1f} % of the rest of its step (goal ≤ 5 %)")
+    rep.add(f"By check, the on arms' timed steps ({len(on_recs)}): host ms in each check (its points and hooks) on a "
+            "step that ran the every-step checks only, on a reference step, and per step over the run.")
+    rep.table(["check", "ms, other steps", "ms, reference steps", "ms per step"],
+              [[n, f"{a:.2f}", f"{b:.2f}", f"{c:.2f}"] for n, a, b, c in by_check(on_recs)])
     rep.write(args.out)
 
 
