@@ -18,6 +18,7 @@ import torch
 import torch.distributed as tdist
 
 from spec.check import BEFORE, STEP, UPDATE, Check, Kind
+from spec.checks.state import module_state
 from spec.tolerance import LAMBDA, U32
 
 EPS = 1e-6  # the clip's ε in c / (‖g‖ + ε): part of the policy's definition (optim/clip.py)
@@ -37,7 +38,7 @@ class ClipCheck(Check):
     }
 
     def before_update(self, s) -> None:
-        params = [p for p in self.ctx.model.parameters() if p.grad is not None]
+        params = [p for _, p in module_state(self.ctx.model)[0] if p.grad is not None]
         grads = [p.grad for p in params]
         sharded = [_is_shard(g) for g in grads]
         local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]

@@ -35,6 +35,32 @@ def _local(t: Tensor) -> Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def module_state(model: torch.nn.Module) -> tuple[list[tuple[str, Tensor]], list[tuple[str, Tensor]]]:
+    """(named_parameters(), its persistent named_buffers()): the same names in the same order, each tensor once, from
+    one walk of the module tree. NOTE: a check reads them twice a step, between the step's kernels, where
+    nn.Module's generators (a prefix string and a memo per level) cost several times this plain recursion."""
+    params: list[tuple[str, Tensor]] = []
+    buffers: list[tuple[str, Tensor]] = []
+    seen: set[int] = set()
+
+    def visit(m: torch.nn.Module, prefix: str) -> None:
+        seen.add(id(m))
+        for k, p in m._parameters.items():
+            if p is not None and id(p) not in seen:
+                seen.add(id(p))
+                params.append((prefix + k, p))
+        for k, b in m._buffers.items():
+            if b is not None and k not in m._non_persistent_buffers_set and id(b) not in seen:
+                seen.add(id(b))
+                buffers.append((prefix + k, b))
+        for k, c in m._modules.items():
+            if c is not None and id(c) not in seen:
+                visit(c, prefix + k + ".")
+
+    visit(model, "")
+    return params, buffers
+
+
 class ContinuityCheck(Check):
     name, layer, cadence, phase = "continuity", BACKWARD, STEP, BEFORE
     rank = 0
@@ -50,8 +76,6 @@ class ContinuityCheck(Check):
         model = ctx.model
         self.names = {id(p): n for n, p in model.named_parameters()}
         self._names: dict[tuple[int, str], str] = {}  # (id(parameter), state key) -> the state's name
-        keys = set(model.state_dict())
-        self.buffers = [n for n, _ in model.named_buffers() if n in keys]  # persistent ones: training state
         self.end: list[tuple] | None = None  # each tensor's (id, storage, version) at the last step's end
         self.saved: dict | None = None       # the checkpoint's fingerprint, at a resume or a rollback
         self.config_saved: dict | None = None
@@ -59,10 +83,9 @@ class ContinuityCheck(Check):
     def collect(self) -> list[tuple[str, str, Tensor]]:
         """(name, kind, tensor) of the whole training state, parameters and buffers first (the tensors themselves,
         not views: their identity is part of what is compared)."""
-        model, opt = self.ctx.model, self.ctx.optimizer
-        out = [(n, "state", p) for n, p in model.named_parameters()]
-        buffers = dict(model.named_buffers())
-        out += [(n, "state", buffers[n]) for n in self.buffers]
+        params, buffers = module_state(self.ctx.model)
+        out = [(n, "state", t) for n, t in params + buffers]
+        opt = self.ctx.optimizer
         for p, st in opt.state.items():
             out += [(self._state_name(p, k), "optimizer", v) for k, v in st.items() if torch.is_tensor(v)]
         return out
