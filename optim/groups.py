@@ -64,6 +64,22 @@ def _matches(rule: dict, pname: str, kinds: set[str]) -> bool:
     return bool(rule["kinds"] & kinds) or any(fnmatchcase(pname, pat) for pat in rule["names"])
 
 
+def _rules(cfg: OptimConfig) -> list[dict]:
+    base_wd = float(cfg.weight_decay)
+    return [dict(name=rule.name or f"group{i}", kinds=set(rule.kinds), names=tuple(rule.names),
+                 weight_decay=base_wd if rule.weight_decay is None else float(rule.weight_decay),
+                 lr_scale=float(rule.lr_scale)) for i, rule in enumerate(cfg.groups)]
+
+
+def group_of(model: nn.Module, cfg: OptimConfig) -> dict[str, str]:
+    """Qualified name -> the group the config's rules send it to (the first that matches, else "default"), for every
+    trainable parameter: the contract itself, which the optimizer's groups are built from and the specification
+    check of the update reads (spec/checks/optimizer.py), not the groups an optimizer ended up holding."""
+    rules = _rules(cfg)
+    return {pname: next((r["name"] for r in rules if _matches(r, pname, kinds)), DEFAULT_GROUP)
+            for pname, kinds in param_kinds(model).items()}
+
+
 def build_param_groups(model: nn.Module, cfg: OptimConfig) -> tuple[list[dict], list[dict]]:
     """Torch param-group dicts and a summary table (one row per group) for `model` under `cfg`.
 
@@ -72,18 +88,13 @@ def build_param_groups(model: nn.Module, cfg: OptimConfig) -> tuple[list[dict], 
     """
     cfg = typed(cfg, OptimConfig, "build_param_groups")  # keys, types, ranges, kinds, names: the schema checked them
     base_lr, base_wd = float(cfg.lr), float(cfg.weight_decay)
-    rules = []
-    for i, rule in enumerate(cfg.groups):
-        wd = base_wd if rule.weight_decay is None else float(rule.weight_decay)
-        rules.append(dict(name=rule.name or f"group{i}", kinds=set(rule.kinds), names=tuple(rule.names),
-                          weight_decay=wd, lr_scale=float(rule.lr_scale)))
+    rules = _rules(cfg)
     default = dict(name=DEFAULT_GROUP, weight_decay=base_wd, lr_scale=1.0)
 
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     members: dict[str, list[str]] = {r["name"]: [] for r in rules + [default]}
-    for pname, kinds in param_kinds(model).items():
-        hit = next((r for r in rules if _matches(r, pname, kinds)), default)
-        members[hit["name"]].append(pname)
+    for pname, group in group_of(model, cfg).items():
+        members[group].append(pname)
 
     for i, r in enumerate(rules):
         if not members[r["name"]]:

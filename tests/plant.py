@@ -42,7 +42,9 @@ FAULTS = {
     "bias_sign": ("balance", "moe1", "rule"),
     "reduce_rank1": ("reduce", None, "reduce"),
 }
-RESUME = {"resume_lost_moments": ("continuity", None, "resume")}  # planted on a resume from step S − 1
+RESUME = {"resume_lost_moments": ("continuity", None, "resume")}
+# from the build, so from step 1 (STEP is not read): tests/test_spec.py
+BUILT = {"decay_norms": ("optimizer", None, "update")}  # planted on a resume from step S − 1
 # one step between reference steps that the guard's detector flags (a planted trigger): tests/test_spec.py
 FLAGGED = {"flagged": None, "attn_x3_flagged": ("forward", "block1.attn", "scaled")}
 # at STEP, between reference steps (spec.every=5): a check that runs every step fails there (tests/test_spec.py)
@@ -201,6 +203,17 @@ def plant(name: str, S: int) -> None:
                     g["eps"] = 1e-3
             return orig_step(self, *aa, **kk)
         torch.optim.AdamW.step = step
+
+    if name == "decay_norms":  # the groups built against the config's rules: the no_decay group's tensors (norm gains,
+        import optim.adamw  # embeddings) held in the default group, decayed from the first step, every group's
+        orig_groups = optim.adamw.build_param_groups  # settings as configured
+
+        def build_param_groups(model, cfg):
+            groups, table = orig_groups(model, cfg)
+            by = {g["name"]: g for g in groups}
+            by["default"]["params"] = by["default"]["params"] + by.pop("no_decay")["params"]
+            return list(by.values()), table
+        optim.adamw.build_param_groups = build_param_groups
 
     if name == "lr_x3":
         from torch.optim.lr_scheduler import LambdaLR

@@ -15,7 +15,7 @@ from bench.speed.spec_overhead import by_check
 from helpers import ROOT, TINY, env
 
 sys.path.insert(0, str(Path(__file__).parent))
-from plant import BETWEEN, FAULTS, FLAGGED, RESUME, SUSTAINED  # noqa: E402
+from plant import BETWEEN, BUILT, FAULTS, FLAGGED, RESUME, SUSTAINED  # noqa: E402
 
 S = 3
 PLANTED = [*TINY, f"train.steps={S + 1}", "spec.every=1", "checkpoint.every=0", "logging.plot=false"]
@@ -116,6 +116,16 @@ def test_a_planted_bug_fails_its_check_at_its_step(planted, fault):
     if where is not None:
         assert got["where"] == where, got
     assert got["miss"] > 1 and got["class"]
+
+
+@pytest.mark.parametrize("fault", list(BUILT))
+def test_a_component_built_against_the_config_fails_its_check_at_the_first_step(tmp_path, fault):
+    """The specification is the config's, not what a component was built with: the optimizer's groups built wrongly
+    (a norm gain in the decayed group) break the update's algebra from step 1, with every group's settings right."""
+    check, where, kind = BUILT[fault]
+    f = first_failure(plant(tmp_path, fault)[0])
+    assert f is not None and (f["check"], f["kind"]) == (check, kind), f
+    assert where is None or f["where"] == where, f
 
 
 def test_every_check_declares_what_the_doctor_reads():

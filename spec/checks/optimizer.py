@@ -1,6 +1,7 @@
 """optimizer: on probe elements of every parameter, the parameter and its optimizer state after the step are the
 algorithm applied in FP64 to the values the previous step left and the step's clipped gradient, with every
-hyperparameter from the config and the schedule (never from the param groups):
+hyperparameter from the config and the schedule (never from the param groups), each parameter's group by the config's
+rules (optim/groups.py group_of) rather than the group the optimizer holds it in:
 
     AdamW   m' = β1·m + (1−β1)·g     v' = β2·v + (1−β2)·g²     t' = t + 1
             θ' = θ·(1 − η·λ) − (η / (1−β1^t')) · m' / (√v' / √(1−β2^t') + ε)
@@ -29,6 +30,7 @@ import torch
 from torch import Tensor
 
 from spec.check import AFTER, STEP, UPDATE, Check, Kind
+from optim.groups import group_of
 from spec.muon_ref import newton_schulz, row_parts
 from spec.schedule import group_settings, lr_at
 from spec.tolerance import LAMBDA, U32, stage, u
@@ -52,20 +54,28 @@ class OptimizerCheck(Check):
     kinds = {"state": Kind("optim.state", "the named parameter's optimizer state is not its algebra's: the "
                                           "moments or the step count were altered or lost"),
              "update": Kind("optim.settings", "the named parameter's update is not the configured optimizer's: "
-                                              "a setting (weight decay, eps, betas) or a multiplier changed")}
+                                              "a setting (weight decay, eps, betas), its param group (the config's "
+                                              "optim.groups rules) or a multiplier changed")}
 
     def __init__(self, ctx):
         super().__init__(ctx)
         cfg = ctx.cfg
         self.muon = cfg.optim.name == "muon"
         self.params: list[tuple[str, Tensor, Tensor, str, str]] = []  # (name, param, idx, group, optimizer)
+        # NOTE: each parameter's group (its weight decay, its LR scale) by the config's rules, not by the group the
+        # optimizer holds it in: a parameter grouped wrongly (a norm gain decayed) is updated against the config's
+        # algebra. Muon's groups keep their algorithm's suffix (<rule>/muon, <rule>/adamw: spec/schedule.py)
+        rule = group_of(ctx.model, cfg.optim)
         for i, g in enumerate(ctx.optimizer.param_groups):
+            held = g.get("name", f"group{i}")
+            suffix = held[held.index("/"):] if "/" in held else ""
             for p in g["params"]:
                 n = ctx.names[id(p)]
                 numel = _local(p).numel()
                 gen = torch.Generator().manual_seed(zlib.crc32(n.encode()))
                 idx = torch.randint(0, max(numel, 1), (min(K, numel),), generator=gen).to(_local(p).device)
-                self.params.append((n, p, idx, g.get("name", f"group{i}"), g.get("optimizer", "adamw")))
+                group = rule[n] + suffix if n in rule else held
+                self.params.append((n, p, idx, group, g.get("optimizer", "adamw")))
         self.where = [n for n, *_ in self.params]
         sizes = [len(idx) for _, _, idx, _, _ in self.params]
         dev = _local(self.params[0][1]).device
