@@ -152,10 +152,11 @@ def main(argv=None) -> int:
     e = report["earliest"]
     summary = report["summary"]
     print(summary if summary.startswith(f"{report['class']}:") else f"{report['class']}: {summary}")
-    for i in report.get("incidents", []):
-        if e is None or (i["step"], i["segment"]) != (e["step"], report["segment"]):
-            print(f"{WORDS[i['judgement']]}: {i['class']} at step {i['step']} "
-                  f"({i['quantity']}, segment {i['segment']}): {i['reason']}")
+    headline = [i for i in report.get("incidents", [])
+                if e is None or (i["step"], i["segment"]) != (e["step"], report["segment"])]
+    for i, at in doctor_report.runs_of(headline):
+        print(f"{WORDS[i['judgement']]}: {i['class']} at {at} ({i['quantity']}, segment {i['segment']}): {i['reason']}"
+              + (" (the first of them)" if "steps" in at else ""))
     for c in report.get("declared", []):
         print(f"declared: {c}")
     if e:

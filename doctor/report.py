@@ -76,6 +76,20 @@ def ground_truth(run: Run) -> str | None:
     return f"fault={f.get('fault')} at step {f.get('step')}" + (f" ({extra})" if extra else "")
 
 
+def runs_of(incidents: list[dict]) -> list[tuple[dict, str]]:
+    """Each run of consecutive incidents alike (judgement, class, quantity, segment) as (its first, where: "step S" or
+    "N steps, S1 to Sn"): a fault that persists is one line of the report, not one per step it lasted."""
+    out: list[tuple[dict, list[int]]] = []
+    for i in incidents:
+        key = (i["judgement"], i["class"], i["quantity"], i["segment"])
+        if out and (out[-1][0]["judgement"], out[-1][0]["class"], out[-1][0]["quantity"], out[-1][0]["segment"]) == key:
+            out[-1][1].append(i["step"])
+        else:
+            out.append((i, [i["step"]]))
+    return [(first, f"step {steps[0]}" if len(steps) == 1 else f"{len(steps)} steps, {steps[0]} to {steps[-1]}")
+            for first, steps in out]
+
+
 def render(run: Run, diag: Diagnosis, report: dict) -> str:
     a, st, fix, cmd = diag.anomaly, report["state"], report["fix"], report["commands"]
     incs = report["incidents"]
@@ -97,12 +111,12 @@ def render(run: Run, diag: Diagnosis, report: dict) -> str:
         out += ["## Declared changes", ""] + [f"- {c}" for c in run.declared] + [""]
     if natural:
         out += ["## Natural incidents (the run's own behaviour, not faults)", ""]
-        out += [f"- step {i['step']} (segment {i['segment']}): {i['class']} — `{i['quantity']}`: {i['reason']}"
-                for i in natural] + [""]
+        out += [f"- {at} (segment {i['segment']}): {i['class']} — `{i['quantity']}`: {i['reason']}"
+                for i, at in runs_of(natural)] + [""]
     if len(faults) > 1:
         out += ["## Faults and recipe instabilities (execution order)", ""]
-        out += [f"{k}. step {i['step']} (segment {i['segment']}): **{i['class']}** — `{i['quantity']}`: {i['reason']}"
-                for k, i in enumerate(faults, 1)]
+        out += [f"{k}. {at} (segment {i['segment']}): **{i['class']}** — `{i['quantity']}`: {i['reason']}"
+                + (" (the first of them)" if "steps" in at else "") for k, (i, at) in enumerate(runs_of(faults), 1)]
         out += ["", "The sections below are about the first.", ""]
     if diag.environment:
         out += [f"Environment: {diag.environment}", ""]

@@ -20,7 +20,7 @@ import yaml
 
 from helpers import HANG_S, ROOT, SINGLE_PROCESS_DRILLS, S, env
 from doctor.cli import doctor
-from doctor.report import SECTIONS
+from doctor.report import SECTIONS, runs_of
 from stability.drills import registry
 
 EXPECTED = {kind: d.expects for kind, d in registry().items()}  # drill -> the class the doctor must name
@@ -235,3 +235,13 @@ def test_an_improbable_source_mix_explains_its_token_distribution(tmp_path, mix,
     assert rep["class"] == cls, rep.get("summary")
     if cls != "healthy":
         assert rep["earliest"]["step"] == 70 and rep["earliest"]["quantity"] == "input.kl_running"
+
+
+def test_a_fault_that_persists_is_one_line_of_the_report():
+    """Consecutive incidents alike (judgement, class, quantity, segment) are one run; anything else starts a new one."""
+    def inc(step, cls="optim.settings", q="spec.optimizer", seg=0, j="fault"):
+        return {"step": step, "class": cls, "quantity": q, "segment": seg, "judgement": j}
+    got = runs_of([inc(2), inc(3), inc(5), inc(6, q="spec.clip"), inc(7), inc(8, seg=1), inc(9, j="natural")])
+    assert [(i["step"], at) for i, at in got] == [(2, "3 steps, 2 to 5"), (6, "step 6"), (7, "step 7"), (8, "step 8"),
+                                                  (9, "step 9")]
+    assert runs_of([]) == []
