@@ -46,6 +46,8 @@ class SpecContext:
     """What checks read beside the step's state: the run's components, its typed config, the process."""
     cfg: Any            # run.config.Config (typed)
     model: torch.nn.Module   # the bare Transformer
+    model_cfg: Any      # the model as the config says it (cfg.model sized by the data): the checks' and the reference's,
+    #                     never the built model's own cfg (a model built against its config is what they catch)
     wrapped: torch.nn.Module
     optimizer: torch.optim.Optimizer
     loader: Any

@@ -237,9 +237,9 @@ def build_spec(cfg, *, model, wrapped, optimizer, scheduler, loader, dataset, di
     sc = cfg.spec
     if not sc.enabled:
         return None
-    ctx = SpecContext(cfg=cfg, model=model, wrapped=wrapped, optimizer=optimizer, loader=loader, dataset=dataset,
-                      dist=dist, recipe=recipe, scaler=scaler, evals=evals, scheduler=scheduler,
-                      clip_policy=clip_policy, sharded=sharded, compiled=bool(cfg.train.compile),
+    ctx = SpecContext(cfg=cfg, model=model, model_cfg=cfg.model.for_data(dataset), wrapped=wrapped, optimizer=optimizer,
+                      loader=loader, dataset=dataset, dist=dist, recipe=recipe, scaler=scaler, evals=evals,
+                      scheduler=scheduler, clip_policy=clip_policy, sharded=sharded, compiled=bool(cfg.train.compile),
                       max_grad_norm=cfg.train.max_grad_norm, names={id(p): n for n, p in model.named_parameters()})
     every = sc.every or cfg.telemetry.every or 10
     return Conformance(ctx, every)

@@ -116,7 +116,8 @@ def test_a_check_module_dropped_into_the_package_runs_and_fails_at_its_step(tmp_
         names = list(reg)
         assert names.index("lr") < names.index("student_lr") < names.index("optimizer")
         groups = [{"name": "default", "lr": 1e-3}, {"name": "no_decay", "lr": 1e-3}]
-        ctx = SpecContext(cfg=None, model=None, wrapped=None, optimizer=SimpleNamespace(param_groups=groups),
+        ctx = SpecContext(cfg=None, model=None, model_cfg=None, wrapped=None,
+                          optimizer=SimpleNamespace(param_groups=groups),
                           loader=None, dataset=None, dist=None, recipe=None, scaler=None, evals=[])
         check = reg["student_lr"](ctx)
         check.before_update(SimpleNamespace(step=1))

@@ -121,11 +121,11 @@ def test_a_planted_bug_fails_its_check_at_its_step(planted, fault):
 @pytest.mark.parametrize("fault", list(BUILT))
 def test_a_component_built_against_the_config_fails_its_check_at_the_first_step(tmp_path, fault):
     """The specification is the config's, not what a component was built with: the optimizer's groups built wrongly
-    (a norm gain in the decayed group) break the update's algebra from step 1, with every group's settings right."""
+    (a norm gain in the decayed group) break the update's algebra from step 1, with every group's settings right; a
+    model built with another norm epsilon than the config's breaks the forward against the reference."""
     check, where, kind = BUILT[fault]
     f = first_failure(plant(tmp_path, fault)[0])
-    assert f is not None and (f["check"], f["kind"]) == (check, kind), f
-    assert where is None or f["where"] == where, f
+    assert f is not None and f["check"] == check and kind in (None, f["kind"]) and where in (None, f["where"]), f
 
 
 def test_every_check_declares_what_the_doctor_reads():

@@ -28,7 +28,7 @@ def _probe():
     run = run_probe(model, [SimpleNamespace(tokens=tokens, labels=labels)], None, Z, None, None, want_grads=True)
     ctx = SpecContext(cfg=SimpleNamespace(parallel=SimpleNamespace(param_dtype="float32"),
                                           train=SimpleNamespace(z_loss=Z)),
-                      model=model, wrapped=model, optimizer=None, loader=None, dataset=None, dist=None,
+                      model=model, model_cfg=cfg, wrapped=model, optimizer=None, loader=None, dataset=None, dist=None,
                       recipe=SimpleNamespace(name="fp32"), scaler=None, evals=[])
     return cfg, run, ForwardCheck(ctx)
 

@@ -42,7 +42,7 @@ class GradientCheck(Check):
         run = self.ctx.probe(s)
         if run is None or run.grads is None:
             return
-        ref = Reference(self.ctx.model.cfg, run.ref_w, run.bias)
+        ref = Reference(self.ctx.model_cfg, run.ref_w, run.bias)
         fwd = ForwardCheck(self.ctx)
         if "objective" not in run.cache:  # the forward check did not run on this probe: its graph, built here
             list(fwd.layers(ref, run))
@@ -63,5 +63,5 @@ class GradientCheck(Check):
 
     def tolerance(self, fwd: ForwardCheck, ref: Reference, run) -> torch.Tensor:
         """2·(every layer's forward tolerance + the head's): the forward's rounding, then the backward's."""
-        total = sum(sum(fwd.layer_tolerances(ref, run, i).values()) for i in range(self.ctx.model.cfg.n_layers))
-        return 2 * (total + fwd.head_tolerance(self.ctx.model.cfg.vocab_size))
+        total = sum(sum(fwd.layer_tolerances(ref, run, i).values()) for i in range(self.ctx.model_cfg.n_layers))
+        return 2 * (total + fwd.head_tolerance(self.ctx.model_cfg.vocab_size))

@@ -89,7 +89,7 @@ class LossGradCheck(Check):
         fp16 = getattr(self.ctx.recipe, "name", "") == "fp16"
         # NOTE: a norm is finite iff every element is (one reduction a layer, no mask): no healthy output comes near
         # where its squares leave FP32's range (an RMS of 3.4e38 over the element count, ≥ 1e16 here)
-        model, c = self.ctx.model, self.ctx.model.cfg
+        model, c = self.ctx.model, self.ctx.model_cfg
         counts = [len(f) for f in self.norms.values()]  # a layer may run twice (recomputed)
         dev = model.norm.weight.device
         bad, rms = torch.zeros(len(counts), device=dev), torch.zeros(len(counts), dtype=F64, device=dev)

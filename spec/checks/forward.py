@@ -56,7 +56,7 @@ class ForwardCheck(Check):
         run = self.ctx.probe(s)
         if run is None:
             return
-        rows = list(self.layers(Reference(self.ctx.model.cfg, run.ref_w, run.bias), run))
+        rows = list(self.layers(Reference(self.ctx.model_cfg, run.ref_w, run.bias), run))
         names = [r[0] for r in rows]
         err, tol, scale = (torch.stack([r[i] for r in rows]) for i in (1, 2, 3))
         self.places = [r[4] for r in rows]  # what classify() reads, for a layer that failed
@@ -91,7 +91,7 @@ class ForwardCheck(Check):
 
     @torch.no_grad()
     def _layer_tolerances(self, ref: Reference, run, i: int) -> dict[str, Tensor]:
-        c, u_in, io = self.ctx.model.cfg, self.u_in(), run.taken.io
+        c, u_in, io = self.ctx.model_cfg, self.u_in(), run.taken.io
         T = run.tokens.shape[1]
         ew = 4 * U32  # the elementwise ops of a layer (norm scale, RoPE, SwiGLU, residual add), once each
         s_max = logit_bound(ref, i, io[f"block{i}.attn"][0].to(F64))
@@ -109,8 +109,8 @@ class ForwardCheck(Check):
         return {"attn": attn, "mlp": mlp, "norm": torch.full_like(attn, LAMBDA * stage(c.d_model, U32))}
 
     def head_tolerance(self, vocab: int) -> float:
-        return LAMBDA * (stage(self.ctx.model.cfg.d_model, self.u_in()) + stage(vocab, U32)
-                         + stage(self.ctx.model.cfg.d_model, U32))
+        return LAMBDA * (stage(self.ctx.model_cfg.d_model, self.u_in()) + stage(vocab, U32)
+                         + stage(self.ctx.model_cfg.d_model, U32))
 
     # --- the layers --------------------------------------------------------------------------------------
     def layers(self, ref: Reference, run):
@@ -121,7 +121,7 @@ class ForwardCheck(Check):
         graph by `through`: the reference linearised at the training path's activations. Its probe objective
         (run.cache["objective"], when the weights are leaves with a gradient) is what the gradient check
         differentiates, so one FP64 forward serves both checks."""
-        c, io = self.ctx.model.cfg, run.taken.io
+        c, io = self.ctx.model_cfg, run.taken.io
         grad = any(w.requires_grad for w in run.ref_w.values())
         with torch.set_grad_enabled(grad):
             u_p = u(getattr(torch, self.ctx.cfg.parallel.param_dtype, torch.float32))

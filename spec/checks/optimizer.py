@@ -90,7 +90,7 @@ class OptimizerCheck(Check):
         self.group_of = torch.repeat_interleave(torch.tensor([self.group_names.index(g) for g in self.groups]),
                                                 torch.tensor(sizes)).to(dev)  # each probe element's group
         self.zeros = torch.zeros(sum(sizes), dtype=F64, device=dev)
-        self.qk = {n: qk_heads(idx, ctx.model.cfg) for n, _, idx, _, _ in self.params if n.endswith("attn.qkv.weight")}
+        self.qk = {n: qk_heads(idx, ctx.model_cfg) for n, _, idx, _, _ in self.params if n.endswith("attn.qkv.weight")}
         self.start: dict[str, Tensor] | None = None
         self.updates: Tensor | None = None  # the spec's count of applied updates (AdamW's t before this step), 0-d
 
@@ -148,7 +148,7 @@ class OptimizerCheck(Check):
             if kind == "muon" and p.grad is not None and "momentum_buffer" in st:
                 g, M = _full(p.grad).double(), _full(st["momentum_buffer"]).double()
                 U = g + mc.momentum * M if mc.nesterov else M
-                parts = U.split(row_parts(n, self.ctx.model.cfg, U), dim=-2)
+                parts = U.split(row_parts(n, self.ctx.model_cfg, U), dim=-2)
                 O = torch.cat([newton_schulz(q, mc.ns_steps) * math.sqrt(max(q.shape[-2:])) for q in parts], dim=-2)
                 mine = _local_of(O, p) if hasattr(p, "to_local") else O
                 O_probe[at:at + size] = mine.reshape(-1)[idx.to(dev)]
@@ -222,7 +222,7 @@ class OptimizerCheck(Check):
         factors = (qk_clip or {}).get("factors") or {}
         if not factors:
             return out
-        mha = self.ctx.model.cfg.kv_heads == self.ctx.model.cfg.n_heads
+        mha = self.ctx.model_cfg.kv_heads == self.ctx.model_cfg.n_heads
         at = 0
         for (n, *_), size in zip(self.params, self.sizes):
             for j, (part, head) in enumerate(self.qk.get(n, [])):

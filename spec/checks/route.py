@@ -114,7 +114,7 @@ def compare(check: Check, rows: dict[int, tuple[Tensor, Tensor, Tensor | None]],
             # NOTE: experts along the rows, (E, N): E is a handful, and a softmax or a product along a short
             # contiguous last dimension costs CPU kernels several times more than along a long one
             logits_EN = w @ x.T
-            scores_EN = logits_EN.softmax(0) if moe.cfg.score == "softmax" else torch.sigmoid(logits_EN)
+            scores_EN = logits_EN.softmax(0) if check.ctx.model_cfg.moe.score == "softmax" else torch.sigmoid(logits_EN)
             ranked_EN = scores_EN + b[:, None]
             ids_kN = ids.T
             low = ranked_EN.gather(0, ids_kN).min(0).values                    # the weakest expert chosen
