@@ -61,12 +61,14 @@ class ClipCheck(Check):
         self.policy = self.policy_threshold()
 
     def policy_threshold(self):
-        """What the policy decides from, before this step: the fixed c, or the z-score policy's state."""
+        """What the policy decides from, before this step: the fixed c, or the z-score policy's state (its running
+        count, mean and variance) with its settings from the config (train.zscore), not from the policy built."""
         pol = self.ctx.clip_policy
         if pol is None:
             return None
-        return {"count": pol.count, "mean": pol.mean, "var": pol.var, "warmup": pol.warmup,
-                "z_thresh": pol.z_thresh, "eps": pol.eps}
+        zc = self.ctx.cfg.train.zscore
+        return {"count": pol.count, "mean": pol.mean, "var": pol.var, "warmup": zc.warmup,
+                "z_thresh": float(zc.z_thresh), "eps": pol.eps}
 
     def coef(self, norm: torch.Tensor) -> torch.Tensor:
         c, one = self.ctx.max_grad_norm, torch.ones((), dtype=torch.float64, device=norm.device)
