@@ -127,7 +127,9 @@ class Reference:
     def moe(self, i: int, x_ND: Tensor, ids_Nk: Tensor | None, valid_N: Tensor | None) -> MoEParts:
         """The MoE layer of block i on rows x_ND. ids_Nk None: the router's own top-k (with the bias)."""
         mc, pre = self.cfg.moe, f"blocks.{i}.mlp."
-        N, E, k = x_ND.shape[0], mc.n_experts, mc.top_k
+        # NOTE: given ids, their k (the route check holds it to the config's top_k): this is the definition applied to
+        # the experts the training path chose
+        N, E, k = x_ND.shape[0], mc.n_experts, mc.top_k if ids_Nk is None else ids_Nk.shape[-1]
         logits = x_ND @ self.p(pre + "router.weight").T
         scores = logits.softmax(-1) if mc.score == "softmax" else torch.sigmoid(logits)
         if ids_Nk is None:

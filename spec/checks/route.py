@@ -1,7 +1,7 @@
 """route: the MoE layers' router chose what its definition chooses — every step, every token of the batch.
 
            The experts each token went to (kept by a hook on each MoE layer, with the input it routed, from the
-           step's own forward) are a top-k of the router's scores plus the bias the step ran with, recomputed
+           step's own forward) are a top-k (the config's k) of the router's scores plus the bias the step ran with, recomputed
            in FP64 from that input: the largest score (plus bias) left out may exceed the smallest one chosen
            only by the scores' rounding, λ·(the router's FP32 stage)·(1 + the largest |router logit|) (a near-tie
            can fall either way). Under anticipatory routing the specification is the routes the step was given:
@@ -101,9 +101,16 @@ def compare(check: Check, rows: dict[int, tuple[Tensor, Tensor, Tensor | None]],
     with its bias (the module's own, or `bias` by layer), or against the routes given. Whether a miss is a collapse
     is decided for a failing layer only, after the read (classify)."""
     errs, tols, where, check.places = [], [], [], []
+    k_spec = check.ctx.model_cfg.moe.top_k
     for i, moe in check.ctx.model.moe_layers():
         x, ids, given = rows[i]
         ranked_EN = None
+        if ids.shape[-1] != k_spec:  # the router chose another number of experts than the config's top_k
+            errs.append(torch.tensor(torch.inf, dtype=F64, device=ids.device))
+            tols.append(torch.tensor(0.5, dtype=F64, device=ids.device))
+            where.append(f"moe{i}")
+            check.places.append((None, ids, given))
+            continue
         if given is not None:  # anticipatory routing: the specification is the routes given, no router to rerun
             err, tol = (given.to(ids.device) != ids).sum().double(), torch.tensor(0.5, dtype=F64, device=ids.device)
         else:
@@ -136,7 +143,7 @@ def classify(check: Check, i: int) -> str:
     while the router's own top-k spreads further."""
     ranked_EN, ids, given = check.places[i]
     k = ids.shape[-1]
-    if given is not None:
+    if given is not None or ranked_EN is None:
         return "topk"
     spread = torch.topk(ranked_EN, k, 0).indices.unique().numel()
     return "collapse" if ids.unique().numel() <= k < spread else "topk"
