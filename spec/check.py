@@ -113,6 +113,7 @@ class Check:
         self.out: Tensor | None = None  # this step's packed result, until the monitor takes it
         self.extra: dict[str, tuple[list[str], Tensor]] = {}  # name -> (places, (L,) values) for the record
         self.seconds = 0.0  # host time in this check (its points, its hooks inside the step's forward) since took()
+        self.raised = False  # a point of this step raised (spec/monitor.py): the check failed, its other points skip
 
     @classmethod
     def applies(cls, ctx: SpecContext) -> bool:

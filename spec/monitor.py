@@ -13,6 +13,10 @@ the probe) are read after the update, where guard=rollback undoes the step. Ever
 share; the worst rank's result is kept, and a failure on some ranks only takes the check's rank class (rank.data;
 the ranks disagreeing after a reduction: system.rank_divergence).
 
+A check that cannot run on what the step gave it (a weight its specification names is missing, a shape or an index
+the config does not give: the error raised) fails at that step, its first kind, named by the error: a model or an
+optimizer built otherwise than the config is a finding, not a crash of the run.
+
 The monitor's state (each check's: the data cursor of the plan, the fingerprint the state ended with, the
 update count) rides in the checkpoint as a TrainState extra, so a resume and a rollback are checked against
 what was saved.
@@ -76,7 +80,19 @@ class Conformance(Callback):
             if c.cadence == REFERENCE and not ref and checks is None:
                 continue
             t0 = time.perf_counter()
-            getattr(c, point)(s)
+            try:
+                if not c.raised:
+                    getattr(c, point)(s)
+            except torch.OutOfMemoryError:
+                raise
+            except (RuntimeError, KeyError, IndexError, ValueError, TypeError) as e:
+                # NOTE: a check that cannot run on what the step gave it (a weight its specification names is not
+                # there, a shape the config does not give) has found the step built otherwise than its specification:
+                # a failure of that check at this step, its first kind, named by the error, not a crash of the run.
+                # Its other points this step are skipped (their state would be this one's half-made)
+                c.raised = True
+                c.where = [f"{point}: {type(e).__name__}: {e}"[:300]]
+                c.out = torch.tensor([torch.inf, 0, 0, torch.inf, 1.0], dtype=torch.float64, device=s.n_valid_t.device)
             c.seconds += time.perf_counter() - t0
 
     def took(self) -> tuple[float, dict[str, float]]:
@@ -92,8 +108,7 @@ class Conformance(Callback):
 
     def before_batch(self, s: StepState) -> None:
         for c in self.checks:
-            c.out = None
-            c.extra = {}
+            c.out, c.extra, c.raised = None, {}, False
         self._at("before_batch", s)
 
     def before_forward(self, s: StepState) -> None:
@@ -128,7 +143,7 @@ class Conformance(Callback):
         self._demand = s.step
         try:
             for c in self.phase[DEMAND]:
-                c.out, c.extra = None, {}
+                c.out, c.extra, c.raised = None, {}, False
             self._at("after_update", s, self.phase[DEMAND])
             t1 = time.perf_counter()
             self._pack(s, DEMAND)
@@ -191,7 +206,7 @@ class Conformance(Callback):
             spec[c.name] = miss
             if not miss > 1:
                 continue
-            classify = getattr(c, "classify", None)
+            classify = getattr(c, "classify", None) if not c.raised else None
             # NOTE: how it missed, when the check decides that only for a failure (rank 0's own measurement)
             kname = classify(int(where)) if classify is not None and rank == self.ctx.dist.rank else c.kind_name(kind)
             failing = sum(row[0] > 1 for row in ran)

@@ -45,7 +45,7 @@ FAULTS = {
 RESUME = {"resume_lost_moments": ("continuity", None, "resume")}
 # from the build, so from step 1 (STEP is not read): tests/test_spec.py
 BUILT = {"decay_norms": ("optimizer", None, "update"), "model_eps": ("forward", "block0", "mismatch"),
-         "model_top1": ("route", "moe1", "topk")}  # planted on a resume from step S − 1
+         "model_top1": ("route", "moe1", "topk"), "model_experts2x": ("forward", None, "mismatch")}  # planted on a resume from step S − 1
 # one step between reference steps that the guard's detector flags (a planted trigger): tests/test_spec.py
 FLAGGED = {"flagged": None, "attn_x3_flagged": ("forward", "block1.attn", "scaled")}
 # at STEP, between reference steps (spec.every=5): a check that runs every step fails there (tests/test_spec.py)
@@ -224,6 +224,16 @@ def plant(name: str, S: int) -> None:
 
         def built(self, cfg):
             as_built(self, dataclasses.replace(cfg, norm_eps=1e-2))
+        Transformer.__init__ = built
+
+    if name == "model_experts2x":  # the model built with twice the experts a MoE layer its config gives
+        import dataclasses
+
+        from model.transformer import Transformer
+        as_built = Transformer.__init__
+
+        def built(self, cfg):
+            as_built(self, dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, n_experts=2 * cfg.moe.n_experts)))
         Transformer.__init__ = built
 
     if name == "model_top1":  # the model built routing each token to 1 expert where its config says top_k 2
