@@ -13,6 +13,7 @@ import math
 import os
 import runpy
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,10 +43,16 @@ FAULTS = {
     "bias_sign": ("balance", "moe1", "rule"),
     "reduce_rank1": ("reduce", None, "reduce"),
 }
-RESUME = {"resume_lost_moments": ("continuity", None, "resume")}
-# from the build, so from step 1 (STEP is not read): tests/test_spec.py
+RESUME = {"resume_lost_moments": ("continuity", None, "resume")}  # planted on a resume from step S − 1
+# a component built otherwise than its config says, so from step 1 (STEP is not read): tests/test_spec.py
 BUILT = {"decay_norms": ("optimizer", None, "update"), "model_eps": ("forward", "block0", "mismatch"),
-         "model_top1": ("route", "moe1", "topk"), "model_experts2x": ("forward", None, "mismatch")}  # planted on a resume from step S − 1
+         "model_top1": ("route", "moe1", "topk"), "model_experts2x": ("forward", None, "mismatch")}
+# the model built with another setting than its config's (the config unchanged): BUILT's model_* faults
+MODEL_BUILDS = {
+    "model_eps": lambda c: replace(c, norm_eps=1e-2),                                   # RMSNorm ε 1e-2, config 1e-5
+    "model_top1": lambda c: replace(c, moe=replace(c.moe, top_k=1)),                    # each token to 1 expert
+    "model_experts2x": lambda c: replace(c, moe=replace(c.moe, n_experts=2 * c.moe.n_experts)),  # twice the experts
+}
 # one step between reference steps that the guard's detector flags (a planted trigger): tests/test_spec.py
 FLAGGED = {"flagged": None, "attn_x3_flagged": ("forward", "block1.attn", "scaled")}
 # at STEP, between reference steps (spec.every=5): a check that runs every step fails there (tests/test_spec.py)
@@ -216,34 +223,12 @@ def plant(name: str, S: int) -> None:
             return list(by.values()), table
         optim.adamw.build_param_groups = build_param_groups
 
-    if name == "model_eps":  # the model built with another RMSNorm epsilon than its config's (the config unchanged)
-        import dataclasses
-
+    if name in MODEL_BUILDS:
         from model.transformer import Transformer
         as_built = Transformer.__init__
 
         def built(self, cfg):
-            as_built(self, dataclasses.replace(cfg, norm_eps=1e-2))
-        Transformer.__init__ = built
-
-    if name == "model_experts2x":  # the model built with twice the experts a MoE layer its config gives
-        import dataclasses
-
-        from model.transformer import Transformer
-        as_built = Transformer.__init__
-
-        def built(self, cfg):
-            as_built(self, dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, n_experts=2 * cfg.moe.n_experts)))
-        Transformer.__init__ = built
-
-    if name == "model_top1":  # the model built routing each token to 1 expert where its config says top_k 2
-        import dataclasses
-
-        from model.transformer import Transformer
-        as_built = Transformer.__init__
-
-        def built(self, cfg):
-            as_built(self, dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, top_k=1)))
+            as_built(self, MODEL_BUILDS[name](cfg))
         Transformer.__init__ = built
 
     if name == "lr_x3":
