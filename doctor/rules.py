@@ -61,7 +61,9 @@ def diagnose(run_dir) -> tuple[Run, Diagnosis, dict]:
         tl = timeline(run.paths[k], run.config, floors)
         since = start if k == 0 else seg[0]["step"]
         b = budget(tl, run.config, since)
-        sysdev, note = system_change(run.paths[k], max(start, seg[0]["step"]), b.window)
+        # NOTE: from the segment's first step: the LR warm-up (scoring_start) is a transient of the loss and the
+        # gradient, not of the step's time, which a component's own baseline (its previous steps) measures
+        sysdev, note = system_change(run.paths[k], seg[0]["step"], b.window)
         if sysdev is None and note and env is None:
             env = note
         # NOTE: the guard's own test scores from where the guard does (its warm-up), not from the doctor's later
@@ -76,7 +78,7 @@ def diagnose(run_dir) -> tuple[Run, Diagnosis, dict]:
             devs = {q: d for q, d in deviations(tl, b, since, gsince, xsince, holds).items()
                     if d.step >= min(since, gsince, xsince)}
             devs.update(first_onsets(inv, idx, xsince))
-            if sysdev is not None and sysdev.step >= since:
+            if sysdev is not None and sysdev.step >= xsince:
                 devs[sysdev.quantity] = sysdev
             first = earliest(devs)
             if first is None:

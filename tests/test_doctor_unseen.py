@@ -18,6 +18,7 @@ import yaml
 
 from helpers import HANG_S, ROOT, env
 from test_doctor import fake_run
+from doctor.timeline import scoring_start
 from bench.doctor_eval.drills import BY_NAME, FAULTS, JOBS
 from bench.doctor_eval.score import Plan, _launch, diagnose, score_fault, train
 from doctor.cli import doctor
@@ -184,6 +185,23 @@ def test_slow_component_vs_busy_machine(tmp_path):
     rep = doctor(fake_run(tmp_path / "b", tweak=busy), plots=False)
     assert rep["class"] == "healthy" and rep["earliest"] is None, rep["summary"]
     assert rep["environment"] and rep["environment"].startswith("environmental"), rep
+
+
+def test_a_component_slowed_during_the_lr_warm_up_is_dated_at_its_step(tmp_path):
+    """The doctor scores statistics from after the LR warm-up and the optimizer's memory of it (scoring_start: here
+    β₂ = 0.95, 20 steps), a transient of the loss and the gradient; the step's time has no such transient, so a
+    component slowed at step 15 is dated at 15, not at the start of scoring."""
+    def slow_data(t, r):
+        v2(t, r)
+        if t >= 15:
+            r["time_s"]["data"] = 0.06
+    d = fake_run(tmp_path, tweak=slow_data)
+    cfg = yaml.safe_load((d / "config.yaml").read_text())
+    cfg["optim"]["betas"] = [0.9, 0.95]
+    (d / "config.yaml").write_text(yaml.safe_dump(cfg))
+    assert scoring_start(cfg) == 20
+    rep = doctor(d, plots=False)
+    assert rep["class"] == "system.slow_component" and rep["earliest"]["step"] == 15, rep["summary"]
 
 
 def test_every_segment_is_read(tmp_path):
