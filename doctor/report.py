@@ -79,10 +79,11 @@ def ground_truth(run: Run) -> str | None:
 def runs_of(incidents: list[dict]) -> list[tuple[dict, str]]:
     """Each run of consecutive incidents alike (judgement, class, quantity, segment) as (its first, where: "step S" or
     "N steps, S1 to Sn"): a fault that persists is one line of the report, not one per step it lasted."""
+    def alike(i: dict) -> tuple:
+        return i["judgement"], i["class"], i["quantity"], i["segment"]
     out: list[tuple[dict, list[int]]] = []
     for i in incidents:
-        key = (i["judgement"], i["class"], i["quantity"], i["segment"])
-        if out and (out[-1][0]["judgement"], out[-1][0]["class"], out[-1][0]["quantity"], out[-1][0]["segment"]) == key:
+        if out and alike(out[-1][0]) == alike(i):
             out[-1][1].append(i["step"])
         else:
             out.append((i, [i["step"]]))
