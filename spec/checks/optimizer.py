@@ -29,8 +29,8 @@ import zlib
 import torch
 from torch import Tensor
 
-from spec.check import AFTER, STEP, UPDATE, Check, Kind
 from optim.groups import group_of
+from spec.check import AFTER, STEP, UPDATE, Check, Kind
 from spec.muon_ref import newton_schulz, row_parts
 from spec.schedule import group_settings, lr_at
 from spec.tolerance import LAMBDA, U32, stage, u
