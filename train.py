@@ -196,7 +196,8 @@ def train(run: Run, stop: Interrupts) -> None:
         s.time_s = {"data": t1 - t0 - route, "route": route, "fwd_bwd": t2 - t1, "optim": t3 - t2,
                     "log_eval": t4 - t3, "ckpt": t5 - t4, "total": t5 - t0, "cpu": c5 - c0}
         if run.spec is not None:  # the specification checks' share of the times above
-            s.time_s["spec"], s.spec["seconds"] = run.spec.took()
+            total, by_check = run.spec.took()
+            s.time_s.update({"spec": total, **{f"spec.{k}": v for k, v in by_check.items()}})
         s.events += run.events.pop() + ckpt.pop_events()
         rec = step_record(s, tokens=tokens_seen, world=run.dist.world, batch_size=tc.batch_size,
                           seq_len=run.dataset.seq_len, names=names, guard=guard.record(), ckpt_id=ckpt.ckpt_id,

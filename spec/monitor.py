@@ -100,8 +100,8 @@ class Conformance(Callback):
             c.seconds += time.perf_counter() - t0
 
     def took(self) -> tuple[float, dict[str, float]]:
-        """The host seconds the checks took since the last call: in all (the step's time_s.spec) and by check (its
-        points and its forward hooks; StepRecord.spec.seconds), the monitor's own (the put, the read) under
+        """The host seconds the checks took since the last call: in all (the step's time_s["spec"]) and by check (its
+        points and its forward hooks; time_s["spec.<check>"]), the monitor's own (the put, the read) under
         "monitor". NOTE: on a GPU, the time to launch their kernels; what the kernels take shows in the step's own
         times."""
         by = {"monitor": self.seconds}

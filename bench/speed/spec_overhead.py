@@ -14,7 +14,7 @@ Beside it, from the on arm alone, the checks' own host time (time_s.spec: every 
 their put and their read) over the rest of its step: a ratio inside one run, which the drift of a shared
 machine between two runs (often ±10 %, more than the overhead itself) does not move. It counts the checks' hooks (the
 loss_grad check's norm per layer output, the route check's and the reduce check's keeps) and leaves out their share
-of the step's one read. Below it, each check's share (StepRecord.spec.seconds), on the steps that ran only the
+of the step's one read. Below it, each check's share (time_s["spec.<check>"]), on the steps that ran only the
 every-step checks and on the reference steps (the probe's run counted by the first check that reads it, forward).
 NOTE: on a shared 2-core machine pass threads=1 (the default here): two intra-op threads competing with other
 jobs drown any overhead.
@@ -53,16 +53,16 @@ def run(out: Path, steps: int, on: bool, extra: list[str]) -> tuple[float, float
 
 def by_check(recs: list[dict]) -> list[list]:
     """[check, ms on an every-step-only step, ms on a reference step, ms per step over the run] from the on arm's
-    records (spec.seconds); a reference step is one where a reference-cadence check measured (spec.miss)."""
+    records (time_s["spec.<check>"]); a reference step is one where a reference-cadence check measured (spec.miss)."""
     reference = {name for name, c in registry().items() if c.cadence == REFERENCE}
     is_ref = [bool(reference & set((r.get("spec") or {}).get("miss") or {})) for r in recs]
-    names = list(dict.fromkeys(k for r in recs for k in (r.get("spec") or {}).get("seconds") or {}))
+    keys = list(dict.fromkeys(k for r in recs for k in r["time_s"] if k.startswith("spec.")))
 
-    def mean(name, rows):
-        xs = [(r["spec"].get("seconds") or {}).get(name, 0.0) * 1e3 for r in rows]
+    def mean(key, rows):
+        xs = [r["time_s"].get(key, 0.0) * 1e3 for r in rows]
         return statistics.fmean(xs) if xs else float("nan")
-    rows = [[n, mean(n, [r for r, f in zip(recs, is_ref) if not f]), mean(n, [r for r, f in zip(recs, is_ref) if f]),
-             mean(n, recs)] for n in names]
+    rows = [[k[len("spec."):], mean(k, [r for r, f in zip(recs, is_ref) if not f]),
+             mean(k, [r for r, f in zip(recs, is_ref) if f]), mean(k, recs)] for k in keys]
     return sorted(rows, key=lambda row: -row[3])
 
 
