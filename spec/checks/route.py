@@ -3,8 +3,8 @@
            The experts each token went to (kept by a hook on each MoE layer, with the input it routed, from the
            step's own forward) are a top-k (the config's k) of the router's scores plus the bias the step ran
            with, recomputed in FP64 from that input: the largest score (plus bias) left out may exceed the
-           smallest one chosen only by the scores' rounding, λ·(the router's FP32 stage)·(1 + the largest |router logit|) (a near-tie
-           can fall either way). Under anticipatory routing the specification is the routes the step was given:
+           smallest one chosen only by the scores' rounding, λ·(the router's FP32 stage)·(1 + the largest
+           |router logit|) (a near-tie can fall either way). Under anticipatory routing the specification is the routes the step was given:
            equal, exactly. Chosen experts that all lie in a set of k while the router would spread them
            further: the routing collapsed (moe.load_collapse). Known before the update (the bias moves after
            it): the guard can refuse the step.
