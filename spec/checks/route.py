@@ -4,8 +4,8 @@
            step's own forward) are a top-k (the config's k) of the router's scores plus the bias the step ran
            with, recomputed in FP64 from that input: the largest score (plus bias) left out may exceed the
            smallest one chosen only by the scores' rounding, λ·(the router's FP32 stage)·(1 + the largest
-           |router logit|) (a near-tie can fall either way). Under anticipatory routing the specification is the routes the step was given:
-           equal, exactly. Chosen experts that all lie in a set of k while the router would spread them
+           |router logit|) (a near-tie can fall either way). Under anticipatory routing the specification is
+           the routes the step was given: equal, exactly. Chosen experts that all lie in a set of k while the router would spread them
            further: the routing collapsed (moe.load_collapse). Known before the update (the bias moves after
            it): the guard can refuse the step.
 
