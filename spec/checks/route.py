@@ -5,9 +5,9 @@
            with, recomputed in FP64 from that input: the largest score (plus bias) left out may exceed the
            smallest one chosen only by the scores' rounding, λ·(the router's FP32 stage)·(1 + the largest
            |router logit|) (a near-tie can fall either way). Under anticipatory routing the specification is
-           the routes the step was given: equal, exactly. Chosen experts that all lie in a set of k while the router would spread them
-           further: the routing collapsed (moe.load_collapse). Known before the update (the bias moves after
-           it): the guard can refuse the step.
+           the routes the step was given: equal, exactly. Chosen experts that all lie in a set of k while the
+           router would spread them further: the routing collapsed (moe.load_collapse). Known before the update
+           (the bias moves after it): the guard can refuse the step.
 
 A compiled forward runs no Python hook: there the same comparison runs on the probe's tokens, on reference
 steps (route_probe).
