@@ -184,8 +184,11 @@ def train(run: Run, stop: Interrupts) -> None:
         if run.spec is not None and verdict.triggers:  # a flagged step: the reference checks look at it too
             run.spec.on_demand(s, host)
         tokens_seen += nums.n_valid
+        evaluated = {}
         if step % tc.eval_every == 0 or step == ckpt.last_step:
+            te, ce = time.perf_counter(), cpu_clock()
             s.eval = evaluate(model, run.evals, names, dev)
+            evaluated = {"eval": time.perf_counter() - te, "eval_cpu": cpu_clock() - ce}  # inside log_eval and cpu
         t4 = time.perf_counter()
         # the snapshot point: after the update, before the next batch; never a state the guard fired on
         ckpt.maybe_save(step, tokens_seen, healthy=guard.healthy())
@@ -194,7 +197,7 @@ def train(run: Run, stop: Interrupts) -> None:
 
         route = s.time_s.get("route", 0.0)  # NOTE: the anticipatory routing forward, booked on its own
         s.time_s = {"data": t1 - t0 - route, "route": route, "fwd_bwd": t2 - t1, "optim": t3 - t2,
-                    "log_eval": t4 - t3, "ckpt": t5 - t4, "total": t5 - t0, "cpu": c5 - c0}
+                    "log_eval": t4 - t3, "ckpt": t5 - t4, "total": t5 - t0, "cpu": c5 - c0, **evaluated}
         if run.spec is not None:  # the specification checks' share of the times above
             total, by_check = run.spec.took()
             s.time_s.update({"spec": total, **{f"spec.{k}": v for k, v in by_check.items()}})

@@ -82,7 +82,9 @@ class StepRecord:
     skipped: bool = False
     loss_scale: float | None = None  # FP16 dynamic loss scale this step's backward used (None: no scaling)
     # system layer
-    time_s: dict[str, float] = field(default_factory=dict)  # data, route, fwd_bwd, optim, log_eval, ckpt, total, cpu; spec: the checks
+    # data, route, fwd_bwd, optim, log_eval, ckpt, total, cpu; eval, eval_cpu: the evaluation's own share of log_eval
+    # and cpu, on a step that evaluated; spec: the checks
+    time_s: dict[str, float] = field(default_factory=dict)
     tokens_per_s: float = 0.0  # positions processed (incl. padding) per second of step time
     memory_mb: float = 0.0
     world: int = 1

@@ -40,6 +40,13 @@ def test_quickstart_smoke_writes_records(tiny_run):
     evals = [x for x in recs if x["eval"]]
     assert [x["step"] for x in evals] == [3, 6]
     assert evals[-1]["eval"]["floor"] > 0 and evals[-1]["eval"]["loss"] > evals[-1]["eval"]["floor"]
+    # an evaluating step's record times its evaluation apart, inside the step's own times; no other step has it
+    assert all(0 < x["time_s"]["eval"] <= x["time_s"]["log_eval"] and 0 <= x["time_s"]["eval_cpu"] <= x["time_s"]["cpu"]
+               for x in evals)
+    assert not any("eval" in x["time_s"] for x in recs if not x["eval"])
+    from bench.speed.speedrun import read_ballast  # the speedrun bench counts an evaluating step without its eval
+    steps = read_ballast(run, "cpu")["step_s"]
+    assert all(steps[x["step"]] == x["time_s"]["cpu"] - x["time_s"]["eval_cpu"] for x in recs if x["eval"])
     assert "final eval loss" in r.stdout and "exact floor" in r.stdout
     assert (run / "loss.png").stat().st_size > 1000
     assert (run / "config.yaml").exists()

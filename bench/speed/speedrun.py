@@ -9,11 +9,12 @@ and nanoGPT's own recipe shape, seed i), compiled/ (the shape compiled: the cold
 taken before and after each run, and `clock` (cpu: both sides timed in process CPU time; wall: wall time).
 
 Seconds to the target are training-step seconds: every step up to the first evaluation at or below the
-target, the first steps (and a compile when on) included, the time spent evaluating not. An iteration that
-evaluated (nanoGPT: its dt spans its eval; ballast: the step's record holds an eval) counts as the
-median step of its run instead, the same rule on both sides. Process start, data preparation and
-imports are outside both. ms/step is the mean over the steps after the first ten that ran no evaluation:
-ballast's telemetry steps (every 10th, by default) are counted in.
+target, the first steps (and a compile when on) included, the time spent evaluating not: a ballast step that
+evaluated counts its record's time less the evaluation's own (time_s.eval, eval_cpu); a nanoGPT iteration that
+evaluated (its dt spans its eval, untimed apart) counts as the median iteration of its run. Process start, data
+preparation and imports are outside both. ms/step is the mean over the steps after the first ten (nanoGPT's
+evaluating iterations left out): ballast's telemetry and reference steps (every 10th, by default) are counted in,
+the ones that also evaluated among them.
 
 The two sides evaluate differently (nanoGPT: 20 random batches of 12 × 64 = 15,360 tokens per split
 every 250 iterations; ballast: train.eval_samples fixed windows of the same validation text, by default
@@ -66,10 +67,13 @@ def read_ballast(run_dir: Path, clock: str = "wall") -> dict:
     from stability.record import read_records
 
     recs = read_records(run_dir / "metrics.jsonl")
-    key = {"wall": "total", "cpu": "cpu"}[clock]
-    step_s = {r["step"]: r["time_s"][key] for r in recs}
+    key, own = {"wall": ("total", "eval"), "cpu": ("cpu", "eval_cpu")}[clock]
+    # an evaluating step less its evaluation's own time (time_s.eval, eval_cpu); a record without it (older) counts
+    # as the median plain step
+    step_s = {r["step"]: r["time_s"][key] - r["time_s"].get(own, 0.0) for r in recs}
     evals = [(r["step"], r["eval"]["loss"]) for r in recs if r.get("eval")]
-    return {"step_s": step_s, "evals": evals, "eval_steps": {s for s, _ in evals},
+    untimed = {r["step"] for r in recs if r.get("eval") and own not in r["time_s"]}
+    return {"step_s": step_s, "evals": evals, "eval_steps": untimed,
             "eval_tokens": next((r["eval"]["tokens"] for r in recs if r.get("eval")), None)}
 
 

@@ -3,9 +3,10 @@
 #   NANOGPT_DIR=/path/to/nanoGPT TINYSHAKESPEARE=/path/to/tinyshakespeare.txt bash bench/speed/speedrun.sh [seeds=5] [--out FILE]
 # Round i (seeds 0..N-1; the order of the three runs rotates every round, `uptime` logged beside each):
 #   nanoGPT  its README CPU command (eager, 2000 iterations): the same numbers every run, a new timing each round
-#   speedrun python train.py +experiment=speedrun seed=i           (ballast's recipe: conf/experiment/speedrun.yaml)
+#   speedrun python train.py +experiment=speedrun seed=i           (ballast's recipe: conf/experiment/speedrun.yaml),
+#            evaluated every 5 steps: its crossing to ±2 steps (the recipe's every 25 rounds it up by 12 on average)
 #   shape    python train.py +experiment=shakespeare_char seed=i   (nanoGPT's own recipe shape; train.compile as the
-#            run decides it: eager on a CPU), stopped at step 1000 and evaluated every 100 steps, for its crossing
+#            run decides it: eager on a CPU), stopped at step 1000 and evaluated every 25 steps, for its crossing
 # then one compiled run of the shape (train.compile=true, 30 steps) for the cold start, and bench/speed/speedrun.py's
 # table (--out writes it under bench/report.py's header; docs/results/speedrun.md is this command's output).
 # NANOGPT_DIR: a karpathy/nanoGPT checkout (3adf61e), never part of this repository; its shakespeare_char data is
@@ -45,10 +46,10 @@ runpy.run_path('train.py', run_name='__main__')" train.py config/train_shakespea
         > "$out/nanogpt-$i.log" 2>&1 ;;
     speedrun)
       python train.py +experiment=speedrun "data.path=$data" "hydra.run.dir=$out/speedrun-$i" "seed=$i" \
-        "${quiet[@]}" > "$out/speedrun-$i.log" 2>&1 ;;
+        train.eval_every=5 "${quiet[@]}" > "$out/speedrun-$i.log" 2>&1 ;;
     shape)
       python train.py +experiment=shakespeare_char "data.path=$data" "hydra.run.dir=$out/shape-$i" "seed=$i" \
-        checkpoint.stop_after=1000 train.eval_every=100 "${quiet[@]}" > "$out/shape-$i.log" 2>&1 ;;
+        checkpoint.stop_after=1000 train.eval_every=25 "${quiet[@]}" > "$out/shape-$i.log" 2>&1 ;;
   esac
   uptime >> "$out/$who-$i.uptime"
 }
