@@ -3,13 +3,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")  # NOTE: headless; never needs a display
-import matplotlib.pyplot as plt  # noqa: E402
-
 
 def plot_losses(records: list[dict], path: Path, floor: float | None) -> None:
+    # NOTE: imported by a run that draws, at its end: pyplot is among the slowest imports of a start
+    import matplotlib
+    matplotlib.use("Agg")  # NOTE: headless; never needs a display
+    import matplotlib.pyplot as plt
     steps = [r["step"] for r in records]
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(steps, [r["loss"] for r in records], lw=0.8, alpha=0.8, label="train loss")
