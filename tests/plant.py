@@ -38,6 +38,7 @@ FAULTS = {
     "clip_threshold": ("clip", "coef", "coef"),
     "lr_x3": ("lr", None, "lr"),
     "eps": ("optimizer", None, "update"),
+    "betas": ("optimizer", None, "update"),  # the moments off the config's βs, on another's: a setting, not the state
     "adam_v": ("optimizer", None, "state"),
     "route_flip": ("route", "moe1", "topk"),
     "bias_sign": ("balance", "moe1", "rule"),
@@ -56,7 +57,8 @@ MODEL_BUILDS = {
 # one step between reference steps that the guard's detector flags (a planted trigger): tests/test_spec.py
 FLAGGED = {"flagged": None, "attn_x3_flagged": ("forward", "block1.attn", "scaled")}
 # at STEP, between reference steps (spec.every=5): a check that runs every step fails there (tests/test_spec.py)
-BETWEEN = {"route_flip": FAULTS["route_flip"], "mlp_bf16": ("precision", "block0.mlp", "coarse")}
+BETWEEN = {"route_flip": FAULTS["route_flip"], "mlp_bf16": ("precision", "block0.mlp", "coarse"),
+           "logits_bf16": ("precision", "head", "coarse")}
 # from STEP on, for a check that runs every few steps: tests/test_spec.py dates it
 SUSTAINED = {"attn_x3_on": ("forward", "block1.attn", "scaled"),
              "grad_hook_on": ("gradient", "blocks.0.attn.qkv.weight", "scaled")}
@@ -121,6 +123,8 @@ def plant(name: str, S: int) -> None:
             self.blocks[0].mlp.register_forward_hook(nan)
         if name == "mlp_bf16":
             self.blocks[0].mlp.register_forward_hook(lambda m, a_, out: out.bfloat16().float() if at() else None)
+        if name == "logits_bf16":
+            self.head.register_forward_hook(lambda m, a_, out: out.bfloat16().float() if at() else None)
         if name == "expert_dead":
             def kill(m, args, out):
                 if not at():
@@ -202,13 +206,16 @@ def plant(name: str, S: int) -> None:
         return orig_apply(params, optimizer, *a, **k)
     pstep.prepare_update, pstep.apply_update = prepare_update, apply_update
 
-    if name == "eps":  # an optimizer setting changed under the config, from step S on
+    if name in ("eps", "betas"):  # an optimizer setting changed under the config, from step S on
         orig_step = torch.optim.AdamW.step
 
         def step(self, *aa, **kk):
             if Clock.step >= S:
                 for g in self.param_groups:
-                    g["eps"] = 1e-3
+                    if name == "eps":
+                        g["eps"] = 1e-3
+                    else:
+                        g["betas"] = (0.8, 0.99)
             return orig_step(self, *aa, **kk)
         torch.optim.AdamW.step = step
 

@@ -42,3 +42,18 @@ def test_a_layer_is_judged_from_a_sample_the_chernoff_bound_allows():
     width is met) leaves twice that where the output has it, and takes every element of a small one."""
     assert MIN_COUNT == 348 and 348 * 0.1438 > 50 > 347 * 0.1439
     assert sample_stride(8 * 128 * 128) == 61 and sample_stride(4 * 32 * 32) == 5 and sample_stride(500) == 1
+
+
+def test_two_sums_off_by_a_rounding_are_a_precision_never_a_scaled_copy():
+    """The forward check's loss row compares two sums (the CE and the z): one factor fitted to two numbers explains
+    almost any miss, so there a rounding is a precision; a layer's whole output off by a factor is still scaled."""
+    from spec.checks.forward import kind_of
+    want = torch.tensor([812.3, 4.1], dtype=torch.float64)
+    got = want * torch.tensor([1 + 3e-3, 1 - 2e-3], dtype=torch.float64)  # each sum off by its own rounding
+    tol = torch.tensor(1.0, dtype=torch.float64)                           # below the miss, ≈ 2.4
+    assert kind_of(got, want, tol) == "scaled"  # what a fitted factor says of any two numbers
+    assert kind_of(got, want, tol, scalable=False) == "precision"
+    y = torch.randn(4096, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    noisy = y + 1e-3 * torch.randn(4096, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    assert kind_of(2 * y, y, torch.tensor(1e-6, dtype=torch.float64)) == "scaled"
+    assert kind_of(noisy, y, torch.tensor(1e-3, dtype=torch.float64)) == "precision"  # ‖noise‖ ≈ 0.064, no factor

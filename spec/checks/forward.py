@@ -72,7 +72,7 @@ class ForwardCheck(Check):
             (got, want, _), tol = extra["pairs"][j], extra["tols"][j]
         if "attention" in extra and bool((got - extra["attention"](causal=False)).norm() <= tol):
             return "leak"
-        kind = kind_of(got, want, tol)
+        kind = kind_of(got, want, tol, scalable="sums" not in extra)
         if "moe" in extra and kind != "nonfinite":
             return moe_kind(got.reshape(-1, got.shape[-1]), extra["moe"], extra["rel"]) or kind
         return kind
@@ -165,7 +165,7 @@ class ForwardCheck(Check):
         tol = self.head_tolerance(logits.shape[-1]) * mag + 1e-300
         err = torch.maximum((run.loss["ce"] - ce).abs(), (run.loss["z"] - z).abs() * mag / (2 * z).clamp(min=1e-300))
         got, want = torch.stack([run.loss["ce"], run.loss["z"]]), torch.stack([ce, z])
-        yield ("loss", err, tol, ce.abs(), (got, want, tol, {}))
+        yield ("loss", err, tol, ce.abs(), (got, want, tol, {"sums": True}))
 
     @staticmethod
     def block_composition(x_in, a_in, a_out, m_in, m_out, x_out, n1, n2, rel_norm: Tensor):
@@ -202,14 +202,16 @@ def through(value: Tensor, graph: Tensor) -> Tensor:
     return value + torch.where(torch.isfinite(graph), graph - graph.detach(), 0.0)
 
 
-def kind_of(got: Tensor, want: Tensor, tol: Tensor) -> str:
+def kind_of(got: Tensor, want: Tensor, tol: Tensor, scalable: bool = True) -> str:
     """How an output missed its reference (read on the host: a failure's only): non-finite, a scaled copy (what is
-    left after the best factor is within tolerance), a coarser rounding (below 2^-3 relative), or another function."""
+    left after the best factor is within tolerance), a coarser rounding (below 2^-3 relative), or another function.
+    scalable=False: the output is a few sums (the loss's CE and z), where one factor fitted to as many numbers
+    explains almost any miss: no "scaled" there (a loss multiplier is loss_grad's scaled gradient at the same step)."""
     if not bool(torch.isfinite(got).all()):
         return "nonfinite"
     scale = want.norm().clamp(min=1e-300)
     c = float((got * want).sum() / scale.square())  # the best factor: got ≈ c·want
-    if c != 1 and bool((got - c * want).norm() <= tol * max(abs(c), 1.0)):
+    if scalable and c != 1 and bool((got - c * want).norm() <= tol * max(abs(c), 1.0)):
         return "scaled"
     return "precision" if bool((got - want).norm() / scale < ROUNDING_ONLY) else "mismatch"
 

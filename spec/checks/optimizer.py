@@ -18,8 +18,9 @@ the state the algorithm was given. Tolerances are the deterministic bound of n r
 n·u32 per term's magnitude (×4: SAFETY), plus what the inputs' own roundings carry into the result (the
 gradient's into m and, doubled through g², into v; and, for Muon, the Newton–Schulz iteration's, amplified by
 at most a = 3.4445 per iteration). A moment (m, v, M) or step count off its algebra is the state's fault
-(optim.state); the moments right and the parameter wrong, a setting's (optim.settings: weight decay, eps, an
-update multiplier). The probe elements of all parameters are one vector: the algebra runs once per step.
+(optim.state), unless every moment of the group is exactly its algebra with another β (a setting: classify); the
+moments right and the parameter wrong, a setting's (optim.settings: weight decay, eps, an update multiplier). The
+probe elements of all parameters are one vector: the algebra runs once per step.
 """
 from __future__ import annotations
 
@@ -213,7 +214,40 @@ class OptimizerCheck(Check):
         per_w = torch.zeros(n, dtype=F64, device=w.device).scatter_reduce(0, self.owner, w_err, "amax")
         worst = torch.maximum(per_state, per_w)
         self.measure(worst, torch.ones_like(worst), torch.where(per_state >= per_w, 0.0, 1.0))
+        moments = [(b["exp_avg"], m, g, tol_m), (b["exp_avg_sq"], v, g * g, tol_v)]
+        if self.muon:
+            moments.append((b["momentum_buffer"], M, g, tol_M))
+        # what classify reads for a failure (references to this step's vectors, nothing copied)
+        self.places = (moments, still, miscounted, per_state >= per_w)
         self.start = b
+
+    def classify(self, i: int) -> str:
+        """A moment off its algebra with the config's coefficient is a setting's fault all the same when it is exactly
+        its algebra with one other coefficient, across the parameter's group: each moment is x' = β'·x + (1−β')·y
+        (AdamW's m: y = g; v: y = g²; Muon's M' = μ'·M + g, fitted as M' − g = μ'·M), so x' − y = β'·(x − y) with one
+        β' for the group's probe elements, which least squares gives and the moment's own tolerance judges. A moment
+        altered between the steps (a loader, a hook, a lost state) fits no single β': its elements' ratios (x' − y) /
+        (x − y) spread with g²/v, far beyond FP32's rounding."""
+        moments, still, miscounted, state_first = self.places
+        if not bool(state_first[i]):
+            return "update"
+        own = self.owner == i
+        if bool(miscounted[i]) or bool(still[own].any()):  # a count off, or a state that moved when nothing may
+            return "state"
+        mine = (self.group_of == self.group_of[own][0]) & ~still
+        muon, adamw = self.is_muon & mine, ~self.is_muon & mine
+        for k, (got, prev, y, tol) in enumerate(moments):
+            sel = muon if k == 2 else adamw
+            if not bool(sel.any()):
+                continue
+            if k == 2:  # Muon: M' − g = μ'·M (its y enters with coefficient 1, not 1 − μ)
+                x, z = prev[sel], got[sel] - y[sel]
+            else:
+                x, z = prev[sel] - y[sel], got[sel] - y[sel]
+            beta = (x * z).sum() / x.square().sum().clamp(min=1e-300)
+            if not bool(((z - beta * x).abs() <= tol[sel]).all()):
+                return "state"
+        return "update"
 
     def qk_factor(self, qk_clip: dict, like: Tensor) -> Tensor:
         """Each probe element's QK-clip factor (optim/qk_clip.py: after the update, a clipped head's W_q rows ×
