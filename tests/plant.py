@@ -43,6 +43,8 @@ FAULTS = {
     "route_flip": ("route", "moe1", "topk"),
     "bias_sign": ("balance", "moe1", "rule"),
     "reduce_rank1": ("reduce", None, "reduce"),
+    "replica_drift": ("optimizer", "blocks.0.mlp.w_down.weight", "rank"),  # rank 0's weights moved after its update
+    "emb_grad_zero": ("gradient", None, "mismatch"),  # a gradient erased (factor 0) is another one, not a scaled copy
 }
 RESUME = {"resume_lost_moments": ("continuity", None, "resume")}  # planted on a resume from step S − 1
 # a component built otherwise than its config says, so from step 1 (STEP is not read): tests/test_spec.py
@@ -134,6 +136,8 @@ def plant(name: str, S: int) -> None:
                 keep[:counts[0]] = 0.0  # the rows are sorted by expert: expert 0's come first
                 return out * keep
             self.blocks[1].mlp.experts.register_forward_hook(kill)
+        if name == "emb_grad_zero":
+            self.tok_emb.weight.register_hook(lambda g: torch.zeros_like(g) if Clock.step == S else None)
         if name == "grad_hook":
             w = self.blocks[0].attn.qkv.weight
             w.register_hook(lambda g: g * 0.5 if Clock.step == S else None)
@@ -203,7 +207,11 @@ def plant(name: str, S: int) -> None:
             for st in optimizer.state.values():
                 if "exp_avg_sq" in st:
                     st["exp_avg_sq"].div_(16.0)
-        return orig_apply(params, optimizer, *a, **k)
+        out = orig_apply(params, optimizer, *a, **k)
+        if name == "replica_drift" and Clock.step == S and int(os.environ.get("RANK", "0")) == 0:
+            with torch.no_grad():  # one replica's copy changed after its update (the others keep theirs)
+                models[0].blocks[0].mlp.w_down.weight.mul_(1.001)
+        return out
     pstep.prepare_update, pstep.apply_update = prepare_update, apply_update
 
     if name in ("eps", "betas"):  # an optimizer setting changed under the config, from step S on

@@ -37,7 +37,7 @@ def first_failure(rec: dict) -> dict | None:
     return fails[0] if fails else None
 
 
-SINGLE = [f for f in FAULTS if f != "reduce_rank1"]
+SINGLE = [f for f in FAULTS if f not in ("reduce_rank1", "replica_drift")]
 
 
 @pytest.fixture(scope="module")
@@ -221,6 +221,20 @@ def test_a_reduction_that_drops_one_ranks_share_fails_the_reduce_check(tmp_path)
     got = first_failure(recs[S - 1])
     check, _, kind = FAULTS["reduce_rank1"]
     assert got is not None and (got["check"], got["kind"], got["class"]) == (check, kind, "system.rank_divergence"), got
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_one_replica_changed_after_its_update_is_a_rank_divergence(tmp_path):
+    """Rank 0's copy of a weight moved after the update (the other rank's did not): the optimizer's algebra fails on
+    that rank alone, which makes it that rank's copy (system.rank_divergence), not a setting every rank runs."""
+    recs = plant(tmp_path, "replica_drift", nproc=2)
+    for rec in recs[:S - 1]:
+        assert not rec["spec"].get("fail"), (rec["step"], rec["spec"]["fail"])
+    got = first_failure(recs[S - 1])
+    check, where, kind = FAULTS["replica_drift"]
+    assert got is not None and (got["check"], got["where"], got["kind"], got["class"]) == (
+        check, where, kind, "system.rank_divergence"), got
 
 
 @pytest.mark.slow  # three runs, two of them resumes

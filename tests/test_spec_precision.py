@@ -57,3 +57,4 @@ def test_two_sums_off_by_a_rounding_are_a_precision_never_a_scaled_copy():
     noisy = y + 1e-3 * torch.randn(4096, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     assert kind_of(2 * y, y, torch.tensor(1e-6, dtype=torch.float64)) == "scaled"
     assert kind_of(noisy, y, torch.tensor(1e-3, dtype=torch.float64)) == "precision"  # ‖noise‖ ≈ 0.064, no factor
+    assert kind_of(torch.zeros(4096, dtype=torch.float64), y, torch.tensor(1e-3, dtype=torch.float64)) == "mismatch"

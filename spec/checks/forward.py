@@ -211,7 +211,9 @@ def kind_of(got: Tensor, want: Tensor, tol: Tensor, scalable: bool = True) -> st
         return "nonfinite"
     scale = want.norm().clamp(min=1e-300)
     c = float((got * want).sum() / scale.square())  # the best factor: got ≈ c·want
-    if scalable and c != 1 and bool((got - c * want).norm() <= tol * max(abs(c), 1.0)):
+    # NOTE: a factor of about 0 (an output or a gradient within tolerance of nothing) is an erased value, not a scaled
+    # copy: another function ("mismatch"), never a spike or an outlier
+    if scalable and c != 1 and not bool(got.norm() <= tol) and bool((got - c * want).norm() <= tol * max(abs(c), 1.0)):
         return "scaled"
     return "precision" if bool((got - want).norm() / scale < ROUNDING_ONLY) else "mismatch"
 

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from optim.groups import group_of
-from spec.check import AFTER, STEP, UPDATE, Check, Kind
+from spec.check import AFTER, STEP, SYSTEM, UPDATE, Check, Kind
 from spec.muon_ref import newton_schulz, row_parts
 from spec.schedule import group_settings, lr_at
 from spec.tolerance import LAMBDA, U32, stage, u
@@ -56,12 +56,17 @@ class OptimizerCheck(Check):
                                           "moments or the step count were altered or lost"),
              "update": Kind("optim.settings", "the named parameter's update is not the configured optimizer's: "
                                               "a setting (weight decay, eps, betas), its param group (the config's "
-                                              "optim.groups rules) or a multiplier changed")}
+                                              "optim.groups rules) or a multiplier changed"),
+             "rank": Kind("system.rank_divergence", "one rank's parameters or optimizer state left the algebra the "
+                                                    "others followed: that rank's copy was changed", layer=SYSTEM)}
 
     def __init__(self, ctx):
         super().__init__(ctx)
         cfg = ctx.cfg
         self.muon = cfg.optim.name == "muon"
+        # NOTE: replicas run one algebra on the same numbers: one of them off it (not all) is that rank's own copy.
+        # Not under FSDP2, where each rank checks its own shard's elements
+        self.rank_kind = "rank" if ctx.dist.world > 1 and not ctx.sharded else None
         self.params: list[tuple[str, Tensor, Tensor, str, str]] = []  # (name, param, idx, group, optimizer)
         # NOTE: each parameter's group (its weight decay, its LR scale) by the config's rules, not by the group the
         # optimizer holds it in: a parameter grouped wrongly (a norm gain decayed) is updated against the config's
