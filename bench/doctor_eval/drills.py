@@ -57,7 +57,7 @@ class Fault:
     name: str
     cls: str          # the class the doctor must name
     layer: str        # the timeline layer of the earliest anomaly
-    family: str = ""  # data | forward | update | resume | rank | system (scored and held out together)
+    family: str = ""  # data | forward | update | moe | resume | rank | system (scored and held out together)
     lag: int = 0      # steps after S until the fault can be visible
     what: str = ""
     resume: bool = False   # planted on a resume from the checkpoint of step S - 1
@@ -85,6 +85,8 @@ FAULTS = [
     Fault("attn1_bf16_sustained", "numerics.precision", "forward", "forward",
           what="block1.attn output rounded to bf16 and back from S on (every value finite)"),
     Fault("emb_row_x50", "numerics.activation_outlier", "forward", "forward", what="one embedding row ×50 (the copy BOS)"),
+    Fault("logits_bf16_sustained", "numerics.precision", "forward", "forward",
+          what="the head's logits rounded to bf16 and back from S on (every value finite)"),
     # backward / update
     Fault("grad_x50_layer", "optim.gradient_spike", "backward/update", "update", what="block1.attn gradients ×50, one step"),
     Fault("grad_x3_sustained", "optim.gradient_spike", "backward/update", "update", what="block0.attn gradients ×3 from S on"),
@@ -92,6 +94,25 @@ FAULTS = [
           what="block2.attn.qkv's .grad gets noise of its own spread, written after the backward, one step"),
     Fault("lr_x3", "optim.lr_switch", "backward/update", "update", what="every LR ×3 from S on"),
     Fault("adam_v_div16", "optim.state", "backward/update", "update", what="exp_avg_sq ÷16 before the update of S"),
+    Fault("wd_x10", "optim.settings", "backward/update", "update",
+          what="every group's weight decay ×10 from S on (an optimizer setting changed under the config)"),
+    Fault("beta2_999", "optim.settings", "backward/update", "update", what="AdamW's β2 0.95 → 0.999 from S on"),
+    # MoE: the expert loads stay where they were
+    Fault("moe_gates_unnormalised", "moe.routing", "forward", "moe",
+          what="block1's MoE stops renormalising its top-k gates from S on (its module's setting, not the config)"),
+    Fault("moe_bias_frozen", "moe.balancing", "backward/update", "moe",
+          what="block1's balancing bias stops moving from S on"),
+    Fault("moe_top1_sustained", "moe.routing", "forward", "moe",
+          what="the last MoE layer (block3) sends each token to 1 expert from S on (its module's top_k, not the config's)"),
+    Fault("moe_expert_dead", "moe.dead_expert", "forward", "moe", what="the last MoE layer's (block3's) expert 2 outputs zeros from S on"),
+    Fault("moe_bias_speed_x10", "moe.balancing", "backward/update", "moe",
+          what="block1's balancing bias moves 10× its configured speed from S on"),
+    Fault("attn_causal_leak", "forward.below_floor", "forward", "forward",
+          what="the last-but-one block's attention (block2's) stops being causal from S on (its module's flag)"),
+    Fault("clip_threshold_div10", "optim.settings", "backward/update", "update",
+          what="the clip threshold ÷10 from S on (the step is handed another max_grad_norm than the config's)"),
+    Fault("emb_grad_zero_sustained", "optim.gradient_mismatch", "backward/update", "update",
+          what="the embedding's gradient zeroed by a tensor hook from S on (a frozen embedding)"),
     # state at resume
     Fault("resume_lost_moments", "state.resume_fault", "backward/update", "resume", resume=True,
           what="resume drops Adam's m and v"),
@@ -105,6 +126,10 @@ FAULTS = [
           what="resume with another optim.weight_decay, the resume's config check silenced (undeclared)"),
     # ranks
     Fault("rank1_other_data", "rank.data", "input", "rank", nproc=2, what="rank 1 reads samples 5000 further on"),
+    Fault("rank1_grad_x3", "system.rank_divergence", "system", "rank", nproc=2,
+          what="rank 1's gradient buckets ×3 before the all-reduce (a DDP communication hook), one step"),
+    Fault("rank0_param_drift", "system.rank_divergence", "system", "rank", nproc=2,
+          what="rank 0's block0.mlp weights get noise after the update of S (the replicas part)"),
     # system
     Fault("slow_loader", "system.slow_component", "system", "system", what="the loader sleeps 60 ms per batch from S on"),
 ]
@@ -182,6 +207,28 @@ def patch(name: str) -> None:
             with torch.no_grad():
                 bos = 34  # the copy source's BOS id: every copy document starts with it
                 _MODEL[0].tok_emb.weight[bos] *= 50.0
+        if name == "moe_gates_unnormalised" and t == S:  # the module's own setting, the run's config unchanged
+            import dataclasses
+            moe = _MODEL[0].blocks[1].mlp
+            moe.cfg = dataclasses.replace(moe.cfg, norm_topk=False)
+        if name in ("moe_top1_sustained", "moe_expert_dead", "moe_bias_speed_x10", "attn_causal_leak") and t == S:
+            import dataclasses
+            blk = _MODEL[0].blocks
+            last_moe = _MODEL[0].moe_layers()[-1][1]  # block3's in the default job
+            if name == "moe_top1_sustained":
+                last_moe.top_k = 1
+            if name == "moe_bias_speed_x10":
+                blk[1].mlp.cfg = dataclasses.replace(blk[1].mlp.cfg, bias_update_speed=10 * blk[1].mlp.cfg.bias_update_speed)
+            if name == "attn_causal_leak":
+                blk[-2].attn.causal = False  # block2 in the default job
+            if name == "moe_expert_dead":
+                def kill(m, args, out):
+                    counts = torch.as_tensor(args[1]).tolist()
+                    keep = torch.ones(out.shape[0], 1, dtype=out.dtype, device=out.device)
+                    lo = sum(counts[:2])
+                    keep[lo:lo + counts[2]] = 0.0  # rows sorted by expert: expert 2's after 0's and 1's
+                    return out * keep
+                last_moe.experts.register_forward_hook(kill)
         if name == "markov_chain_swap" and t >= S:
             batch = _other_chain(self.dataset, batch, t)
         if name == "noise_half" and t == S:
@@ -256,6 +303,15 @@ def patch(name: str) -> None:
                     return out
                 return None
             self.blocks[1].attn.register_forward_hook(hn)
+        if name == "logits_bf16_sustained":
+            self.head.register_forward_hook(lambda m, a_, out: out.bfloat16().to(out.dtype)
+                                            if torch.is_grad_enabled() and Clock.step >= S else None)
+        if name == "emb_grad_zero_sustained":
+            self.tok_emb.weight.register_hook(lambda g: torch.zeros_like(g) if Clock.step >= S else None)
+        if name == "moe_bias_frozen":
+            moe = self.blocks[1].mlp
+            orig_ub = moe.update_bias
+            moe.update_bias = lambda load, skipped=False: None if Clock.step >= S else orig_ub(load, skipped)
     tr.Transformer.__init__ = init
 
     # NOTE: train.py's step is precision.step's prepare_update (unscale, norm, clip) then apply_update (the
@@ -266,6 +322,8 @@ def patch(name: str) -> None:
     def prepare_update(params, *a, **k):
         t = Clock.step
         model = _MODEL[0]
+        if name == "clip_threshold_div10" and t >= S and len(a) >= 2 and a[1]:
+            a = (a[0], a[1] / 10, *a[2:])
         if name in ("grad_x50_layer", "grad_x3_sustained") and (t == S or (name == "grad_x3_sustained" and t > S)):
             blk = model.blocks[1].attn if name == "grad_x50_layer" else model.blocks[0].attn
             for p in blk.parameters():
@@ -278,7 +336,14 @@ def patch(name: str) -> None:
             for st in optimizer.state.values():
                 if "exp_avg_sq" in st:
                     st["exp_avg_sq"].div_(16.0)
-        return orig_apply(params, optimizer, *a, **k)
+        out = orig_apply(params, optimizer, *a, **k)
+        if name == "rank0_param_drift" and Clock.step == S:
+            import torch.distributed as tdist
+            if tdist.is_initialized() and tdist.get_rank() == 0:
+                with torch.no_grad():
+                    w = _MODEL[0].blocks[0].mlp.w_down.weight
+                    w.add_(1e-3 * w.std() * torch.randn(w.shape, generator=torch.Generator().manual_seed(S)))
+        return out
     pstep.prepare_update, pstep.apply_update = prepare_update, apply_update
 
     _MODEL: list = []
@@ -299,6 +364,41 @@ def patch(name: str) -> None:
                 for g in self.optimizer.param_groups:
                     g["lr"] *= 3.0
         LambdaLR.step = sstep
+
+    if name in ("wd_x10", "beta2_999"):  # NOTE: on the class: the optimizer is built after this patch
+        orig_ostep = torch.optim.AdamW.step
+
+        def ostep(self, *aa, **kk):
+            if Clock.step == S:
+                for g in self.param_groups:
+                    if name == "wd_x10":
+                        g["weight_decay"] *= 10.0
+                    else:
+                        g["betas"] = (g["betas"][0], 0.999)
+            return orig_ostep(self, *aa, **kk)
+        torch.optim.AdamW.step = ostep
+
+    if name == "rank1_grad_x3":  # rank 1's buckets scaled inside DDP's reduction, before the all-reduce
+        import parallel.wrap as wrap
+        import run.build
+        orig_wrap = wrap.wrap_model
+
+        def wrap_model(model, cfg, dist):
+            w = orig_wrap(model, cfg, dist)
+            import torch.distributed as tdist
+
+            def hook(state, bucket):
+                buf = bucket.buffer()
+                if dist.rank == 1 and Clock.step == S:
+                    buf.mul_(3.0)
+                tdist.all_reduce(buf.div_(dist.world))
+                fut = torch.futures.Future()
+                fut.set_result(buf)
+                return fut
+            if hasattr(w, "register_comm_hook"):
+                w.register_comm_hook(None, hook)
+            return w
+        wrap.wrap_model = run.build.wrap_model = wrap_model
 
     if name == "resume_config_change":  # the check that would refuse the resume says nothing
         from checkpoint import checkpointer
