@@ -268,26 +268,8 @@ def plant(name: str, S: int) -> None:
         state_mod.TrainState.load = load
 
     if name == "reduce_rank1":  # rank 1's gradient halved before the all-reduce, by a DDP communication hook
-        import parallel.wrap as wrap
-        orig_wrap = wrap.wrap_model
-
-        def wrap_model(model, cfg, dist):
-            w = orig_wrap(model, cfg, dist)
-            import torch.distributed as tdist
-
-            def hook(state, bucket):
-                buf = bucket.buffer()
-                if dist.rank == 1 and Clock.step == S:
-                    buf.mul_(0.5)
-                tdist.all_reduce(buf.div_(dist.world))
-                fut = torch.futures.Future()
-                fut.set_result(buf)
-                return fut
-            w.register_comm_hook(None, hook)
-            return w
-        wrap.wrap_model = wrap_model
-        import run.build
-        run.build.wrap_model = wrap_model
+        from bench.doctor_eval.drills import scale_rank_bucket
+        scale_rank_bucket(1, 0.5, lambda: Clock.step == S)
 
 
 if __name__ == "__main__":

@@ -379,26 +379,7 @@ def patch(name: str) -> None:
         torch.optim.AdamW.step = ostep
 
     if name == "rank1_grad_x3":  # rank 1's buckets scaled inside DDP's reduction, before the all-reduce
-        import parallel.wrap as wrap
-        import run.build
-        orig_wrap = wrap.wrap_model
-
-        def wrap_model(model, cfg, dist):
-            w = orig_wrap(model, cfg, dist)
-            import torch.distributed as tdist
-
-            def hook(state, bucket):
-                buf = bucket.buffer()
-                if dist.rank == 1 and Clock.step == S:
-                    buf.mul_(3.0)
-                tdist.all_reduce(buf.div_(dist.world))
-                fut = torch.futures.Future()
-                fut.set_result(buf)
-                return fut
-            if hasattr(w, "register_comm_hook"):
-                w.register_comm_hook(None, hook)
-            return w
-        wrap.wrap_model = run.build.wrap_model = wrap_model
+        scale_rank_bucket(1, 3.0, lambda: Clock.step == S)
 
     if name == "resume_config_change":  # the check that would refuse the resume says nothing
         from checkpoint import checkpointer
@@ -423,6 +404,34 @@ def patch(name: str) -> None:
                 for _, moe in self.model.moe_layers():
                     moe.bias_E.zero_()
         state_mod.TrainState.load = load
+
+
+def scale_rank_bucket(rank: int, factor: float, when) -> None:
+    """Every DDP model this process wraps gets a communication hook that multiplies `rank`'s gradient buckets by
+    `factor` on their way into the all-reduce while when() holds (one rank's gradient changed before the
+    reduction; tests/plant.py's reduce_rank1 too)."""
+    import torch
+    import torch.distributed as tdist
+
+    import parallel.wrap as wrap
+    import run.build
+    orig_wrap = wrap.wrap_model
+
+    def wrap_model(model, cfg, dist):
+        w = orig_wrap(model, cfg, dist)
+
+        def hook(state, bucket):
+            buf = bucket.buffer()
+            if dist.rank == rank and when():
+                buf.mul_(factor)
+            tdist.all_reduce(buf.div_(dist.world))
+            fut = torch.futures.Future()
+            fut.set_result(buf)
+            return fut
+        if hasattr(w, "register_comm_hook"):  # DDP (FSDP2 has no bucket to hook)
+            w.register_comm_hook(None, hook)
+        return w
+    wrap.wrap_model = run.build.wrap_model = wrap_model
 
 
 def launch(name: str | None, run_dir: str, overrides: list[str]) -> None:
