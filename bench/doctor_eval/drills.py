@@ -207,14 +207,13 @@ def patch(name: str) -> None:
             with torch.no_grad():
                 bos = 34  # the copy source's BOS id: every copy document starts with it
                 _MODEL[0].tok_emb.weight[bos] *= 50.0
-        if name == "moe_gates_unnormalised" and t == S:  # the module's own setting, the run's config unchanged
-            import dataclasses
-            moe = _MODEL[0].blocks[1].mlp
-            moe.cfg = dataclasses.replace(moe.cfg, norm_topk=False)
-        if name in ("moe_top1_sustained", "moe_expert_dead", "moe_bias_speed_x10", "attn_causal_leak") and t == S:
+        if name in ("moe_gates_unnormalised", "moe_top1_sustained", "moe_expert_dead", "moe_bias_speed_x10",
+                    "attn_causal_leak") and t == S:  # a module's own setting changed, the run's config unchanged
             import dataclasses
             blk = _MODEL[0].blocks
             last_moe = _MODEL[0].moe_layers()[-1][1]  # block3's in the default job
+            if name == "moe_gates_unnormalised":
+                blk[1].mlp.cfg = dataclasses.replace(blk[1].mlp.cfg, norm_topk=False)
             if name == "moe_top1_sustained":
                 last_moe.top_k = 1
             if name == "moe_bias_speed_x10":
