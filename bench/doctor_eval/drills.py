@@ -75,6 +75,8 @@ FAULTS = [
           what="from S on, the markov source's documents come from another chain (a silent data switch)"),
     Fault("cursor_repeat", "data.continuity", "input", "data", what="the loader serves the previous batch again"),
     Fault("cursor_skip", "data.continuity", "input", "data", what="the loader jumps 40 batches ahead"),
+    Fault("val_leak_sustained", "forward.below_floor", "input", "data",
+          what="from S on, the first 4 rows of every training batch are validation samples 0..3 (their content)"),
     Fault("noise_slow", "data.corrupted_batch", "input", "data", what="noise share grows 4 % per step from S (slow)"),
     # forward
     Fault("act_x4_attn", "numerics.activation_outlier", "forward", "forward", what="block0.attn output ×4 for one step"),
@@ -87,6 +89,8 @@ FAULTS = [
     Fault("emb_row_x50", "numerics.activation_outlier", "forward", "forward", what="one embedding row ×50 (the copy BOS)"),
     Fault("logits_bf16_sustained", "numerics.precision", "forward", "forward",
           what="the head's logits rounded to bf16 and back from S on (every value finite)"),
+    Fault("rope_theta_x10_sustained", "numerics.mismatch", "forward", "forward",
+          what="the model's RoPE tables recomputed with θ ×10 from S on (its buffers, not the config)"),
     # backward / update
     Fault("grad_x50_layer", "optim.gradient_spike", "backward/update", "update", what="block1.attn gradients ×50, one step"),
     Fault("grad_x3_sustained", "optim.gradient_spike", "backward/update", "update", what="block0.attn gradients ×3 from S on"),
@@ -97,6 +101,11 @@ FAULTS = [
     Fault("wd_x10", "optim.settings", "backward/update", "update",
           what="every group's weight decay ×10 from S on (an optimizer setting changed under the config)"),
     Fault("beta2_999", "optim.settings", "backward/update", "update", what="AdamW's β2 0.95 → 0.999 from S on"),
+    Fault("adam_eps_big", "optim.settings", "backward/update", "update", what="AdamW's eps → 1e-3 from S on"),
+    Fault("micro_batch_dropped", "optim.gradient_mismatch", "backward/update", "update",
+          what="step S's second micro-batch's backward never runs (its loss counted, its gradient lost)"),
+    Fault("grad_bf16_sustained", "numerics.precision", "backward/update", "update",
+          what="every parameter's .grad rounded to bf16 after each accumulation from S on (every value finite)"),
     # MoE: the expert loads stay where they were
     Fault("moe_gates_unnormalised", "moe.routing", "forward", "moe",
           what="block1's MoE stops renormalising its top-k gates from S on (its module's setting, not the config)"),
@@ -107,6 +116,10 @@ FAULTS = [
     Fault("moe_expert_dead", "moe.dead_expert", "forward", "moe", what="the last MoE layer's (block3's) expert 2 outputs zeros from S on"),
     Fault("moe_bias_speed_x10", "moe.balancing", "backward/update", "moe",
           what="block1's balancing bias moves 10× its configured speed from S on"),
+    Fault("moe_balance_coef_x100", "moe.balancing", "backward/update", "moe",
+          what="block1's MoE balancing loss coefficient ×100 from S on (its module's setting, not the config)"),
+    Fault("moe_score_sigmoid", "moe.routing", "forward", "moe",
+          what="the last MoE layer (block3) scores its experts by sigmoid, not softmax, from S on (its module's setting)"),
     Fault("attn_causal_leak", "forward.below_floor", "forward", "forward",
           what="the last-but-one block's attention (block2's) stops being causal from S on (its module's flag)"),
     Fault("clip_threshold_div10", "optim.settings", "backward/update", "update",
@@ -207,8 +220,14 @@ def patch(name: str) -> None:
             with torch.no_grad():
                 bos = 34  # the copy source's BOS id: every copy document starts with it
                 _MODEL[0].tok_emb.weight[bos] *= 50.0
+        if name == "rope_theta_x10_sustained" and t == S:
+            from model.rope import rope_tables
+            m = _MODEL[0]
+            cos, sin = rope_tables(m.rope_cos.shape[0], 2 * m.rope_cos.shape[1], 10 * m.cfg.rope_theta)
+            m.rope_cos.copy_(cos)
+            m.rope_sin.copy_(sin)
         if name in ("moe_gates_unnormalised", "moe_top1_sustained", "moe_expert_dead", "moe_bias_speed_x10",
-                    "attn_causal_leak") and t == S:  # a module's own setting changed, the run's config unchanged
+                    "moe_balance_coef_x100", "moe_score_sigmoid", "attn_causal_leak") and t == S:  # a module's own setting changed, the run's config unchanged
             import dataclasses
             blk = _MODEL[0].blocks
             last_moe = _MODEL[0].moe_layers()[-1][1]  # block3's in the default job
@@ -216,6 +235,10 @@ def patch(name: str) -> None:
                 blk[1].mlp.cfg = dataclasses.replace(blk[1].mlp.cfg, norm_topk=False)
             if name == "moe_top1_sustained":
                 last_moe.top_k = 1
+            if name == "moe_balance_coef_x100":
+                blk[1].mlp.cfg = dataclasses.replace(blk[1].mlp.cfg, balance_coef=100 * blk[1].mlp.cfg.balance_coef)
+            if name == "moe_score_sigmoid":
+                last_moe.cfg = dataclasses.replace(last_moe.cfg, score="sigmoid")
             if name == "moe_bias_speed_x10":
                 blk[1].mlp.cfg = dataclasses.replace(blk[1].mlp.cfg, bias_update_speed=10 * blk[1].mlp.cfg.bias_update_speed)
             if name == "attn_causal_leak":
@@ -228,6 +251,12 @@ def patch(name: str) -> None:
                     keep[lo:lo + counts[2]] = 0.0  # rows sorted by expert: expert 2's after 0's and 1's
                     return out * keep
                 last_moe.experts.register_forward_hook(kill)
+        if name == "val_leak_sustained" and t >= S:
+            val = self.dataset.samples(range(4), "val")
+            tok, lab = batch.tokens.clone(), batch.labels.clone()
+            tok[:4], lab[:4] = val.tokens, val.labels
+            batch = type(batch)(tokens=tok, labels=lab, sources=batch.sources, sample_ids=batch.sample_ids,
+                                floor=batch.floor)
         if name == "markov_chain_swap" and t >= S:
             batch = _other_chain(self.dataset, batch, t)
         if name == "noise_half" and t == S:
@@ -307,6 +336,12 @@ def patch(name: str) -> None:
                                             if torch.is_grad_enabled() and Clock.step >= S else None)
         if name == "emb_grad_zero_sustained":
             self.tok_emb.weight.register_hook(lambda g: torch.zeros_like(g) if Clock.step >= S else None)
+        if name == "grad_bf16_sustained":
+            def round_grad(p):
+                if Clock.step >= S:
+                    p.grad.copy_(p.grad.bfloat16())
+            for p in self.parameters():
+                p.register_post_accumulate_grad_hook(round_grad)
         if name == "moe_bias_frozen":
             moe = self.blocks[1].mlp
             orig_ub = moe.update_bias
@@ -364,7 +399,17 @@ def patch(name: str) -> None:
                     g["lr"] *= 3.0
         LambdaLR.step = sstep
 
-    if name in ("wd_x10", "beta2_999"):  # NOTE: on the class: the optimizer is built after this patch
+    if name == "micro_batch_dropped":  # the second backward of step S returns without running
+        orig_backward, calls = torch.Tensor.backward, {}
+
+        def backward(self, *aa, **kk):
+            calls[Clock.step] = calls.get(Clock.step, 0) + 1
+            if Clock.step == S and calls[S] == 2:
+                return None
+            return orig_backward(self, *aa, **kk)
+        torch.Tensor.backward = backward
+
+    if name in ("wd_x10", "beta2_999", "adam_eps_big"):  # NOTE: on the class: the optimizer is built after this patch
         orig_ostep = torch.optim.AdamW.step
 
         def ostep(self, *aa, **kk):
@@ -372,6 +417,8 @@ def patch(name: str) -> None:
                 for g in self.param_groups:
                     if name == "wd_x10":
                         g["weight_decay"] *= 10.0
+                    elif name == "adam_eps_big":
+                        g["eps"] = 1e-3
                     else:
                         g["betas"] = (g["betas"][0], 0.999)
             return orig_ostep(self, *aa, **kk)
