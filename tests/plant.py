@@ -227,6 +227,17 @@ def plant(name: str, S: int) -> None:
             return orig_step(self, *aa, **kk)
         torch.optim.AdamW.step = step
 
+    if name == "muon_scale":  # Muon's update multiplier (rms_scale) ×1.1 in its param groups from step S on
+        import optim.muon
+        orig_mstep = optim.muon.Muon.step
+
+        def mstep(self, *aa, **kk):
+            if Clock.step == S:
+                for g in self.param_groups:
+                    g["rms_scale"] *= 1.1
+            return orig_mstep(self, *aa, **kk)
+        optim.muon.Muon.step = mstep
+
     if name == "decay_norms":  # the groups built against the config's rules: the no_decay group's tensors (norm gains,
         import optim.adamw  # embeddings) held in the default group, decayed from the first step, every group's
         orig_groups = optim.adamw.build_param_groups  # settings as configured

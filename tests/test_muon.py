@@ -67,6 +67,17 @@ def test_newton_schulz_singular_values_in_band(shape):
         torch.testing.assert_close(O.double(), ns_by_hand(G), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("shape", [(64, 128), (128, 64), (3, 40, 24), (3, 24, 40)])
+def test_spec_oracle_is_the_iteration(shape):
+    """The specification check's oracle (spec/muon_ref.py orthogonalised) evaluates NS5 on the Gram matrix's
+    eigenvalues: it equals the FP64 iteration itself, also for a rank-deficient matrix (λ = 0, where ρ stays defined)."""
+    from spec.muon_ref import newton_schulz, orthogonalised
+    g = torch.Generator().manual_seed(3)
+    for U in (torch.randn(*shape, generator=g),
+              torch.randn(*shape[:-1], 3, generator=g) @ torch.randn(3, shape[-1], generator=g)):  # rank 3
+        torch.testing.assert_close(orthogonalised(U, 5), newton_schulz(U, 5), rtol=0, atol=1e-12)
+
+
 class Quad(nn.Module):
     """f = ½‖W − A‖² + ½‖b − c‖²: W (8 × 4) is Muon's, the bias b AdamW's."""
 

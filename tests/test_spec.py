@@ -200,6 +200,17 @@ def test_muon_between_reference_steps_checks_its_momentum_and_no_update(tmp_path
         assert "optimizer" in rec["spec"]["miss"] and not rec["spec"].get("fail"), (rec["step"], rec["spec"])
 
 
+def test_a_muon_update_off_its_multiplier_fails_the_optimizer_check(tmp_path):
+    """Muon's update (NS5 in FP32, the default) 10 % larger than its configured rms_scale from step S on, a reference
+    step: the whole matrix's update misses the FP64 oracle beyond NS5's normwise bound — a setting's fault. Every
+    step before it passes."""
+    recs = plant(tmp_path, "muon_scale", "optim=muon")
+    assert not any(r["spec"].get("fail") for r in recs[:S - 1])
+    got = first_failure(recs[S - 1])
+    assert got is not None and (got["check"], got["kind"], got["class"]) == ("optimizer", "update", "optim.settings"), got
+    assert got["where"].startswith("blocks.") and got["where"].endswith("weight"), got
+
+
 @pytest.mark.slow  # 2-process launches
 @pytest.mark.distributed
 @pytest.mark.parametrize("parallel", ["auto", "fsdp"])

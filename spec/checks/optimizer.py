@@ -6,7 +6,8 @@ rules (optim/groups.py group_of) rather than the group the optimizer holds it in
     AdamW   m' = β1·m + (1−β1)·g     v' = β2·v + (1−β2)·g²     t' = t + 1
             θ' = θ·(1 − η·λ) − (η / (1−β1^t')) · m' / (√v' / √(1−β2^t') + ε)
     Muon    M' = μ·M + g     U = g + μ·M' (Nesterov) or M'     θ' = θ·(1 − η·λ) − η·s·√max(m, n)·NS5(U)
-            (NS5 of the whole matrix, per fused part, in FP64 here: spec/muon_ref.py; θ' on reference steps only)
+            (NS5 of the whole matrix, per fused part, in FP64 here: spec/muon_ref.py; θ' on reference steps only,
+            over the whole matrix: NS5's error bound is normwise, and the bound on one element is the whole norm's)
     g = coef·g₀: the backward's gradient (before the clip, unscaled) times the clip policy's coefficient
     (spec/checks/clip.py), within the tolerance the clip check allows the applied one where it clips; a skipped
     step (a non-finite gradient, the guard's veto) leaves all of it as it was;
@@ -32,7 +33,7 @@ from torch import Tensor
 
 from optim.groups import group_of
 from spec.check import AFTER, STEP, SYSTEM, UPDATE, Check, Kind
-from spec.muon_ref import newton_schulz, row_parts
+from spec.muon_ref import orthogonalised, row_parts
 from spec.schedule import group_settings, lr_at
 from spec.tolerance import LAMBDA, U32, stage, u
 
@@ -90,6 +91,7 @@ class OptimizerCheck(Check):
                                   for n, (*_, kind) in zip(sizes, self.params)])
         self.groups = [g for *_, g, _ in self.params]
         wd = [group_settings(cfg, g)[1] for g in self.groups]
+        self.wd_of = wd  # each parameter's weight decay, by the config's rules
         self.wd = torch.repeat_interleave(torch.tensor(wd, dtype=F64, device=dev), torch.tensor(sizes, device=dev))
         self.sizes = sizes
         self.group_names = list(dict.fromkeys(self.groups))
@@ -98,6 +100,8 @@ class OptimizerCheck(Check):
         self.zeros = torch.zeros(sum(sizes), dtype=F64, device=dev)
         self.qk = {n: qk_heads(idx, ctx.model_cfg) for n, _, idx, _, _ in self.params if n.endswith("attn.qkv.weight")}
         self.start: dict[str, Tensor] | None = None
+        self.w_before: dict[str, Tensor] | None = None  # Muon's hidden matrices before a reference step's update
+        self.ortho: dict[str, tuple[Tensor, float]] | None = None  # their oracle update, and its relative tolerance
         self.updates: Tensor | None = None  # the spec's count of applied updates (AdamW's t before this step), 0-d
 
     # --- reading the probe elements ----------------------------------------------------------------------
@@ -128,6 +132,7 @@ class OptimizerCheck(Check):
             self.start = self.snapshot()
         if self.updates is None:  # at a (re)start: the count the state says it has (on the device: nothing read)
             self.updates = self.start["step"].max().clamp(min=0)
+        self.before_batch_muon(s)
 
     def before_update(self, s) -> None:
         scale = float(self.ctx.scaler.scale) if self.ctx.scaler is not None else 1.0
@@ -135,34 +140,57 @@ class OptimizerCheck(Check):
              for _, p, idx, _, _ in self.params]
         self.g0 = torch.cat(g).double() / scale  # NaN: a parameter without a gradient (the optimizer leaves it)
 
+    def before_batch_muon(self, s) -> None:
+        """Muon, before a reference step: every hidden matrix as the previous step left it, whole (its update is
+        judged normwise: muon_update)."""
+        self.w_before, self.ortho = None, None
+        due = self.ctx.reference_step
+        if self.muon and (due is None or due(s.step)):
+            self.w_before = {n: _full(p.detach()).to(F64, copy=True) for n, p, *_, kind in self.params
+                             if kind == "muon"}
+
     def after_update(self, s) -> None:
         """Muon, on a reference step: NS5 in FP64 of each hidden matrix's U from the momentum the update wrote and the
-        clipped gradient (their elements are checked against their own algebra at end_step).
-        NOTE: reference steps only: the oracle orthogonalises every whole matrix again, in FP64, which costs as
-        much as the step itself at the speedrun's size (bench/speed/spec_overhead.py); the momentum's algebra and a
-        skip's stillness are checked every step, a Muon matrix's update at the reference steps."""
+        clipped gradient, whole, per part (spec/muon_ref.py); the momentum's elements are checked against their own
+        algebra at end_step, every step.
+        NOTE: reference steps only: the oracle costs about a step at the speedrun's size."""
         self.ortho = None
-        due = self.ctx.reference_step
-        if not self.muon or (due is not None and not due(s.step)):
+        if self.w_before is None:
             return
-        mc, dev = self.ctx.cfg.optim.muon, self.g0.device
-        O_probe, O_tol = torch.zeros_like(self.g0), torch.zeros_like(self.g0)
-        at = 0
+        mc = self.ctx.cfg.optim.muon
         u_ns = u(getattr(torch, mc.ns_dtype))
-        for (n, p, idx, _, kind), size in zip(self.params, self.sizes):
+        self.ortho = {}
+        for n, p, _, _, kind in self.params:
             st = self.ctx.optimizer.state.get(p, {})
             if kind == "muon" and p.grad is not None and "momentum_buffer" in st:
                 g, M = _full(p.grad).double(), _full(st["momentum_buffer"]).double()
                 U = g + mc.momentum * M if mc.nesterov else M
                 parts = U.split(row_parts(n, self.ctx.model_cfg, U), dim=-2)
-                O = torch.cat([newton_schulz(q, mc.ns_steps) * math.sqrt(max(q.shape[-2:])) for q in parts], dim=-2)
-                mine = _local_of(O, p) if hasattr(p, "to_local") else O
-                O_probe[at:at + size] = mine.reshape(-1)[idx.to(dev)]
+                O = torch.cat([orthogonalised(q, mc.ns_steps) * math.sqrt(max(q.shape[-2:])) for q in parts], dim=-2)
                 width = max(max(q.shape[-2:]) for q in parts)
-                # NS5's error, normwise on O, amplified by at most a per iteration; elementwise at most the norm
-                O_tol[at:at + size] = LAMBDA * mc.ns_steps * 3.4445 ** mc.ns_steps * stage(width, u_ns) * O.norm()
-            at += size
-        self.ortho = (O_probe, O_tol)
+                # NS5's normwise error in the step's dtype, amplified by at most a per iteration (spec/tolerance.py)
+                self.ortho[n] = (O, LAMBDA * mc.ns_steps * 3.4445 ** mc.ns_steps * stage(width, u_ns))
+
+    def muon_update(self, s, still: Tensor) -> Tensor:
+        """Each parameter's Muon update against the oracle, normwise over the whole matrix (0 for the others):
+        O_got = (W·(1 − η·λ) − W') / (η·s), and ‖O_got − O‖ within NS5's normwise bound plus what the update's own
+        FP32 roundings carry in (N_OPS·u32 of |W| + |W'|, over η·s). A skipped step is the stillness check's."""
+        cfg, mc = self.ctx.cfg, self.ctx.cfg.optim.muon
+        out = torch.zeros(len(self.params), dtype=F64, device=still.device)
+        clipped = (s.qk_clip or {}).get("factors") or {}
+        for i, (n, p, _, group, _) in enumerate(self.params):
+            if n not in self.ortho or n not in self.w_before or (clipped and n in self.qk):
+                continue  # NOTE: a QK-clipped head's rows are scaled after the update: not the update's algebra alone
+            lr = lr_at(cfg, group, s.step, self.ctx.schedule)
+            if lr == 0:
+                continue
+            O, rel = self.ortho[n]
+            eta = lr * mc.rms_scale
+            W0, W1 = self.w_before[n], _full(p.detach()).double()
+            err = ((W0 * (1 - lr * self.wd_of[i]) - W1) / eta - O).norm()
+            tol = rel * O.norm() + SAFETY * N_OPS * U32 * (W0.abs() + W1.abs()).norm() / eta + 1e-300
+            out[i] = err / tol
+        return torch.where(still, 0.0, out)
 
     # --- the algebra -------------------------------------------------------------------------------------
     def end_step(self, s) -> None:
@@ -196,14 +224,11 @@ class OptimizerCheck(Check):
             M = a["momentum_buffer"]
             M1 = mc.momentum * M + g
             tol_M = SAFETY * 2 * U32 * (mc.momentum * M.abs() + g.abs()) + tol_g
-            O, O_tol = self.ortho if self.ortho is not None else (torch.zeros_like(g), torch.zeros_like(g))
-            step = torch.where(self.is_muon, lr * mc.rms_scale * O, step)
-            tol_step = torch.where(self.is_muon, lr * mc.rms_scale * O_tol, tol_step)
             state_err = torch.where(self.is_muon, (b["momentum_buffer"] - M1).abs() / (tol_M + 1e-300), state_err)
         w1 = clip * (w * (1 - lr * wd) - step)
         tol_w = clip * (SAFETY * N_OPS * U32 * (w.abs() + step.abs()) + tol_step) + 1e-300
         w_err = (b["w"] - w1).abs() / tol_w
-        if self.muon and self.ortho is None:  # not a reference step: no oracle for a Muon matrix's update
+        if self.muon:  # a Muon matrix: NS5's bound is normwise, judged over the whole matrix (muon_update), not here
             w_err = torch.where(self.is_muon, 0.0, w_err)
         # a skipped step, or a parameter without a gradient: everything as it was, exactly
         still = skipped | ~has_g
@@ -217,6 +242,8 @@ class OptimizerCheck(Check):
         miscounted = (b["step"] >= 0) & ((b["step"] - count).abs() > 0)
         per_state = torch.where(miscounted, math.inf, per_state)
         per_w = torch.zeros(n, dtype=F64, device=w.device).scatter_reduce(0, self.owner, w_err, "amax")
+        if self.ortho and self.w_before:
+            per_w = torch.maximum(per_w, self.muon_update(s, skipped.reshape(())))
         worst = torch.maximum(per_state, per_w)
         self.measure(worst, torch.ones_like(worst), torch.where(per_state >= per_w, 0.0, 1.0))
         moments = [(b["exp_avg"], m, g, tol_m), (b["exp_avg_sq"], v, g * g, tol_v)]
@@ -289,13 +316,6 @@ class OptimizerCheck(Check):
 
 def _full(t: Tensor) -> Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
-def _local_of(full: Tensor, p) -> Tensor:
-    """This rank's shard of a full tensor laid out as DTensor `p` (FSDP2 shards dim 0 evenly, the last short)."""
-    rank, world = p.device_mesh.get_local_rank(), p.device_mesh.size()
-    rows = -(-full.shape[0] // world)
-    return full[rank * rows:(rank + 1) * rows]
 
 
 def qk_heads(idx: Tensor, cfg) -> list[tuple[str, int]]:
