@@ -45,6 +45,8 @@ FAULTS = {
     "reduce_rank1": ("reduce", None, "reduce"),
     "replica_drift": ("optimizer", "blocks.0.mlp.w_down.weight", "rank"),  # rank 0's weights moved after its update
     "emb_grad_zero": ("gradient", None, "mismatch"),  # a gradient erased (factor 0) is another one, not a scaled copy
+    "grad_bf16": ("reduce", "blocks.0.mlp.w_down.weight", "precision"),  # .grad rounded after the backward: a cast
+    "aux_coef": ("gradient", None, "balancing"),  # the MoE balancing coefficient ×100 in the module, not the config
 }
 RESUME = {"resume_lost_moments": ("continuity", None, "resume")}  # planted on a resume from step S − 1
 # a component built otherwise than its config says, so from step 1 (STEP is not read): tests/test_spec.py
@@ -88,6 +90,9 @@ def plant(name: str, S: int) -> None:
             if name == "emb_row" and Clock.step == S:  # between the steps: the weights change under the run
                 with torch.no_grad():
                     models[0].tok_emb.weight[3] *= 2.0
+            if name == "aux_coef" and Clock.step == S:
+                moe = models[0].blocks[1].mlp
+                moe.cfg = replace(moe.cfg, balance_coef=100 * moe.cfg.balance_coef)
         batch = orig_next(self)
         if self.split != "train" or Clock.step != S:
             return batch
@@ -151,6 +156,11 @@ def plant(name: str, S: int) -> None:
                 if Clock.step == S and seen.count(S) == 2:
                     p.grad.mul_(0.5)
             w.register_post_accumulate_grad_hook(halve)
+        if name == "grad_bf16":  # .grad rounded to bf16 and back after each accumulation (every value finite)
+            def round_grad(p):
+                if Clock.step == S:
+                    p.grad.copy_(p.grad.bfloat16())
+            self.blocks[0].mlp.w_down.weight.register_post_accumulate_grad_hook(round_grad)
         if name == "grad_noise_after_backward":  # noise added to .grad after the backward (a helper before the clip)
             w = self.blocks[0].mlp.w_down.weight
             w.register_post_accumulate_grad_hook(lambda p: (p.grad.add_(torch.randn_like(p.grad) * p.grad.std()), None)[1]

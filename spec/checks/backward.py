@@ -31,6 +31,9 @@ class GradientCheck(Check):
         "scaled": Kind("optim.gradient_spike", "the named parameter's gradient is scaled in the backward (a hook "
                                                "or a loss term that multiplies it)"),
         "nonfinite": Kind("numerics.nonfinite", "a non-finite gradient on the probe"),
+        "balancing": Kind("moe.balancing", "the MoE layers' auxiliary loss is not the configured one (its balancing "
+                                           "or router-z coefficient, its definition): the gradient of the router "
+                                           "and of what feeds it"),
     }
 
     @classmethod
@@ -54,10 +57,27 @@ class GradientCheck(Check):
         err = torch.stack([torch.dist(g, w) for g, w in zip(got, want)])  # ‖got − want‖, no difference stored
         tol = rel.to(err) * torch.stack(torch._foreach_norm(want)) + 1e-300
         self.places = (got, want, tol)
+        self.aux = self.aux_miss(fwd, ref, run)
         self.measure(err, tol, where=names)
 
+    def aux_miss(self, fwd: ForwardCheck, ref: Reference, run) -> torch.Tensor:
+        """|aux − aux_ref| over its tolerance: the training path's MoE auxiliary loss on the probe against the
+        reference's with the config's coefficients. Its terms are non-negative (a balance E·Σ f·P, a mean squared
+        log-sum-exp), so the aux is its own magnitude; the MoE layers' relative tolerance (their router stage)
+        bounds its rounding."""
+        layers = [i for i in range(self.ctx.model_cfg.n_layers) if ref.is_moe(i)]
+        if not layers or "aux" not in run.cache:
+            return torch.zeros((), dtype=torch.float64)
+        rel = torch.stack([torch.as_tensor(fwd.layer_tolerances(ref, run, i)["mlp"]) for i in layers]).max()
+        want = run.cache["aux"]
+        return (run.loss["aux"] - want).abs() / (rel * want.abs() + 1e-300)
+
     def classify(self, i: int) -> str:
+        """A gradient missed while the auxiliary loss differs from the config's: the balancing's fault; otherwise
+        kind_of's reading of the gradient itself."""
         got, want, tol = self.places
+        if bool(self.aux > 1):
+            return "balancing"
         kind = kind_of(got[i], want[i], tol[i])
         return kind if kind in self.kinds else "mismatch"
 

@@ -28,6 +28,7 @@ import torch.distributed as tdist
 
 from spec.check import AFTER, BACKWARD, BEFORE, STEP, SYSTEM, Check, Kind
 from spec.checks.forward import kind_of
+from spec.checks.precision import STORED, coarse_counts
 from spec.checks.state import STRIDE, _bits
 from spec.tolerance import LAMBDA, U32
 
@@ -50,6 +51,9 @@ class ReduceCheck(Check):
              "scaled": Kind("optim.gradient_spike", "the named parameter's gradient was scaled after the backward "
                                                     "produced it (a hook or a helper that multiplies .grad)",
                             layer=BACKWARD),
+             "precision": Kind("numerics.precision", "the named parameter's gradient was rounded to a coarser format "
+                                                     "after the backward produced it: a cast in a hook, a reduction in a "
+                                                     "lower precision", layer=BACKWARD),
              "missing": Kind("optim.gradient_mismatch", "the named parameter, trained by the config, received no "
                                                         "gradient: frozen (requires_grad off) or cut off the graph "
                                                         "(a detach)", layer=BACKWARD)}
@@ -144,14 +148,28 @@ class ReduceCheck(Check):
         return self._order[1]
 
     def classify(self, i: int) -> str:
-        """One process: a parameter's .grad that is a multiple of what its backward produced was scaled after it."""
+        """A parameter's .grad within a rounding of what its backward produced (kind_of: relative error below 2^-3)
+        with every probe element on a coarser format's grid (its low bits zero: spec/checks/precision.py) was rounded
+        after it; one process: a multiple of it was scaled after it."""
         got, want, tol, owner, none = self.places
         if none[i]:
             return "missing"
+        mine = owner == i
+        kind = kind_of(got[mine], want[mine], tol[mine].norm())
+        if kind == "precision" and on_coarser_grid(got[mine], self.params[i][1].dtype):
+            return "precision"
         if self.ctx.dist.world > 1:
             return "reduce"
-        mine = owner == i
-        return "scaled" if kind_of(got[mine], want[mine], tol[mine].norm()) == "scaled" else "written"
+        return "scaled" if kind == "scaled" else "written"
+
+
+def on_coarser_grid(values: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Every one of `values` (float64 copies of a `dtype` tensor's elements) a normal number of `dtype` whose low bits
+    a rounding to a coarser format zeroes (spec/checks/precision.py), and at least one of them normal."""
+    if dtype not in STORED:
+        return False
+    k, n = coarse_counts(values.to(dtype)[None])
+    return bool(n[0] > 0) and bool(k[0] == n[0]) and n[0] == values.numel()
 
 
 class ReplicasCheck(Check):

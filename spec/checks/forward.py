@@ -155,6 +155,7 @@ class ForwardCheck(Check):
                 carry = mid + mlp
             logits = ref.head(through(io["norm"][0].to(F64), carry))
             ce, z = losses(logits, run.labels)
+            run.cache["aux"] = aux.detach()  # the MoE layers' auxiliary loss with the config's coefficients
             if grad:
                 z_coef = float(self.ctx.cfg.train.z_loss)
                 run.cache["objective"] = (ce + z_coef * z) / valid.sum().clamp(min=1).to(F64) + aux
