@@ -77,6 +77,10 @@ FAULTS = [
     Fault("cursor_skip", "data.continuity", "input", "data", what="the loader jumps 40 batches ahead"),
     Fault("val_leak_sustained", "forward.below_floor", "input", "data",
           what="from S on, the first 4 rows of every training batch are validation samples 0..3 (their content)"),
+    Fault("labels_ignore_half", "data.corrupted_batch", "input", "data",
+          what="half of step S's valid labels set to the ignore index (a mask corrupted), one step"),
+    Fault("row_duplicated", "data.corrupted_batch", "input", "data",
+          what="row 1 of step S's batch holds row 0's content, its sample ids unchanged, one step"),
     Fault("noise_slow", "data.corrupted_batch", "input", "data", what="noise share grows 4 % per step from S (slow)"),
     # forward
     Fault("act_x4_attn", "numerics.activation_outlier", "forward", "forward", what="block0.attn output ×4 for one step"),
@@ -89,6 +93,10 @@ FAULTS = [
     Fault("emb_row_x50", "numerics.activation_outlier", "forward", "forward", what="one embedding row ×50 (the copy BOS)"),
     Fault("logits_bf16_sustained", "numerics.precision", "forward", "forward",
           what="the head's logits rounded to bf16 and back from S on (every value finite)"),
+    Fault("swiglu_clamp_tight", "numerics.mismatch", "forward", "forward",
+          what="block0's SwiGLU clamp limit 10 → 0.3 from S on (its module's, not the config's)"),
+    Fault("norm_eps_big", "numerics.mismatch", "forward", "forward",
+          what="block2's attention RMSNorm ε 1e-5 → 1e-1 from S on (its module's, not the config's)"),
     Fault("rope_theta_x10_sustained", "numerics.mismatch", "forward", "forward",
           what="the model's RoPE tables recomputed with θ ×10 from S on (its buffers, not the config)"),
     # backward / update
@@ -101,6 +109,10 @@ FAULTS = [
     Fault("wd_x10", "optim.settings", "backward/update", "update",
           what="every group's weight decay ×10 from S on (an optimizer setting changed under the config)"),
     Fault("beta2_999", "optim.settings", "backward/update", "update", what="AdamW's β2 0.95 → 0.999 from S on"),
+    Fault("lr_schedule_restart", "optim.lr_switch", "backward/update", "update",
+          what="the LR scheduler restarts (warm-up again) at S, mid-run, no resume"),
+    Fault("adam_step_reset", "optim.state", "backward/update", "update",
+          what="every AdamW state's step count reset to 0 before the update of S (bias corrections restart)"),
     Fault("adam_eps_big", "optim.settings", "backward/update", "update", what="AdamW's eps → 1e-3 from S on"),
     Fault("micro_batch_dropped", "optim.gradient_mismatch", "backward/update", "update",
           what="step S's second micro-batch's backward never runs (its loss counted, its gradient lost)"),
@@ -116,6 +128,8 @@ FAULTS = [
     Fault("moe_expert_dead", "moe.dead_expert", "forward", "moe", what="the last MoE layer's (block3's) expert 2 outputs zeros from S on"),
     Fault("moe_bias_speed_x10", "moe.balancing", "backward/update", "moe",
           what="block1's balancing bias moves 10× its configured speed from S on"),
+    Fault("moe_router_jitter", "moe.routing", "forward", "moe",
+          what="the last MoE layer's (block3's) router logits get N(0, 0.5²) noise in training from S on"),
     Fault("moe_balance_coef_x100", "moe.balancing", "backward/update", "moe",
           what="block1's MoE balancing loss coefficient ×100 from S on (its module's setting, not the config)"),
     Fault("moe_score_sigmoid", "moe.routing", "forward", "moe",
@@ -220,6 +234,16 @@ def patch(name: str) -> None:
             with torch.no_grad():
                 bos = 34  # the copy source's BOS id: every copy document starts with it
                 _MODEL[0].tok_emb.weight[bos] *= 50.0
+        if name in ("swiglu_clamp_tight", "norm_eps_big") and t == S:
+            if name == "swiglu_clamp_tight":
+                _MODEL[0].blocks[0].mlp.limit = 0.3
+            else:
+                _MODEL[0].blocks[2].attn_norm.eps = 1e-1
+        if name == "moe_router_jitter" and t == S:
+            last = _MODEL[0].moe_layers()[-1][1]
+            orig_logits = last.router_logits
+            last.router_logits = lambda x: (orig_logits(x) + 0.5 * torch.randn_like(orig_logits(x))
+                                            if torch.is_grad_enabled() else orig_logits(x))
         if name == "rope_theta_x10_sustained" and t == S:
             from model.rope import rope_tables
             m = _MODEL[0]
@@ -255,6 +279,17 @@ def patch(name: str) -> None:
             val = self.dataset.samples(range(4), "val")
             tok, lab = batch.tokens.clone(), batch.labels.clone()
             tok[:4], lab[:4] = val.tokens, val.labels
+            batch = type(batch)(tokens=tok, labels=lab, sources=batch.sources, sample_ids=batch.sample_ids,
+                                floor=batch.floor)
+        if name == "labels_ignore_half" and t == S:
+            lab = batch.labels.clone()
+            hit = (lab != IGNORE_INDEX) & (torch.rand(lab.shape, generator=torch.Generator().manual_seed(t)) < 0.5)
+            lab[hit] = IGNORE_INDEX
+            batch = type(batch)(tokens=batch.tokens, labels=lab, sources=batch.sources, sample_ids=batch.sample_ids,
+                                floor=batch.floor)
+        if name == "row_duplicated" and t == S:
+            tok, lab = batch.tokens.clone(), batch.labels.clone()
+            tok[1], lab[1] = tok[0], lab[0]
             batch = type(batch)(tokens=tok, labels=lab, sources=batch.sources, sample_ids=batch.sample_ids,
                                 floor=batch.floor)
         if name == "markov_chain_swap" and t >= S:
@@ -370,6 +405,10 @@ def patch(name: str) -> None:
             for st in optimizer.state.values():
                 if "exp_avg_sq" in st:
                     st["exp_avg_sq"].div_(16.0)
+        if name == "adam_step_reset" and Clock.step == S:
+            for st in optimizer.state.values():
+                if "step" in st:
+                    st["step"].zero_()
         out = orig_apply(params, optimizer, *a, **k)
         if name == "rank0_param_drift" and Clock.step == S:
             import torch.distributed as tdist
@@ -387,6 +426,18 @@ def patch(name: str) -> None:
         orig_init2(self, *a, **k)
         _MODEL[:] = [self]
     tr.Transformer.__init__ = init2
+
+    if name == "lr_schedule_restart":  # NOTE: on the class, as lr_x3
+        from torch.optim.lr_scheduler import LambdaLR
+        orig_rstep = LambdaLR.step
+
+        def rstep(self, *aa, **kk):
+            orig_rstep(self, *aa, **kk)
+            if Clock.step == S - 1:  # the step that sets step S's LR
+                self.last_epoch = 0
+                for g, lam, base in zip(self.optimizer.param_groups, self.lr_lambdas, self.base_lrs):
+                    g["lr"] = base * lam(0)
+        LambdaLR.step = rstep
 
     if name == "lr_x3":  # NOTE: on the class, not the instance: the scheduler's state_dict is pickled
         from torch.optim.lr_scheduler import LambdaLR
