@@ -24,6 +24,8 @@ FAULTS = {
     "label_shift": ("data", "labels", "corrupted"),
     "cursor_skip": ("data", "ids", "cursor"),
     "val_row": ("data", "leak", "leak"),
+    "row_dup": ("data", "tokens", "corrupted"),  # one row: a lone row off says nothing of its source
+    "chain_swap": ("data", None, "source"),  # every markov row from another chain, the copy rows as they were
     "emb_row": ("continuity", "tok_emb.weight", "state"),
     "attn_x3": ("forward", "block1.attn", "scaled"),
     "nan_mlp": ("loss_grad", "block0.mlp", "nonfinite"),  # its NaN gradient is the layer's, not a write (reduce)
@@ -100,6 +102,11 @@ def plant(name: str, S: int) -> None:
             lab = batch.labels.clone()
             lab[:, :-1] = torch.where(lab[:, 1:] != IGNORE_INDEX, lab[:, 1:], lab[:, :-1])
             batch.labels = lab
+        if name == "row_dup":  # row 1 holds row 0's content, its id and source kept (a collation bug)
+            batch.tokens[1], batch.labels[1] = batch.tokens[0].clone(), batch.labels[0].clone()
+        if name == "chain_swap":
+            from bench.doctor_eval.drills import _other_chain
+            batch = _other_chain(self.dataset, batch, S)
         if name == "val_row":
             val = self.dataset.samples(range(0, 1), "val")
             batch.tokens[0], batch.labels[0] = val.tokens[0], val.labels[0]

@@ -11,8 +11,8 @@ among 1e4 × 1e6 rows has probability 1e-9).
 
 How it missed decides the class: the ids off the plan (data.continuity; at a resume, state.resume_fault),
 the data the loader draws from is not the config's any more (another mixture: objective.mixture), the rows equal the last
-step's (data.repeated_batch), only one source's rows differ (data.distribution_shift), a training row is a
-validation row (forward.below_floor: the model is trained on what it is evaluated on), else
+step's (data.repeated_batch), every row of one source, and only those, differ (data.distribution_shift), a training
+row is a validation row (forward.below_floor: the model is trained on what it is evaluated on), else
 data.corrupted_batch; one rank alone: rank.data (spec/monitor.py).
 """
 from __future__ import annotations
@@ -133,7 +133,10 @@ class DataCheck(Check):
         src_bad = torch.where(row_bad, sources, big)
         lo, hi = src_bad.min(), torch.where(row_bad, sources, -1).max()
         other_ok = (~row_bad & (sources != lo)).any()
-        one = (lo == hi) & other_ok
+        # NOTE: a source's content changed is every row of it off, more than one: a lone row off says nothing of its
+        # source (a row duplicated or overwritten in collation is a corrupted batch)
+        mine = sources == lo
+        one = (lo == hi) & other_ok & (row_bad == mine).all() & (mine.sum() > 1)
         return torch.where(rep, idx["repeated"], torch.where(one, idx["source"], idx["corrupted"]))
 
     def rolled_back(self, cursor: int) -> None:
