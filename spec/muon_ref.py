@@ -6,12 +6,10 @@
 each fused matrix orthogonalised per part: attention's qkv as q, k, v rows; a SwiGLU w_gate_up (or a stack of
 experts' (E, 2H, D)) as its gate and up halves — what the algorithm owns per part, read from the model's config.
 
-The check needs a few elements of the result, not the matrix: `orthogonalised_at` reads them off the Gram matrix's
-eigendecomposition. Each iteration keeps X's singular vectors and maps every singular value σ to
-φ(σ) = a·σ + b·σ³ + c·σ⁵, so with X₀·X₀ᵀ = Q·diag(λ)·Qᵀ (λ = σ²)
+`orthogonalised` evaluates the same iteration on the Gram matrix's eigenvalues. Each iteration keeps X's singular
+vectors and maps every singular value σ to φ(σ) = a·σ + b·σ³ + c·σ⁵, so with X₀·X₀ᵀ = Q·diag(λ)·Qᵀ (λ = σ²)
 
     X₅ = Q·diag(ρ)·Qᵀ·X₀,   ρ₀ = 1,  ρ_{k+1} = ρ_k·(a + b·ρ_k²·λ + c·ρ_k⁴·λ²)   (ρ_k = σ_k/σ₀, defined at λ = 0)
-    ‖X₅‖_F² = Σ ρ²·λ
 
 one product X₀·X₀ᵀ, one symmetric eigendecomposition and two products in FP64 instead of five iterations of three
 products (tests/test_muon.py holds it to the iteration).
