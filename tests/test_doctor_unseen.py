@@ -19,7 +19,7 @@ import yaml
 from helpers import HANG_S, ROOT, env
 from test_doctor import fake_run
 from doctor.timeline import scoring_start
-from bench.doctor_eval.drills import BY_NAME, FAULTS, JOBS
+from bench.doctor_eval.key import BY_NAME, FAULTS, JOBS
 from bench.doctor_eval.score import Plan, _launch, diagnose, score_fault, train
 from doctor.cli import doctor
 

@@ -6,161 +6,21 @@
 The launcher monkeypatches functions of this checkout (the loader, the optimizer step, a module's
 forward, the checkpoint load, the scheduler) in its own process and then runs train.py through runpy
 with fault=none: nothing in the run directory names the fault (no injector, no events, no config node).
-The answer key lives here, in FAULTS; bench/doctor_eval/score.py scores the doctor against it.
-
-Each fault acts at step S (the S-th train batch) or, for a resume fault, on the resume at S − 1;
-S + `lag` is the first step at which the fault could be visible in the records. The jobs (JOBS) are the ones a
-user runs — the README's default job, dense_tiny, moe_tiny, shakespeare_char — and the tiny drill model the
-unit tests train in seconds; bench/doctor_eval/score.py draws S per run (inside the default job's natural
-transition, or late) and sets it for the launcher's process through BALLAST_DRILL_STEP.
+The answer key, and the jobs, are bench/doctor_eval/key.py; each patch here makes its fault's entry true.
+bench/doctor_eval/score.py draws S per run (inside the default job's natural transition, or late) and sets it for
+the launcher's process through BALLAST_DRILL_STEP.
 """
 from __future__ import annotations
 
 import os
 import runpy
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 from bench import ROOT
+from bench.doctor_eval.key import BY_NAME
 
 S = int(os.environ.get("BALLAST_DRILL_STEP", "60"))  # the fault step (this process's job)
-QUIET = ["logging.wandb=disabled", "logging.progress=false", "logging.plot=false", "threads=1", "fault=none"]
-TEXT = Path("/work/shared/data/tinyshakespeare.txt")  # real text, where the machine has it
-
-
-@dataclass(frozen=True)
-class Job:
-    overrides: tuple      # beside QUIET: what makes the job (an experiment, its data)
-    steps: int            # its own length (train.steps)
-    transition: tuple = (60, 110)   # the steps of its natural transition (the copy source's induction head)
-    late: tuple = (250, 380)        # a quiet stretch late in the run
-
-
-JOBS = {
-    "default": Job((), 400),
-    "dense_tiny": Job(("+experiment=dense_tiny",), 400),
-    "moe_tiny": Job(("+experiment=moe_tiny",), 400),
-    # NOTE: eager (train.compile=false): inductor's cold compile would dominate a short run on a CPU
-    "shakespeare_char": Job(("+experiment=shakespeare_char", f"data.path={TEXT}", "train.compile=false",
-                             "train.eval_every=200", "train.eval_samples=480"), 400),
-    # the tiny model the unit tests train in seconds (tests/test_doctor_unseen.py)
-    "drill": Job(("train.eval_every=1000", "train.eval_samples=32", "train.eval_batch_size=16", "train.batch_size=8",
-                  "data.seq_len=32", "data.min_doc_len=4", "model.d_model=32", "model.n_heads=2", "model.n_layers=2",
-                  "optim.schedule.warmup_steps=10", "guard.detector.warmup=40", "guard=log", "optim.lr=3e-3",
-                  "data=synthetic"), 400, (60, 60), (60, 60)),
-}
-
-
-@dataclass(frozen=True)
-class Fault:
-    name: str
-    cls: str          # the class the doctor must name
-    layer: str        # the timeline layer of the earliest anomaly
-    family: str = ""  # data | forward | update | moe | resume | rank | system (scored and held out together)
-    lag: int = 0      # steps after S until the fault can be visible
-    what: str = ""
-    resume: bool = False   # planted on a resume from the checkpoint of step S - 1
-    nproc: int = 1
-    resume_args: tuple = ()  # hydra overrides of the resumed process only
-
-
-FAULTS = [
-    # data / input layer
-    Fault("noise_half", "data.corrupted_batch", "input", "data", what="half the batch's tokens uniform noise"),
-    Fault("repeat_quarter", "data.corrupted_batch", "input", "data", what="a quarter of the positions one token id"),
-    Fault("label_shift", "data.corrupted_batch", "input", "data", what="labels shifted by one position"),
-    Fault("rare_tokens", "data.corrupted_batch", "input", "data", what="10 % of inputs the padding id, never seen as input"),
-    Fault("markov_chain_swap", "data.distribution_shift", "input", "data",
-          what="from S on, the markov source's documents come from another chain (a silent data switch)"),
-    Fault("cursor_repeat", "data.continuity", "input", "data", what="the loader serves the previous batch again"),
-    Fault("cursor_skip", "data.continuity", "input", "data", what="the loader jumps 40 batches ahead"),
-    Fault("val_leak_sustained", "forward.below_floor", "input", "data",
-          what="from S on, the first 4 rows of every training batch are validation samples 0..3 (their content)"),
-    Fault("labels_ignore_half", "data.corrupted_batch", "input", "data",
-          what="half of step S's valid labels set to the ignore index (a mask corrupted), one step"),
-    Fault("row_duplicated", "data.corrupted_batch", "input", "data",
-          what="row 1 of step S's batch holds row 0's content, its sample ids unchanged, one step"),
-    Fault("noise_slow", "data.corrupted_batch", "input", "data", what="noise share grows 4 % per step from S (slow)"),
-    # forward
-    Fault("act_x4_attn", "numerics.activation_outlier", "forward", "forward", what="block0.attn output ×4 for one step"),
-    Fault("act_x2_mlp_sustained", "numerics.activation_outlier", "forward", "forward", what="block0.mlp output ×2 from S on"),
-    Fault("act_x2_attn1_sustained", "numerics.activation_outlier", "forward", "forward",
-          what="block1.attn output ×2 from S on (subtle, sustained)"),
-    Fault("nan_attn", "numerics.nonfinite", "forward", "forward", what="NaN into block1.attn output for one step"),
-    Fault("attn1_bf16_sustained", "numerics.precision", "forward", "forward",
-          what="block1.attn output rounded to bf16 and back from S on (every value finite)"),
-    Fault("emb_row_x50", "numerics.activation_outlier", "forward", "forward", what="one embedding row ×50 (the copy BOS)"),
-    Fault("logits_bf16_sustained", "numerics.precision", "forward", "forward",
-          what="the head's logits rounded to bf16 and back from S on (every value finite)"),
-    Fault("swiglu_clamp_tight", "numerics.mismatch", "forward", "forward",
-          what="block0's SwiGLU clamp limit 10 → 0.3 from S on (its module's, not the config's)"),
-    Fault("norm_eps_big", "numerics.mismatch", "forward", "forward",
-          what="block2's attention RMSNorm ε 1e-5 → 1e-1 from S on (its module's, not the config's)"),
-    Fault("rope_theta_x10_sustained", "numerics.mismatch", "forward", "forward",
-          what="the model's RoPE tables recomputed with θ ×10 from S on (its buffers, not the config)"),
-    # backward / update
-    Fault("grad_x50_layer", "optim.gradient_spike", "backward/update", "update", what="block1.attn gradients ×50, one step"),
-    Fault("grad_x3_sustained", "optim.gradient_spike", "backward/update", "update", what="block0.attn gradients ×3 from S on"),
-    Fault("grad_noise_after_backward", "optim.gradient_mismatch", "backward/update", "update",
-          what="block2.attn.qkv's .grad gets noise of its own spread, written after the backward, one step"),
-    Fault("lr_x3", "optim.lr_switch", "backward/update", "update", what="every LR ×3 from S on"),
-    Fault("adam_v_div16", "optim.state", "backward/update", "update", what="exp_avg_sq ÷16 before the update of S"),
-    Fault("wd_x10", "optim.settings", "backward/update", "update",
-          what="every group's weight decay ×10 from S on (an optimizer setting changed under the config)"),
-    Fault("beta2_999", "optim.settings", "backward/update", "update", what="AdamW's β2 0.95 → 0.999 from S on"),
-    Fault("lr_schedule_restart", "optim.lr_switch", "backward/update", "update",
-          what="the LR scheduler restarts (warm-up again) at S, mid-run, no resume"),
-    Fault("adam_step_reset", "optim.state", "backward/update", "update",
-          what="every AdamW state's step count reset to 0 before the update of S (bias corrections restart)"),
-    Fault("adam_eps_big", "optim.settings", "backward/update", "update", what="AdamW's eps → 1e-3 from S on"),
-    Fault("micro_batch_dropped", "optim.gradient_mismatch", "backward/update", "update",
-          what="step S's second micro-batch's backward never runs (its loss counted, its gradient lost)"),
-    Fault("grad_bf16_sustained", "numerics.precision", "backward/update", "update",
-          what="every parameter's .grad rounded to bf16 after each accumulation from S on (every value finite)"),
-    # MoE: the expert loads stay where they were
-    Fault("moe_gates_unnormalised", "moe.routing", "forward", "moe",
-          what="block1's MoE stops renormalising its top-k gates from S on (its module's setting, not the config)"),
-    Fault("moe_bias_frozen", "moe.balancing", "backward/update", "moe",
-          what="block1's balancing bias stops moving from S on"),
-    Fault("moe_top1_sustained", "moe.routing", "forward", "moe",
-          what="the last MoE layer (block3) sends each token to 1 expert from S on (its module's top_k, not the config's)"),
-    Fault("moe_expert_dead", "moe.dead_expert", "forward", "moe", what="the last MoE layer's (block3's) expert 2 outputs zeros from S on"),
-    Fault("moe_bias_speed_x10", "moe.balancing", "backward/update", "moe",
-          what="block1's balancing bias moves 10× its configured speed from S on"),
-    Fault("moe_router_jitter", "moe.routing", "forward", "moe",
-          what="the last MoE layer's (block3's) router logits get N(0, 0.5²) noise in training from S on"),
-    Fault("moe_balance_coef_x100", "moe.balancing", "backward/update", "moe",
-          what="block1's MoE balancing loss coefficient ×100 from S on (its module's setting, not the config)"),
-    Fault("moe_score_sigmoid", "moe.routing", "forward", "moe",
-          what="the last MoE layer (block3) scores its experts by sigmoid, not softmax, from S on (its module's setting)"),
-    Fault("attn_causal_leak", "forward.below_floor", "forward", "forward",
-          what="the last-but-one block's attention (block2's) stops being causal from S on (its module's flag)"),
-    Fault("clip_threshold_div10", "optim.settings", "backward/update", "update",
-          what="the clip threshold ÷10 from S on (the step is handed another max_grad_norm than the config's)"),
-    Fault("emb_grad_zero_sustained", "optim.gradient_mismatch", "backward/update", "update",
-          what="the embedding's gradient zeroed by a tensor hook from S on (a frozen embedding)"),
-    # state at resume
-    Fault("resume_lost_moments", "state.resume_fault", "backward/update", "resume", resume=True,
-          what="resume drops Adam's m and v"),
-    Fault("resume_cursor_zero", "state.resume_fault", "input", "resume", resume=True, what="resume puts the data cursor at 0"),
-    Fault("resume_schedule_reset", "state.resume_fault", "backward/update", "resume", resume=True,
-          what="resume restarts the LR schedule (warm-up again)"),
-    Fault("resume_moe_bias_zero", "state.resume_fault", "backward/update", "resume", resume=True,
-          what="resume zeroes the MoE balancing bias"),
-    Fault("resume_config_change", "state.resume_fault", "backward/update", "resume", resume=True,
-          resume_args=("optim.weight_decay=0.5",),
-          what="resume with another optim.weight_decay, the resume's config check silenced (undeclared)"),
-    # ranks
-    Fault("rank1_other_data", "rank.data", "input", "rank", nproc=2, what="rank 1 reads samples 5000 further on"),
-    Fault("rank1_grad_x3", "system.rank_divergence", "system", "rank", nproc=2,
-          what="rank 1's gradient buckets ×3 before the all-reduce (a DDP communication hook), one step"),
-    Fault("rank0_param_drift", "system.rank_divergence", "system", "rank", nproc=2,
-          what="rank 0's block0.mlp weights get noise after the update of S (the replicas part)"),
-    # system
-    Fault("slow_loader", "system.slow_component", "system", "system", what="the loader sleeps 60 ms per batch from S on"),
-]
-BY_NAME = {f.name: f for f in FAULTS}
 
 
 # ---- the patches (run in the launcher's process only) --------------------------------------------------

@@ -9,7 +9,7 @@ never used for tuning — on the report's headline.
 The grid. Clean: the default job (`python train.py`) at seeds --seeds (default 0–9), dense_tiny at --lengths,
 moe_tiny and shakespeare_char (real text: /work/shared/data/tinyshakespeare.txt where the machine has it), each at
 telemetry every --cadences (1 and 10); a run of the default job at 1000 steps with --long. Faults: every fault of
-bench/doctor_eval/drills.py (--faults) planted in the default job's full 400 steps at a step drawn (seeded,
+bench/doctor_eval/key.py (--faults; drills.py plants them) in the default job's full 400 steps at a step drawn (seeded,
 --draw-seed) inside its natural transition (steps 60–110: the copy source's induction head forms there) and late
 (250–380) — --phases — at telemetry every --cadences. Each fault run's directory is opaque (nothing in it names
 the fault); the answer key is answers.json beside them, which the doctor must never read (watched).
@@ -39,14 +39,15 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from bench.doctor_eval import drills
-from bench.doctor_eval.drills import BY_NAME, FAULTS, JOBS, QUIET, ROOT, TEXT, Fault
+from bench import ROOT
+from bench.doctor_eval import drills, key
+from bench.doctor_eval.key import BY_NAME, FAULTS, JOBS, QUIET, TEXT, Fault
 from bench.report import Report
 
 # NOTE: run as a module from the repository root, so the launcher (and under torchrun each rank) imports this
 # checkout's modules, the ones it patches before train.py runs
 LAUNCHER = ["-m", drills.__name__]
-ANSWER_KEY = Path(drills.__file__).resolve()
+ANSWER_KEY = Path(key.__file__).resolve()
 ANSWERS = "answers.json"
 
 
