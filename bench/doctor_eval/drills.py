@@ -90,6 +90,9 @@ def patch(name: str) -> None:
         if self.split != "train":
             return batch
         t = Clock.step
+        if name == "weights_halved_between" and t == S:
+            with torch.no_grad():
+                _MODEL[0].blocks[1].attn.proj_out.weight.mul_(0.5)
         if name == "emb_row_x50" and t == S:  # before the forward of step S
             with torch.no_grad():
                 bos = 34  # the copy source's BOS id: every copy document starts with it
@@ -147,6 +150,9 @@ def patch(name: str) -> None:
             lab[hit] = IGNORE_INDEX
             batch = type(batch)(tokens=batch.tokens, labels=lab, sources=batch.sources, sample_ids=batch.sample_ids,
                                 floor=batch.floor)
+        if name == "rows_permuted" and t == S:
+            batch = type(batch)(tokens=batch.tokens.roll(1, 0), labels=batch.labels.roll(1, 0), sources=batch.sources,
+                                sample_ids=batch.sample_ids, floor=batch.floor)
         if name == "row_duplicated" and t == S:
             tok, lab = batch.tokens.clone(), batch.labels.clone()
             tok[1], lab[1] = tok[0], lab[0]
@@ -237,6 +243,14 @@ def patch(name: str) -> None:
                     p.grad.copy_(p.grad.bfloat16())
             for p in self.parameters():
                 p.register_post_accumulate_grad_hook(round_grad)
+        if name == "grad_nan_one_element":
+            def nan_one(g):
+                if Clock.step == S:
+                    g = g.clone()
+                    g.view(-1)[7] = float("nan")
+                    return g
+                return None
+            self.blocks[2].mlp.w_down.weight.register_hook(nan_one)
         if name == "moe_bias_frozen":
             moe = self.blocks[1].mlp
             orig_ub = moe.update_bias
@@ -287,6 +301,18 @@ def patch(name: str) -> None:
         _MODEL[:] = [self]
     tr.Transformer.__init__ = init2
 
+    if name == "no_decay_lr_zero":  # NOTE: on the class, as lr_x3
+        from torch.optim.lr_scheduler import LambdaLR
+        orig_zstep = LambdaLR.step
+
+        def zstep(self, *aa, **kk):
+            orig_zstep(self, *aa, **kk)
+            if Clock.step >= S - 1:
+                for g in self.optimizer.param_groups:
+                    if g.get("name", "").startswith("no_decay"):
+                        g["lr"] = 0.0
+        LambdaLR.step = zstep
+
     if name == "lr_schedule_restart":  # NOTE: on the class, as lr_x3
         from torch.optim.lr_scheduler import LambdaLR
         orig_rstep = LambdaLR.step
@@ -310,17 +336,19 @@ def patch(name: str) -> None:
                     g["lr"] *= 3.0
         LambdaLR.step = sstep
 
-    if name == "micro_batch_dropped":  # the second backward of step S returns without running
+    if name in ("micro_batch_dropped", "micro_batch_twice"):  # step S's second backward skipped, or its first twice
         orig_backward, calls = torch.Tensor.backward, {}
 
         def backward(self, *aa, **kk):
             calls[Clock.step] = calls.get(Clock.step, 0) + 1
-            if Clock.step == S and calls[S] == 2:
+            if Clock.step == S and calls[S] == 2 and name == "micro_batch_dropped":
                 return None
+            if Clock.step == S and calls[S] == 1 and name == "micro_batch_twice":
+                orig_backward(self, retain_graph=True)
             return orig_backward(self, *aa, **kk)
         torch.Tensor.backward = backward
 
-    if name in ("wd_x10", "beta2_999", "adam_eps_big"):  # NOTE: on the class: the optimizer is built after this patch
+    if name in ("wd_x10", "beta2_999", "adam_eps_big", "beta1_zero"):  # NOTE: on the class: the optimizer is built after this patch
         orig_ostep = torch.optim.AdamW.step
 
         def ostep(self, *aa, **kk):
@@ -330,6 +358,8 @@ def patch(name: str) -> None:
                         g["weight_decay"] *= 10.0
                     elif name == "adam_eps_big":
                         g["eps"] = 1e-3
+                    elif name == "beta1_zero":
+                        g["betas"] = (0.0, g["betas"][1])
                     else:
                         g["betas"] = (g["betas"][0], 0.999)
             return orig_ostep(self, *aa, **kk)
