@@ -102,6 +102,9 @@ def patch(name: str) -> None:
                 _MODEL[0].blocks[0].mlp.limit = 0.3
             else:
                 _MODEL[0].blocks[2].attn_norm.eps = 1e-1
+        if name == "moe_bias_ignored" and t == S:
+            last = _MODEL[0].moe_layers()[-1][1]
+            last.top_ids = lambda scores: torch.topk(scores.detach(), last.top_k, dim=-1).indices
         if name == "moe_router_jitter" and t == S:
             last = _MODEL[0].moe_layers()[-1][1]
             orig_logits = last.router_logits
@@ -216,6 +219,8 @@ def patch(name: str) -> None:
                     g = torch.Generator().manual_seed(S)
                     p.grad.add_(torch.randn(p.grad.shape, generator=g) * p.grad.std())
             self.blocks[2].attn.qkv.weight.register_post_accumulate_grad_hook(noise)
+        if name == "emb_output_scaled":
+            self.tok_emb.register_forward_hook(scale(self.cfg.d_model ** 0.5, lambda t: t >= S))
         if name == "act_x2_attn1_sustained":
             self.blocks[1].attn.register_forward_hook(scale(2.0, lambda t: t >= S))
         if name == "attn1_bf16_sustained":
@@ -279,6 +284,11 @@ def patch(name: str) -> None:
             for st in optimizer.state.values():
                 if "exp_avg_sq" in st:
                     st["exp_avg_sq"].div_(16.0)
+        if name == "exp_avg_swapped" and Clock.step == S:
+            m0, m2 = (optimizer.state[_MODEL[0].blocks[i].attn.qkv.weight]["exp_avg"] for i in (0, 2))
+            kept = m0.clone()
+            m0.copy_(m2)
+            m2.copy_(kept)
         if name == "adam_step_reset" and Clock.step == S:
             for st in optimizer.state.values():
                 if "step" in st:
@@ -387,6 +397,11 @@ def patch(name: str) -> None:
                 for g, lam, base in zip(self.scheduler.optimizer.param_groups, self.scheduler.lr_lambdas,
                                         self.scheduler.base_lrs):
                     g["lr"] = base * lam(0)
+            if name == "resume_lr_x2":
+                self.scheduler.base_lrs = [2 * b for b in self.scheduler.base_lrs]
+                for g, lam, base in zip(self.scheduler.optimizer.param_groups, self.scheduler.lr_lambdas,
+                                        self.scheduler.base_lrs):
+                    g["lr"] = base * lam(self.scheduler.last_epoch)
             if name == "resume_moe_bias_zero":
                 for _, moe in self.model.moe_layers():
                     moe.bias_E.zero_()
