@@ -166,7 +166,8 @@ def resumed(scheduler, configured: Schedule, base: list[float], step: int,
     schedule, line = continued(schedule_of(scheduler), configured, step, declared, peak_lr(scheduler))
     lines = [line] if line else []
     if base != list(scheduler.base_lrs):
-        lines.append(f"resume: the base LRs change at step {step + 1} (declared): "
+        # NOTE: the config's, declared (optim.lr) or not: a checkpoint whose base LRs are not its config's is corrected
+        lines.append(f"resume: the base LRs change at step {step + 1} to the config's (optim.lr × lr_scale): "
                      f"{', '.join(f'{b:g}' for b in scheduler.base_lrs)} -> {', '.join(f'{b:g}' for b in base)}")
     if not lines:
         return [], None

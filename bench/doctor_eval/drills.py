@@ -397,11 +397,6 @@ def patch(name: str) -> None:
                 for g, lam, base in zip(self.scheduler.optimizer.param_groups, self.scheduler.lr_lambdas,
                                         self.scheduler.base_lrs):
                     g["lr"] = base * lam(0)
-            if name == "resume_lr_x2":
-                self.scheduler.base_lrs = [2 * b for b in self.scheduler.base_lrs]
-                for g, lam, base in zip(self.scheduler.optimizer.param_groups, self.scheduler.lr_lambdas,
-                                        self.scheduler.base_lrs):
-                    g["lr"] = base * lam(self.scheduler.last_epoch)
             if name == "resume_moe_bias_zero":
                 for _, moe in self.model.moe_layers():
                     moe.bias_E.zero_()

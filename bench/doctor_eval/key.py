@@ -151,8 +151,6 @@ FAULTS = [
           what="resume restarts the LR schedule (warm-up again)"),
     Fault("resume_moe_bias_zero", "state.resume_fault", "backward/update", "resume", resume=True,
           what="resume zeroes the MoE balancing bias"),
-    Fault("resume_lr_x2", "state.resume_fault", "backward/update", "resume", resume=True,
-          what="resume restores the scheduler with every base LR ×2"),
     Fault("resume_config_change", "state.resume_fault", "backward/update", "resume", resume=True,
           resume_args=("optim.weight_decay=0.5",),
           what="resume with another optim.weight_decay, the resume's config check silenced (undeclared)"),
