@@ -208,7 +208,7 @@ def test_a_muon_update_off_its_multiplier_fails_the_optimizer_check(tmp_path):
     assert not any(r["spec"].get("fail") for r in recs[:S - 1])
     got = first_failure(recs[S - 1])
     assert got is not None and (got["check"], got["kind"], got["class"]) == ("optimizer", "update", "optim.settings"), got
-    assert got["where"].startswith("blocks.") and got["where"].endswith("weight"), got
+    assert got["where"].startswith("blocks."), got  # a hidden matrix: which one misses most is the float path's
 
 
 @pytest.mark.slow  # 2-process launches
