@@ -63,9 +63,25 @@ def cast_e4m3(x_scaled: torch.Tensor) -> torch.Tensor:
     return clamped.to(E4M3)
 
 
-def _scale(amax: torch.Tensor, qmax: float | torch.Tensor) -> torch.Tensor:
+_QMAX: dict[torch.device, torch.Tensor] = {}
+
+
+def qmax_on(device: torch.device) -> torch.Tensor:
+    """E4M3_MAX as a 0-d FP32 tensor on `device` (cached), the scale's divisor. NOTE: CUDA divides by a number
+    as a product with its reciprocal, and 1/448 is inexact, so amax/448 can come out one ulp off the quotient
+    (and x/s then round to the next E4M3 code); by a tensor on the device it is IEEE division on every device,
+    as the fused quantiser's (precision/quant_fused.py)."""
+    device = torch.device(device)
+    if device not in _QMAX:
+        _QMAX[device] = torch.full((), E4M3_MAX, dtype=torch.float32, device=device)
+    return _QMAX[device]
+
+
+def _scale(amax: torch.Tensor, qmax: torch.Tensor | None) -> torch.Tensor:
     # NOTE: NaN/inf amax passes through (clamp keeps NaN, inf/448 = inf): a non-finite input must
     # reach the output as non-finite, where the step's finite check sees it, not be quietly zeroed.
+    if qmax is None:  # inside a compiled model (its graph holds these ops): the number, as before
+        qmax = E4M3_MAX if torch.compiler.is_compiling() else qmax_on(amax.device)
     scale = amax.float().clamp(min=AMAX_FLOOR) / qmax
     if torch.compiler.is_compiling():  # a positive NaN, as eager's amax of |x| gives
         scale = torch.where(scale.isnan(), torch.nan, scale)
@@ -77,9 +93,9 @@ def _pad_to(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     return F.pad(x, (0, -C % cols, 0, -R % rows)) if (R % rows or C % cols) else x
 
 
-# The three groupings, x (R, C) -> (q, scale). qmax is E4M3_MAX, as a number here; the fused quantiser
+# The three groupings, x (R, C) -> (q, scale). qmax: E4M3_MAX on x's device (None); the fused quantiser
 # (precision/quant_fused.py) compiles these same functions and passes it as a tensor.
-def quantize_tiles(x: torch.Tensor, tile: int, qmax: float | torch.Tensor = E4M3_MAX):
+def quantize_tiles(x: torch.Tensor, tile: int, qmax: torch.Tensor | None = None):
     x = x.float()
     R, C = x.shape
     x_RGt = rearrange(_pad_to(x, 1, tile), "r (g t) -> r g t", t=tile)
@@ -88,7 +104,7 @@ def quantize_tiles(x: torch.Tensor, tile: int, qmax: float | torch.Tensor = E4M3
     return rearrange(q_RGt, "r g t -> r (g t)")[:, :C], scale_RG
 
 
-def quantize_blocks(x: torch.Tensor, tile: int, qmax: float | torch.Tensor = E4M3_MAX):
+def quantize_blocks(x: torch.Tensor, tile: int, qmax: torch.Tensor | None = None):
     x = x.float()
     R, C = x.shape
     x_pad = _pad_to(x, tile, tile)
@@ -102,7 +118,7 @@ def quantize_blocks(x: torch.Tensor, tile: int, qmax: float | torch.Tensor = E4M
     return rearrange(q_blk, "bn tn bk tk -> (bn tn) (bk tk)")[:R, :C], scale_NK
 
 
-def quantize_whole(x: torch.Tensor, tile: int, qmax: float | torch.Tensor = E4M3_MAX):
+def quantize_whole(x: torch.Tensor, tile: int, qmax: torch.Tensor | None = None):
     """tile: unused (one signature for the three groupings)."""
     x = x.float()
     scale = _scale(x.abs().amax() if x.numel() else x.new_zeros(()), qmax)

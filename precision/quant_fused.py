@@ -19,19 +19,22 @@ compiler behaviours, all kept out:
     would round differently: 448 comes in as a tensor (qmax), not a constant;
   - Triton's x / y is approximate: eager_numerics.division_rounding asks for IEEE division;
   - Inductor's CPU max and min set a NaN's sign bit: quant.py puts eager's NaN back under compile.
-WARN: the GPU side could not be run where it was written. So the first result of each (kind, tile, device
-type) is checked bit for bit against the eager quantiser; a mismatch, or a failure to compile, switches
-that one to the eager quantiser for the rest of the process, with one warning. `fused_status()` says which.
+The first result of each (kind, tile, device type) is checked bit for bit against the eager quantiser; a
+mismatch, or a failure to compile, switches that one to the eager quantiser for the rest of the process, with
+one warning. `fused_status()` says which. On an H200 (torch 2.11) that check found eager's own scale one ulp
+off (CUDA divides by a number through its reciprocal: quant.py now divides by qmax_on's tensor) and the
+shared recompile limit passed (_GLOBAL_LIMIT below).
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import warnings
 from collections.abc import Callable
 
 import torch
 
-from precision.quant import E4M3_MAX, GROUPINGS, TILE, QTensor, check_input
+from precision.quant import GROUPINGS, TILE, QTensor, check_input, qmax_on
 
 # NOTE: generous on purpose: the guards are a finite set (above) and a function past its limit goes eager
 # with a warning, so the limit only has to sit above what one run's operands reach.
@@ -41,11 +44,14 @@ _OPTIONS = {"eager_numerics.division_rounding": True}
 # recompile_limit between the kinds (all compile the closure below), and past it dynamo runs eagerly itself.
 _PER_CALL = {"recompile_limit": RECOMPILE_LIMIT, "isolate_recompiles": True}
 _COMPILE_KW = {k: v for k, v in _PER_CALL.items() if k in inspect.signature(torch.compile).parameters}
+# NOTE: without them (torch < 2.13), the global limit (8 by default) is raised while a fused call compiles: the kinds
+# and an operand's dtypes and layouts would otherwise pass it together (seen on torch 2.11 on a GPU)
+_GLOBAL_LIMIT = ({} if "recompile_limit" in _COMPILE_KW or not hasattr(torch._dynamo.config, "recompile_limit")
+                 else {"recompile_limit": RECOMPILE_LIMIT})
 
 Key = tuple[str, int, str]  # (kind, tile, device type)
 _STATE: dict[Key, Callable | str] = {}  # the compiled function, or why this key runs eagerly
 _CHECKED: set[Key] = set()             # keys whose first compiled result matched the eager one
-_QMAX: dict[torch.device, torch.Tensor] = {}
 
 
 def quantize_fused(x: torch.Tensor, kind: str, tile: int = TILE) -> QTensor:
@@ -65,8 +71,9 @@ def quantize_fused(x: torch.Tensor, kind: str, tile: int = TILE) -> QTensor:
     x_in = x.detach()
     torch._dynamo.maybe_mark_dynamic(x_in, (0, 1))
     try:
-        with torch.no_grad():
-            data, scale = fn(x_in, _qmax(x.device))
+        limit = torch._dynamo.config.patch(**_GLOBAL_LIMIT) if _GLOBAL_LIMIT else contextlib.nullcontext()
+        with torch.no_grad(), limit:
+            data, scale = fn(x_in, qmax_on(x.device))
     except torch.OutOfMemoryError:
         raise
     except _compile_errors() as e:
@@ -126,12 +133,6 @@ def _go_eager(key: Key, why: str) -> str:
     warnings.warn(f"precision.fused_quant: the compiled {key[0]} quantiser (tile {key[1]}, {key[2]}) runs eagerly "
                   f"from here on: {why}", RuntimeWarning, stacklevel=3)
     return why
-
-
-def _qmax(device: torch.device) -> torch.Tensor:
-    if device not in _QMAX:
-        _QMAX[device] = torch.tensor(E4M3_MAX, dtype=torch.float32, device=device)
-    return _QMAX[device]
 
 
 def _first_line(e: BaseException) -> str:

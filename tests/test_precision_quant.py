@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from einops import rearrange
 
 from model.moe import GroupedExperts
 from precision.fp8_gemm import emulated_gemm_nt, fast_path_status, gemm_nt
@@ -39,6 +40,26 @@ def wide_range(R: int, C: int, seed: int = 0) -> torch.Tensor:
 def test_quantize_matches_naive_group_loop(kind, rows, cols):
     x = wide_range(200, 300)  # 300 = 2 full tiles + a partial one; 200 rows = 1 full block + a partial
     assert torch.equal(dequantize(quantize(x, kind)), naive_quantize(x, rows, cols))
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["tile", "block", "tensor"])
+def test_the_scale_is_the_quotient_amax_over_448_correctly_rounded(kind, device):
+    """s = amax / 448 rounded once (IEEE division), on every device: CUDA divides by a number as a product with its
+    reciprocal, one ulp off for some amax (on an H200, and then x/s rounded to the next E4M3 code), and the fused
+    quantiser divides exactly: the two must agree bit for bit."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    x = wide_range(256, 384, seed=3).to(device)
+    q = quantize(x, kind)
+    groups = {"tile": "r (g t) -> r g t", "block": "(a i) (b j) -> a b (i j)", "tensor": "r c -> (r c)"}[kind]
+    amax = rearrange(x, groups, **({"t": 128} if kind == "tile" else {"i": 128, "j": 128} if kind == "block" else {}))
+    amax = amax.abs().amax(-1)
+    assert torch.equal(q.scale, (amax.double() / 448.0).float()), kind
+
 
 
 @pytest.mark.parametrize("kind", ["tile", "block"])

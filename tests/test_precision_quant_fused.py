@@ -223,3 +223,20 @@ def test_an_fp8_training_step_is_bit_equal_fused_or_not(name):
     assert all(torch.equal(a, b) for a, b in zip(g0, g1)) and all(torch.equal(a, b) for a, b in zip(p0, p1))
     assert not torch.equal(l0[0], l0[1])  # the step moved the weights
     assert all(v.startswith("compiled") for v in fused_status().values())
+
+
+@pytest.mark.slow  # four cold compiles
+def test_a_torch_without_per_call_limits_raises_the_global_one_while_compiling(fresh_state, monkeypatch):
+    """torch < 2.13 shares dynamo's global recompile limit (8) between the kinds, dtypes and layouts: on torch 2.11
+    on a GPU the tensor kind went eager past it. There the limit is raised while a fused call compiles: held here
+    on this torch with the per-call keywords taken away and the global limit at 2, below the 4 graphs compiled."""
+    monkeypatch.setattr(qf, "_COMPILE_KW", {})
+    monkeypatch.setattr(qf, "_GLOBAL_LIMIT", {"recompile_limit": qf.RECOMPILE_LIMIT})
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
+    torch._dynamo.reset()  # NOTE: the cache of the closure's code is shared with earlier tests' compiles
+    for dtype in (torch.float32, torch.bfloat16):
+        for transposed in (False, True):
+            x = torch.randn(R, C, generator=torch.Generator().manual_seed(2)).to(dtype)
+            x = x.t().contiguous().t() if transposed else x
+            assert_same_bits(quantize_fused(x, "tensor"), quantize(x, "tensor"))
+    assert fused_status()["tensor/128/cpu"].startswith("compiled"), fused_status()
