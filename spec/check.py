@@ -75,6 +75,21 @@ CHECKS: dict[str, type["Check"]] = {}
 _ARANGE: dict[tuple[int, str], Tensor] = {}
 
 
+def on_device(value, device, dtype: torch.dtype | None = None) -> Tensor:
+    """A host value (a Python number or list, or a tensor) as a tensor on `device`, the host not waiting for it.
+    NOTE: a copy to a CUDA device from pageable memory (torch.tensor(x, device=cuda), cpu_tensor.to(cuda))
+    synchronises: the host waits for every kernel queued before it, between the step's kernels
+    (tests/test_host_syncs.py on a GPU). A number is filled on the device (no copy); anything else goes through
+    pinned memory, asynchronously (torch's pinned allocator keeps the buffer until the copy has run)."""
+    device = torch.device(device)
+    if isinstance(value, (bool, int, float)):
+        return torch.full((), value, dtype=dtype or torch.float64, device=device)
+    t = torch.as_tensor(value, dtype=dtype)
+    if t.device.type == "cpu" and device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def _arange(n: int, device) -> Tensor:
     """0..n−1 in float64 on `device` (cached: the places a check measures are the same every step)."""
     key = (n, str(device))
@@ -127,7 +142,7 @@ class Check:
         if where is not None:
             self.where = where
         err = torch.atleast_1d(err).to(torch.float64)
-        tol = torch.atleast_1d(tol).to(err.device, torch.float64).expand_as(err)
+        tol = on_device(torch.atleast_1d(tol), err.device, torch.float64).expand_as(err)
         tol = tol.nan_to_num(nan=math.inf, posinf=math.inf, neginf=-math.inf)
         # NOTE: a tolerance that came out NaN (its scale is non-finite: upstream's miss) judges nothing (inf); a NaN or
         # infinite error is a miss whatever the tolerance (inf / inf and NaN / anything are NaN, made inf). One op
@@ -135,11 +150,12 @@ class Check:
         miss = (err / tol.clamp(min=1e-300)).nan_to_num(nan=math.inf, posinf=math.inf, neginf=-math.inf)
         at = miss.argmax()
         if torch.is_tensor(kind):
-            k = torch.atleast_1d(kind).to(err.device, torch.float64).expand_as(err)
+            k = on_device(torch.atleast_1d(kind), err.device, torch.float64).expand_as(err)
         else:
             names = list(self.kinds)
             k = torch.full_like(err, float(names.index(kind or names[0])))
-        self.out = torch.stack([miss, _arange(len(err), err.device), k, err, tol], 1)[at]
+        # NOTE: index_select, not [at]: a 0-d tensor as an index is read to the host (a wait on a GPU)
+        self.out = torch.stack([miss, _arange(len(err), err.device), k, err, tol], 1).index_select(0, at.reshape(1))[0]
 
     def kind_name(self, index: float) -> str:
         return list(self.kinds)[int(index)]

@@ -28,7 +28,7 @@ import time
 import torch
 import torch.distributed as tdist
 
-from spec.check import AFTER, BEFORE, REFERENCE, SpecContext
+from spec.check import AFTER, BEFORE, REFERENCE, SpecContext, on_device
 from spec.checks import registry
 from spec.probe import run_probe
 from stability.callbacks import Callback, StepState
@@ -96,7 +96,7 @@ class Conformance(Callback):
                     raise
                 c.raised = True
                 c.where = [f"{point}: {type(e).__name__}: {e}"[:300]]
-                c.out = torch.tensor([torch.inf, 0, 0, torch.inf, 1.0], dtype=torch.float64, device=s.n_valid_t.device)
+                c.out = on_device([torch.inf, 0, 0, torch.inf, 1.0], s.n_valid_t.device, torch.float64)
             c.seconds += time.perf_counter() - t0
 
     def took(self) -> tuple[float, dict[str, float]]:
@@ -168,8 +168,7 @@ class Conformance(Callback):
         if not checks:
             return
         dev = s.n_valid_t.device
-        rows = [c.out.to(dev) if c.out is not None else torch.tensor([-1.0, 0, 0, 0, 0], dtype=torch.float64, device=dev)
-                for c in checks]
+        rows = [on_device(c.out if c.out is not None else [-1.0, 0, 0, 0, 0], dev, torch.float64) for c in checks]
         table = torch.stack(rows)
         world = self.ctx.dist.world
         if world > 1:
@@ -179,7 +178,7 @@ class Conformance(Callback):
         else:
             table = table[None]
         s.host.put(**{f"spec/{phase}": table})
-        extra = {f"spec/{k}": v.to(dev) for c in checks for k, (_, v) in c.extra.items()}
+        extra = {f"spec/{k}": on_device(v, dev) for c in checks for k, (_, v) in c.extra.items()}
         for k, v in extra.items():
             if world > 1:
                 tdist.all_reduce(v, op=tdist.ReduceOp.MAX)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from spec.check import AFTER, BACKWARD, REFERENCE, Check, Kind
+from spec.check import AFTER, BACKWARD, REFERENCE, Check, Kind, on_device
 from spec.checks.forward import ForwardCheck, kind_of
 from spec.reference import Reference
 
@@ -55,7 +55,7 @@ class GradientCheck(Check):
         rel = self.tolerance(fwd, ref, run)
         got = [run.grads[n] for n in names]
         err = torch.stack([torch.dist(g, w) for g, w in zip(got, want)])  # ‖got − want‖, no difference stored
-        tol = rel.to(err) * torch.stack(torch._foreach_norm(want)) + 1e-300
+        tol = on_device(rel, err.device, err.dtype) * torch.stack(torch._foreach_norm(want)) + 1e-300
         self.places = (got, want, tol)
         self.aux = self.aux_miss(fwd, ref, run)
         self.measure(err, tol, where=names)

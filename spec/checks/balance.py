@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from spec.check import AFTER, STEP, UPDATE, Check, Kind
+from spec.check import AFTER, STEP, UPDATE, Check, Kind, on_device
 from spec.tolerance import U32
 
 
@@ -35,7 +35,7 @@ class BalanceCheck(Check):
 
     def end_step(self, s) -> None:
         coef_dev = self.ctx.coef_spec.device
-        skipped = ~self.ctx.norm_finite | torch.tensor(bool(s.vetoed), device=coef_dev)
+        skipped = ~self.ctx.norm_finite | on_device(bool(s.vetoed), coef_dev, torch.bool)
         errs, tols = [], []
         for i, m in self.layers:
             b0, b1 = self.start[i], m.bias_E.detach().double()
@@ -45,9 +45,9 @@ class BalanceCheck(Check):
             want = torch.where(skipped.to(b0.device), b0, want)
             err = (b1 - want).abs()
             tol = 4 * U32 * (b0.abs() + gamma) + 1e-300
-            j = (err / tol).argmax()
-            errs.append(err[j])
-            tols.append(tol[j])
+            j = (err / tol).argmax().reshape(1)  # index_select: a 0-d index tensor is read to the host
+            errs.append(err.index_select(0, j)[0])
+            tols.append(tol.index_select(0, j)[0])
         self.measure(torch.stack(errs), torch.stack(tols), "rule", where=self.where)
         self.start = {i: m.bias_E.detach().double().clone() for i, m in self.layers}
 

@@ -17,7 +17,7 @@ import math
 import torch
 import torch.distributed as tdist
 
-from spec.check import BEFORE, STEP, UPDATE, Check, Kind
+from spec.check import BEFORE, STEP, UPDATE, Check, Kind, _arange, on_device
 from spec.checks.state import module_state
 from spec.tolerance import LAMBDA, U32
 
@@ -45,7 +45,7 @@ class ClipCheck(Check):
         dev = local[0].device
         norms = torch.stack(torch._foreach_norm(local, 2)).double()
         if any(sharded):  # FSDP2: a shard's square summed over the ranks, a replicated tensor's counted once
-            shard = torch.tensor(sharded, device=dev)
+            shard = on_device(sharded, dev, torch.bool)
             sq_shard = torch.where(shard, norms.square(), 0.0).sum()
             tdist.all_reduce(sq_shard)
             sq = sq_shard + torch.where(shard, 0.0, norms.square()).sum()
@@ -104,4 +104,4 @@ class ClipCheck(Check):
         err = torch.stack([torch.where(finite, (upd.norm.double() - self.norm).abs(), zero),
                            torch.where(finite, (applied - spec).abs(), zero)])
         tol = torch.stack([rel * self.norm.abs(), rel_coef * spec]) + 1e-300
-        self.measure(err, tol, torch.tensor([0.0, 1.0]), where=["norm", "coef"])
+        self.measure(err, tol, _arange(2, err.device), where=["norm", "coef"])  # the kinds: gradient, coef

@@ -26,7 +26,7 @@ import zlib
 import torch
 import torch.distributed as tdist
 
-from spec.check import AFTER, BACKWARD, BEFORE, STEP, SYSTEM, Check, Kind
+from spec.check import AFTER, BACKWARD, BEFORE, STEP, SYSTEM, Check, Kind, on_device
 from spec.checks.forward import kind_of
 from spec.checks.precision import STORED, coarse_counts
 from spec.checks.state import STRIDE, _bits
@@ -130,7 +130,7 @@ class ReduceCheck(Check):
         # every parameter the config trains gets a gradient each step: no hook ran and no .grad, it got none
         fired = {n for n, _ in self.kept}
         none = [float(not (p.requires_grad and (n in fired or p.grad is not None))) for n, p in self.params]
-        missing = torch.tensor(none, dtype=torch.float64, device=err.device)
+        missing = on_device(none, err.device, torch.float64)
         worst = torch.maximum(worst, missing * 2)  # a miss of 2: one gradient absent, where there must be one
         names = list(self.kinds)
         kinds = torch.where(missing > 0, float(names.index("missing")),
@@ -144,7 +144,7 @@ class ReduceCheck(Check):
         step of a run)."""
         if getattr(self, "_order", (None,))[0] != order:
             at = torch.cat([torch.arange(self.offset[n], self.offset[n] + len(self.idx[n])) for n in order])
-            self._order = (order, at.to(device))
+            self._order = (order, on_device(at, device))
         return self._order[1]
 
     def classify(self, i: int) -> str:
@@ -190,4 +190,4 @@ class ReplicasCheck(Check):
         tdist.all_reduce(hi, op=tdist.ReduceOp.MAX)
         tdist.all_reduce(lo, op=tdist.ReduceOp.MIN)
         off = (hi != lo).any().double()  # the same computation on the same numbers gives the same bits
-        self.measure(off, torch.tensor(0.5, dtype=torch.float64), "replicas", where=["parameters"])
+        self.measure(off, torch.full_like(off, 0.5), "replicas", where=["parameters"])

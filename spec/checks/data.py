@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from spec.check import BEFORE, INPUT, STEP, Check, Kind
+from spec.check import BEFORE, INPUT, STEP, Check, Kind, on_device
 
 ASPECTS = ("ids", "definition", "tokens", "labels", "sources", "leak")
 _P = 0x100000001B3  # the FNV-1a 64-bit prime: a row's hash is Σ_t (token_t + 1)·P^t (mod 2^64)
@@ -37,7 +37,7 @@ def row_hashes(tokens_BT: Tensor) -> Tensor:
         for _ in range(T):
             powers.append(acc - (1 << 64) if acc >= (1 << 63) else acc)
             acc = (acc * _P) % (1 << 64)
-        _POWERS[T, str(dev)] = torch.tensor(powers, dtype=torch.int64, device=dev)
+        _POWERS[T, str(dev)] = on_device(powers, dev, torch.int64)
     return ((tokens_BT.long() + 1) * _POWERS[T, str(dev)]).sum(-1)
 
 
@@ -92,15 +92,17 @@ class DataCheck(Check):
         sources = torch.cat([m.sources for m in micro])
         ids = torch.cat([m.sample_ids for m in micro])
         shape_ok = tokens.shape == want.tokens.shape
-        wt, wl, ws = (want.tokens.to(dev), want.labels.to(dev), want.sources.to(dev))
-        bad_ids = (torch.tensor(float(s.first_id != plan), device=dev)
-                   + (ids != want.sample_ids.to(dev)).sum().double() if shape_ok else torch.tensor(1.0, device=dev))
+        wt, wl, ws = (on_device(want.tokens, dev), on_device(want.labels, dev), on_device(want.sources, dev))
+        bad_ids = (on_device(float(s.first_id != plan), dev)
+                   + (ids != on_device(want.sample_ids, dev)).sum().double() if shape_ok else on_device(1.0, dev))
         # the data the loader draws from is the config's (a drill or a bug may swap or re-weight it under the run)
         ds = self.ctx.loader.dataset
-        changed = torch.tensor(float(ds is not self.ctx.dataset or ds.fingerprint != self.fingerprint), device=dev)
+        changed = on_device(float(ds is not self.ctx.dataset or ds.fingerprint != self.fingerprint), dev)
         hashes = row_hashes(tokens)
-        leak_B = (torch.isin(hashes, self.val.to(dev)) if self.val.numel()
-                  else torch.zeros(tokens.shape[0], dtype=torch.bool, device=dev))
+        self.val = on_device(self.val, dev)  # once: then it is there
+        # NOTE: a binary search of the sorted validation hashes: torch.isin sorts and uniques (a wait on a GPU)
+        leak_B = (self.val[torch.searchsorted(self.val, hashes).clamp(max=len(self.val) - 1)] == hashes
+                  if self.val.numel() else torch.zeros(tokens.shape[0], dtype=torch.bool, device=dev))
         leaked = leak_B.sum()
         if shape_ok:
             row_bad = ((tokens != wt) | (labels != wl)).any(-1) | (sources != ws)
@@ -111,14 +113,14 @@ class DataCheck(Check):
                       ((sources != ws) & ~explained[:, 0]).sum()]
         else:
             row_bad = torch.ones(tokens.shape[0], dtype=torch.bool, device=dev)
-            counts = [torch.tensor(tokens.numel(), device=dev)] * 3
+            counts = [on_device(tokens.numel(), dev)] * 3
         err = torch.stack([bad_ids.double(), changed.double(), *[c.double() for c in counts], leaked.double()])
         kind = self.content_kind(hashes, sources, row_bad, dev)
         names = list(self.kinds)
 
-        kinds = torch.stack([torch.tensor(float(names.index("resume" if self.resumed else "cursor")), device=dev),
-                             torch.tensor(float(names.index("definition")), device=dev), kind, kind, kind,
-                             torch.tensor(float(names.index("leak")), device=dev)])
+        kinds = torch.stack([on_device(float(names.index("resume" if self.resumed else "cursor")), dev),
+                             on_device(float(names.index("definition")), dev), kind, kind, kind,
+                             on_device(float(names.index("leak")), dev)])
         # NOTE: exact comparisons: a miss is one element off, so the tolerance is half of one
         self.measure(err, torch.full_like(err, 0.5), kinds, where=list(ASPECTS))
         self.last, self.resumed = hashes, False
@@ -126,9 +128,9 @@ class DataCheck(Check):
     def content_kind(self, hashes: Tensor, sources: Tensor, row_bad: Tensor, dev) -> Tensor:
         """The kind of a content miss, decided on the device: the last step's rows again, or one source's only."""
         names = list(self.kinds)
-        idx = {k: torch.tensor(float(names.index(k)), device=dev) for k in ("corrupted", "repeated", "source")}
+        idx = {k: on_device(float(names.index(k)), dev) for k in ("corrupted", "repeated", "source")}
         repeated = (self.last is not None and self.last.shape == hashes.shape)
-        rep = (hashes == self.last.to(dev)).all() if repeated else torch.zeros((), dtype=torch.bool, device=dev)
+        rep = (hashes == self.last).all() if repeated else torch.zeros((), dtype=torch.bool, device=dev)
         big = torch.iinfo(torch.int64).max
         src_bad = torch.where(row_bad, sources, big)
         lo, hi = src_bad.min(), torch.where(row_bad, sources, -1).max()

@@ -26,7 +26,7 @@ import time
 import torch
 from torch import Tensor
 
-from spec.check import BACKWARD, BEFORE, FORWARD, STEP, Check, Kind
+from spec.check import BACKWARD, BEFORE, FORWARD, STEP, Check, Kind, on_device
 from spec.checks.forward import kind_of
 from spec.reference import F64, IGNORE
 from spec.tolerance import LAMBDA, U32, matmul_dtype, stage, u
@@ -98,7 +98,7 @@ class LossGradCheck(Check):
             owner = self._owner(tuple(counts), norms.device)
             if not fp16:
                 bad = bad.to(norms.device).index_add_(0, owner, (~torch.isfinite(norms)).float())
-            size = torch.tensor([max(n, 1) for n in self.sizes.values()], dtype=F64, device=norms.device)
+            size = on_device([max(n, 1) for n in self.sizes.values()], norms.device, F64)
             rms = (torch.zeros_like(size).index_add_(0, owner, norms.double().square()) / size).sqrt()
         # every layer's output RMS over the whole batch, every step: the per-step series that dates a forward fault
         # the reference checks find only at their next step (doctor/conformance.py)
@@ -146,14 +146,14 @@ class LossGradCheck(Check):
         zero = torch.zeros((), dtype=F64, device=want.device)
         # a non-finite input is upstream's miss, not this one's; a non-finite gradient from a finite one is FP16's
         # routine overflow under a loss scaler (the step skips), a miss without one
-        nonfinite = torch.tensor(0.0 if self.ctx.scaler is not None else torch.inf, dtype=F64, device=want.device)
+        nonfinite = on_device(0.0 if self.ctx.scaler is not None else torch.inf, want.device, F64)
         err = torch.where(~torch.isfinite(want).all(), zero,
                           torch.where(~torch.isfinite(got).all(), nonfinite, (got - want).norm()))
         tol = rel * mag + 1e-300
         self.place = (got, want, tol)
         layers = torch.where(bad.to(err.device) > 0, torch.inf, 0.0).double()
         names = list(self.kinds)
-        kinds = torch.tensor([float(names.index("nonfinite"))] * len(layers) + [0.0], dtype=F64)
+        kinds = on_device([float(names.index("nonfinite"))] * len(layers) + [0.0], err.device, F64)
         self.measure(torch.cat([layers, err.reshape(1)]), torch.cat([torch.full_like(layers, 0.5), tol.reshape(1)]),
                      kinds, where=[*self.norms, "norm.weight"])
         self.n_layers = len(layers)
@@ -162,7 +162,7 @@ class LossGradCheck(Check):
     def _owner(self, counts: tuple[int, ...], device) -> Tensor:
         """The layer of each kept sum (cached: the same every step but for a recomputed layer)."""
         if getattr(self, "_owners", (None,))[0] != (counts, str(device)):
-            owner = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts)).to(device)
+            owner = on_device(torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts)), device)
             self._owners = ((counts, str(device)), owner)
         return self._owners[1]
 

@@ -27,7 +27,7 @@ import math
 import torch
 from torch import Tensor
 
-from spec.check import AFTER, FORWARD, REFERENCE, Check, Kind
+from spec.check import AFTER, FORWARD, REFERENCE, Check, Kind, on_device
 from spec.reference import F64, IGNORE, Reference, losses, rms_norm
 from spec.tolerance import LAMBDA, U32, matmul_dtype, stage, u
 
@@ -104,8 +104,7 @@ class ForwardCheck(Check):
             mlp = LAMBDA * (stage(c.d_model, U32) * (1 + router_max) + stage(c.d_model, u_in) + stage(hidden, u_in)
                             + ew)
         else:
-            mlp = torch.tensor(LAMBDA * (stage(c.d_model, u_in) + stage(c.ffn_hidden, u_in) + ew), dtype=F64,
-                               device=attn.device)
+            mlp = on_device(LAMBDA * (stage(c.d_model, u_in) + stage(c.ffn_hidden, u_in) + ew), attn.device, F64)
         return {"attn": attn, "mlp": mlp, "norm": torch.full_like(attn, LAMBDA * stage(c.d_model, U32))}
 
     def head_tolerance(self, vocab: int) -> float:
@@ -189,7 +188,7 @@ class ForwardCheck(Check):
         """(err, tol, scale, place) of one layer's output against its reference, normwise, on the device."""
         want = want.detach()
         scale = want.norm()
-        tol = rel_tol.to(scale) * scale + 1e-300
+        tol = on_device(rel_tol, scale.device, scale.dtype) * scale + 1e-300
         return (got - want).norm(), tol, scale, (got, want, tol, extra)
 
 

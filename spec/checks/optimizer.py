@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from optim.groups import group_of
-from spec.check import AFTER, STEP, SYSTEM, UPDATE, Check, Kind
+from spec.check import AFTER, STEP, SYSTEM, UPDATE, Check, Kind, on_device
 from spec.muon_ref import orthogonalised, row_parts
 from spec.schedule import group_settings, lr_at
 from spec.tolerance import LAMBDA, U32, stage, u
@@ -121,10 +121,10 @@ class OptimizerCheck(Check):
         # AdamW's count per parameter (a scalar tensor, on the parameter's device when fused); −1: none
         steps = [st["step"] if "step" in st else None for st in states]
         if all(t is not None and t.device == steps[0].device for t in steps):
-            out["step"] = torch.stack(steps).to(dev, F64).reshape(-1)
+            out["step"] = on_device(torch.stack(steps), dev, F64).reshape(-1)  # AdamW keeps counts on the CPU
         else:
-            out["step"] = torch.stack([t.to(dev, F64).reshape(()) if t is not None
-                                       else torch.tensor(-1.0, dtype=F64, device=dev) for t in steps])
+            out["step"] = torch.stack([on_device(t, dev, F64).reshape(()) if t is not None
+                                       else on_device(-1.0, dev, F64) for t in steps])
         return out
 
     def before_batch(self, s) -> None:
@@ -197,12 +197,12 @@ class OptimizerCheck(Check):
         cfg, a = self.ctx.cfg, self.start
         b = self.snapshot()
         b1, b2 = (float(x) for x in cfg.optim.betas)
-        eps, t = float(cfg.optim.eps), self.updates.to(a["w"].device) + 1  # a 0-d tensor: the count stays there
+        eps, t = float(cfg.optim.eps), on_device(self.updates, a["w"].device) + 1  # a 0-d tensor: the count stays there
         coef = self.ctx.coef_spec.double()
-        skipped = ~self.ctx.norm_finite | torch.tensor(bool(s.vetoed), device=coef.device)
+        skipped = ~self.ctx.norm_finite | on_device(bool(s.vetoed), coef.device, torch.bool)
         # the schedule's LR of each group (a few), spread to the probe elements of its parameters
-        lr = torch.tensor([lr_at(cfg, g, s.step, self.ctx.schedule) for g in self.group_names], dtype=F64)
-        lr, wd = lr.to(a["w"].device)[self.group_of], self.wd.to(a["w"].device)
+        lr = on_device([lr_at(cfg, g, s.step, self.ctx.schedule) for g in self.group_names], a["w"].device, F64)
+        lr, wd = lr[self.group_of], self.wd.to(a["w"].device)
         has_g = ~self.g0.isnan()
         g = torch.where(has_g, coef.to(self.g0.device) * self.g0, 0.0)
         clip = self.qk_factor(s.qk_clip, g)

@@ -19,7 +19,7 @@ import time
 import torch
 from torch import Tensor
 
-from spec.check import AFTER, BEFORE, FORWARD, REFERENCE, STEP, Check, Kind
+from spec.check import AFTER, BEFORE, FORWARD, REFERENCE, STEP, Check, Kind, on_device
 from spec.probe import PROBE_TOKENS
 from spec.reference import F64
 from spec.tolerance import LAMBDA, U32, stage
@@ -106,13 +106,13 @@ def compare(check: Check, rows: dict[int, tuple[Tensor, Tensor, Tensor | None]],
         x, ids, given = rows[i]
         ranked_EN = None
         if ids.shape[-1] != k_spec:  # the router chose another number of experts than the config's top_k
-            errs.append(torch.tensor(torch.inf, dtype=F64, device=ids.device))
-            tols.append(torch.tensor(0.5, dtype=F64, device=ids.device))
+            errs.append(on_device(torch.inf, ids.device, F64))
+            tols.append(on_device(0.5, ids.device, F64))
             where.append(f"moe{i}")
             check.places.append((None, ids, given))
             continue
         if given is not None:  # anticipatory routing: the specification is the routes given, no router to rerun
-            err, tol = (given.to(ids.device) != ids).sum().double(), torch.tensor(0.5, dtype=F64, device=ids.device)
+            err, tol = (given.to(ids.device) != ids).sum().double(), on_device(0.5, ids.device, F64)
         else:
             x, ids = x.to(F64), ids.to(x.device)
             b = (bias[i] if bias is not None else moe.bias_E.detach()).to(x.device, F64)

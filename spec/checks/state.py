@@ -25,7 +25,7 @@ import math
 import torch
 from torch import Tensor
 
-from spec.check import BACKWARD, BEFORE, STEP, Check, Kind
+from spec.check import BACKWARD, BEFORE, STEP, Check, Kind, on_device
 from spec.tolerance import LAMBDA, U32
 
 STRIDE = 61  # a prime: the sample meets every row and column pattern of a tensor
@@ -109,10 +109,10 @@ class ContinuityCheck(Check):
         index = {k: i for i, k in enumerate(self.kinds)}
         return marks, norms, [index[k] for _, k, _ in items]
 
-    def _kinds(self, kinds: list[int]) -> Tensor:
-        """The kinds as a tensor (cached: the same list every step while the state's tensors stay)."""
+    def _kinds(self, kinds: list[int], device) -> Tensor:
+        """The kinds as a tensor on `device` (cached: the same list every step while the state's tensors stay)."""
         if getattr(self, "_kinds_of", (None,))[0] != kinds:
-            self._kinds_of = (kinds, torch.tensor(kinds, dtype=torch.float64))
+            self._kinds_of = (kinds, on_device(kinds, device, torch.float64))
         return self._kinds_of[1]
 
     def counter(self) -> float:
@@ -148,9 +148,10 @@ class ContinuityCheck(Check):
                 gone = sorted(set(m[0] for m in then) ^ set(m[0] for m in now))
                 self.measure(torch.tensor([1.0], **f64), torch.tensor([0.5], **f64), "state", where=gone[:1])
             else:
-                kinds = self._kinds(kinds + [list(self.kinds).index("schedule")])
-                err = torch.tensor([float(a[1:] != b[1:]) for a, b in zip(now, then)] + [float(counter_off)], **f64)
-                moved = (norms != norms_then).double().to(err.device)  # the parameters and buffers come first
+                kinds = self._kinds(kinds + [list(self.kinds).index("schedule")], norms.device)
+                err = on_device([float(a[1:] != b[1:]) for a, b in zip(now, then)] + [float(counter_off)],
+                                norms.device, torch.float64)
+                moved = (norms != norms_then).double()  # the parameters and buffers come first
                 err = torch.cat([torch.maximum(err[:len(moved)], moved), err[len(moved):]])
                 self.measure(err, torch.full_like(err, 0.5), kinds,
                              where=[m[0] for m in now] + ["scheduler.last_epoch"])
