@@ -42,3 +42,18 @@ def test_gpu_train_dry_run_measures_train_py_and_the_table_reads_it(tmp_path, mo
     # a part that left no JSON is a row that says so, not a row left out
     assert "not run: no fp8_block run in gpu_precision.json" in rows["fp8_block vs bf16 (bench.gpu.precision)"]
     assert "not run: no gpu_moe.json" in text and "not run: no quant_fused.json" in text
+
+
+def test_spec_clean_dry_run_reports_every_check_and_the_table_reads_it(tmp_path):
+    """bench/gpu/spec_clean.py's code path on the CPU: train.py runs clean, the JSON holds each check's worst
+    err/tol (the reference checks among them at spec.every=2), and the table's row says no check failed."""
+    out = tmp_path / "gpu_spec.json"
+    r = subprocess.run([sys.executable, "-m", "bench.gpu.spec_clean", "--dry-run", "--only", "fp32", "--json", str(out)],
+                       cwd=ROOT, env=env(), capture_output=True, text=True, timeout=HANG_S)
+    assert r.returncode == 0, r.stderr[-3000:]
+    (run,) = json.loads(out.read_text())
+    assert run["rc"] == 0 and run["steps"] == 4 and run["failed"] == 0 and run["ref_steps"] >= 2, run
+    assert {"continuity", "data", "forward", "gradient", "optimizer"} <= set(run["miss"])
+    assert 0 < max(run["miss"].values()) <= 1
+    name, figure, _, ok = gpu_table.spec_row(json.loads(out.read_text()))
+    assert figure.startswith("failed in 0") and ok == gpu_table.met(True), (name, figure, ok)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every GPU check of issues 16 and 28 in one go, under 8 minutes on one H200 (each part under its own time cap),
+# Every GPU check of issues 16, 28 and 35 in one go, under 11 minutes on one H200 (each part under its own time cap),
 # ending in one table (bench/gpu/table.py: part, figure, goal, met?):
 #   1. BF16 MFU of a ~125M dense model, the bare step compiled: tokens/s, MFU vs 989 TFLOPS (bench/gpu/mfu.py)
 #   2. train.py itself on that model and batch, guard and telemetry at their defaults: tokens/s, MFU beside
@@ -9,7 +9,9 @@
 #   4. MoE grouped GEMM vs the per-expert loop vs a dense twin of equal active FLOPs, bf16 (bench/speed/moe_speed.py)
 #   5. the fused FP8 quantiser vs the eager one (issue 28): ms a call, bits equal, cold compile
 #      (bench/speed/quant_fused.py)
-#   6. the `-m gpu` tests
+#   6. the specification checks (spec/) on clean runs of train.py under every recipe: no check fails, each one's
+#      worst err/tol (bench/gpu/spec_clean.py)
+#   7. the `-m gpu` tests
 #
 #   bash bench/gpu/all.sh              # on the GPU machine; under $OUT (else bench/out): each part's table (*.md, under
 #                                      # bench/report.py's header, as docs/results/ keeps them), its figures (*.json),
@@ -66,9 +68,10 @@ if [[ $DRY == 1 ]]; then
     --no-compile --json "$RES/gpu_moe.json" --out "$RES/gpu_moe.md"
   part quant_fused 300 "$PY" -m bench.speed.quant_fused --device cpu --quick --json "$RES/quant_fused.json" \
     --out "$RES/quant_fused.md"
+  part spec 300 "$PY" -m bench.gpu.spec_clean --dry-run --only fp32 --json "$RES/gpu_spec.json" --out "$RES/gpu_spec.md"
   part gpu_tests 300 "$PY" -m pytest -q -m gpu tests/test_precision_recipes.py tests/test_precision_quant.py
 else
-  # The caps (the table's included) sum to 440 s: the 8 minutes less the CUDA check and the device line
+  # The caps (the table's included) sum to 620 s: the 11 minutes less the CUDA check and the device line
   # before the first part (an import of torch each), with margin. What was cut, and why:
   # - mfu: the compiled arm only: train.py is compared with it; the eager arm says only what compile buys.
   # - quant_fused: 5 rounds, not 15: its figures are ratios, and each row's cold compile is the cost.
@@ -88,6 +91,8 @@ else
   # NOTE: ten rows, each a Triton compile where its kind, layout or size class is new (cold cache)
   part quant_fused 50 "$PY" -m bench.speed.quant_fused --device cuda --rounds 5 --json "$RES/quant_fused.json" \
     --out "$RES/quant_fused.md"
+  # 9 launches of train.py, 24 steps each, a reference step every 2 (one with a cold compile)
+  part spec 180 "$PY" -m bench.gpu.spec_clean --steps 24 --json "$RES/gpu_spec.json" --out "$RES/gpu_spec.md"
   part gpu_tests 45 "$PY" -m pytest -q -m gpu tests/
 fi
 part table 15 "$PY" -m bench.gpu.table "$RES" --out "$RES/gpu_table.md" $([[ $DRY == 1 ]] && echo --dry-run)

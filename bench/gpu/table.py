@@ -5,8 +5,8 @@
 
 Reads what each part left in DIR (a missing file is a row that says so): gpu_mfu.json (bench.gpu.mfu, the
 bare step), gpu_train.json (bench.gpu.train, train.py itself), gpu_precision.json (bench.gpu.precision),
-gpu_moe.json (bench.speed.moe_speed --json), quant_fused.json (bench.speed.quant_fused --json) and gpu_parts.tsv (each
-part's exit status, seconds and cap, from bench/gpu/all.sh). The goals are read from the scripts that declare them.
+gpu_moe.json (bench.speed.moe_speed --json), quant_fused.json (bench.speed.quant_fused --json), gpu_spec.json
+(bench.gpu.spec_clean) and gpu_parts.tsv (each part's exit status, seconds and cap, from bench/gpu/all.sh). The goals are read from the scripts that declare them.
 Prints the table under the device, torch, CUDA and Transformer Engine versions; --out writes it (markdown)
 under bench/report.py's header (machine, date, commit, load average, command), as docs/results/ keeps it.
 """
@@ -127,11 +127,23 @@ def quant_row(q: dict | None) -> Row:
             met(all(r["equal"] for r in rs)))
 
 
+def spec_row(runs: list[dict] | None) -> Row:
+    goal = "no check fails on a clean run (issue 35)"
+    if not runs:
+        return "specification checks, clean runs (bench.gpu.spec_clean)", MISSING.format("gpu_spec.json"), goal, met(None)
+    ran = [r for r in runs if r.get("rc") == 0]
+    worst = max((v for r in ran for v in r["miss"].values()), default=0.0)
+    bad = [r["name"] for r in runs if r.get("rc") not in (0, None) or r.get("failed")]
+    return (f"specification checks, {len(ran)} clean configurations (bench.gpu.spec_clean)",
+            f"failed in {len(bad)}{': ' + ', '.join(bad) if bad else ''}; worst err/tol {worst:.2g}", goal,
+            met(not bad and bool(ran)))
+
+
 def rows(d: Path) -> list[Row]:
     arms = load(d, "gpu_mfu.json")
     out = [bare_row(arms), *train_rows(load(d, "gpu_train.json"), arms),
            *precision_rows(load(d, "gpu_precision.json")), moe_row(load(d, "gpu_moe.json")),
-           quant_row(load(d, "quant_fused.json"))]
+           quant_row(load(d, "quant_fused.json")), spec_row(load(d, "gpu_spec.json"))]
     tests = parts_run(d).get("gpu_tests")
     if tests:
         out.append(("`-m gpu` tests", f"exit {tests[0]}", "pass", met(tests[0] == 0)))
