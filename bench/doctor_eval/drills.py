@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from bench import ROOT
+from bench.doctor_eval import step_patches
 from bench.doctor_eval.key import BY_NAME
 
 S = int(os.environ.get("BALLAST_DRILL_STEP", "60"))  # the fault step (this process's job)
@@ -377,6 +378,8 @@ def patch(name: str) -> None:
 
     if name == "rank1_grad_x3":  # rank 1's buckets scaled inside DDP's reduction, before the all-reduce
         scale_rank_bucket(1, 3.0, lambda: Clock.step == S)
+
+    step_patches.patch(name, Clock, S)  # the step's arithmetic (bench/doctor_eval/step_patches.py)
 
     if name == "resume_config_change":  # the check that would refuse the resume says nothing
         from checkpoint import checkpointer

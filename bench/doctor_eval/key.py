@@ -87,6 +87,10 @@ FAULTS = [
           what="block2's attention RMSNorm ε 1e-5 → 1e-1 from S on (its module's, not the config's)"),
     Fault("emb_output_scaled", "numerics.activation_outlier", "forward", "forward",
           what="the token embedding's output ×√d_model from S on (a forward hook: a scaling the model does not have)"),
+    Fault("attn_scale_d", "numerics.mismatch", "forward", "forward",
+          what="block1's attention scores scaled by 1/d_head instead of 1/√d_head from S on (its kernel call)"),
+    Fault("attn_bf16_kernel_sustained", "numerics.precision", "forward", "forward",
+          what="block2's attention kernel runs on q, k, v rounded to bf16 from S on (every value finite)"),
     Fault("rope_theta_x10_sustained", "numerics.mismatch", "forward", "forward",
           what="the model's RoPE tables recomputed with θ ×10 from S on (its buffers, not the config)"),
     # backward / update
@@ -119,6 +123,12 @@ FAULTS = [
           what="step S's second micro-batch's backward never runs (its loss counted, its gradient lost)"),
     Fault("grad_bf16_sustained", "numerics.precision", "backward/update", "update",
           what="every parameter's .grad rounded to bf16 after each accumulation from S on (every value finite)"),
+    Fault("loss_all_positions", "optim.gradient_spike", "backward/update", "update",
+          what="from S on, the token count the step divides its loss by counts every position, the ignored ones too"),
+    Fault("exp_avg_sq_bf16_sustained", "numerics.precision", "backward/update", "update",
+          what="every AdamW exp_avg_sq rounded to bf16 after each update from S on (every value finite)"),
+    Fault("wd_on_no_decay", "optim.settings", "backward/update", "update",
+          what="the no_decay group's weight decay set to the decay group's from S on (norm gains, embeddings decayed)"),
     # MoE: the expert loads stay where they were
     Fault("moe_gates_unnormalised", "moe.routing", "forward", "moe",
           what="block1's MoE stops renormalising its top-k gates from S on (its module's setting, not the config)"),
@@ -158,6 +168,8 @@ FAULTS = [
     Fault("rank1_other_data", "rank.data", "input", "rank", nproc=2, what="rank 1 reads samples 5000 further on"),
     Fault("rank1_grad_x3", "system.rank_divergence", "system", "rank", nproc=2,
           what="rank 1's gradient buckets ×3 before the all-reduce (a DDP communication hook), one step"),
+    Fault("rank1_lr_x2", "system.rank_divergence", "system", "rank", nproc=2,
+          what="rank 1's optimizer runs at twice every group's LR from S on (rank 0 on schedule)"),
     Fault("rank0_param_drift", "system.rank_divergence", "system", "rank", nproc=2,
           what="rank 0's block0.mlp weights get noise after the update of S (the replicas part)"),
     # system
