@@ -49,6 +49,9 @@ FAULTS = {
     "emb_grad_zero": ("gradient", None, "mismatch"),  # a gradient erased (factor 0) is another one, not a scaled copy
     "grad_bf16": ("reduce", "blocks.0.mlp.w_down.weight", "precision"),  # .grad rounded after the backward: a cast
     "aux_coef": ("gradient", None, "balancing"),  # the MoE balancing coefficient ×100 in the module, not the config
+    "n_all_positions": ("loss_grad", "norm.weight", "scaled"),  # the step's token count counts the ignored labels too
+    "v_bf16": ("optimizer", None, "precision"),  # exp_avg_sq rounded to bf16 after the update: kept coarser
+    "lr_rank1": ("lr", None, "rank"),  # rank 1's LRs ×2, rank 0's on schedule
 }
 RESUME = {"resume_lost_moments": ("continuity", None, "resume")}  # planted on a resume from step S − 1
 # a component built otherwise than its config says, so from step 1 (STEP is not read): tests/test_spec.py
@@ -225,6 +228,10 @@ def plant(name: str, S: int) -> None:
                 if "exp_avg_sq" in st:
                     st["exp_avg_sq"].div_(16.0)
         out = orig_apply(params, optimizer, *a, **k)
+        if name == "v_bf16" and Clock.step == S:
+            for st in optimizer.state.values():
+                if "exp_avg_sq" in st:
+                    st["exp_avg_sq"].copy_(st["exp_avg_sq"].bfloat16())
         if name == "replica_drift" and Clock.step == S and int(os.environ.get("RANK", "0")) == 0:
             with torch.no_grad():  # one replica's copy changed after its update (the others keep theirs)
                 models[0].blocks[0].mlp.w_down.weight.mul_(1.001)
@@ -274,16 +281,27 @@ def plant(name: str, S: int) -> None:
             as_built(self, MODEL_BUILDS[name](cfg))
         Transformer.__init__ = built
 
-    if name == "lr_x3":
+    if name in ("lr_x3", "lr_rank1"):
         from torch.optim.lr_scheduler import LambdaLR
         orig_step = LambdaLR.step
 
         def sstep(self, *aa, **kk):
             orig_step(self, *aa, **kk)
-            if Clock.step >= S - 1:
+            if Clock.step >= S - 1 and (name == "lr_x3" or int(os.environ.get("RANK", "0")) == 1):
                 for g in self.optimizer.param_groups:
-                    g["lr"] *= 3.0
+                    g["lr"] *= 3.0 if name == "lr_x3" else 2.0
         LambdaLR.step = sstep
+
+    if name == "n_all_positions":  # from step S on, the count the loss is divided by counts every position
+        import optim.accumulate as acc
+        orig_count = acc.count_valid_tokens
+
+        def count(micro, device):
+            if Clock.step < S:
+                return orig_count(micro, device)
+            n = torch.tensor([float(sum(mb.labels.numel() for mb in micro))], dtype=torch.float64)
+            return acc.all_reduce_sum(n.to(device))
+        acc.count_valid_tokens = count
 
     if name == "resume_lost_moments":  # a resume that loads the model but drops Adam's moments
         from checkpoint import state as state_mod

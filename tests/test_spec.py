@@ -37,7 +37,8 @@ def first_failure(rec: dict) -> dict | None:
     return fails[0] if fails else None
 
 
-SINGLE = [f for f in FAULTS if f not in ("reduce_rank1", "replica_drift")]
+ONE_RANK = ("replica_drift", "lr_rank1")  # 2 processes: one rank's copy or setting changed, the other's not
+SINGLE = [f for f in FAULTS if f not in ("reduce_rank1", *ONE_RANK)]
 
 
 @pytest.fixture(scope="module")
@@ -236,16 +237,18 @@ def test_a_reduction_that_drops_one_ranks_share_fails_the_reduce_check(tmp_path)
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_one_replica_changed_after_its_update_is_a_rank_divergence(tmp_path):
-    """Rank 0's copy of a weight moved after the update (the other rank's did not): the optimizer's algebra fails on
-    that rank alone, which makes it that rank's copy (system.rank_divergence), not a setting every rank runs."""
-    recs = plant(tmp_path, "replica_drift", nproc=2)
+@pytest.mark.parametrize("fault", ONE_RANK)
+def test_one_rank_changed_is_a_rank_divergence(tmp_path, fault):
+    """Rank 0's copy of a weight moved after the update, or rank 1's LRs doubled (the other rank's not): the check
+    fails on that rank alone, which makes it that rank's copy or setting (system.rank_divergence), not a setting
+    every rank runs."""
+    recs = plant(tmp_path, fault, nproc=2)
     for rec in recs[:S - 1]:
         assert not rec["spec"].get("fail"), (rec["step"], rec["spec"]["fail"])
     got = first_failure(recs[S - 1])
-    check, where, kind = FAULTS["replica_drift"]
-    assert got is not None and (got["check"], got["where"], got["kind"], got["class"]) == (
-        check, where, kind, "system.rank_divergence"), got
+    check, where, kind = FAULTS[fault]
+    assert got is not None and (got["check"], got["kind"], got["class"]) == (check, kind, "system.rank_divergence"), got
+    assert where is None or got["where"] == where, got
 
 
 @pytest.mark.slow  # three runs, two of them resumes

@@ -28,7 +28,7 @@ import torch.distributed as tdist
 
 from spec.check import AFTER, BACKWARD, BEFORE, STEP, SYSTEM, Check, Kind, on_device
 from spec.checks.forward import kind_of
-from spec.checks.precision import STORED, coarse_counts
+from spec.checks.precision import on_coarser_grid
 from spec.checks.state import STRIDE, _bits
 from spec.tolerance import LAMBDA, U32
 
@@ -161,15 +161,6 @@ class ReduceCheck(Check):
         if self.ctx.dist.world > 1:
             return "reduce"
         return "scaled" if kind == "scaled" else "written"
-
-
-def on_coarser_grid(values: torch.Tensor, dtype: torch.dtype) -> bool:
-    """Every one of `values` (float64 copies of a `dtype` tensor's elements) a normal number of `dtype` whose low bits
-    a rounding to a coarser format zeroes (spec/checks/precision.py), and at least one of them normal."""
-    if dtype not in STORED:
-        return False
-    k, n = coarse_counts(values.to(dtype)[None])
-    return bool(n[0] > 0) and bool(k[0] == n[0]) and n[0] == values.numel()
 
 
 class ReplicasCheck(Check):

@@ -7,12 +7,13 @@ The final RMSNorm's gain γ meets the loss only through the logits, so from the 
 from the step's forward by a hook on the final norm) its gradient is exact arithmetic, with no model to rerun:
 
     x̂ = h / √(mean(h²) + ε)    logits = (γ ⊙ x̂)·Wᵀ    p = softmax(logits)    lse = log Σ exp(logits)
-    ∂obj/∂logits = (world / N)·((1 + 2z·lse)·p − onehot(label))   on valid labels (N: the step's global count)
+    ∂obj/∂logits = (world / N)·((1 + 2z·lse)·p − onehot(label))   on valid labels (N: the global count of them)
     ∂obj/∂γ = Σ_tokens (∂obj/∂logits · W) ⊙ x̂,   summed over micro-batches, averaged over ranks
 
 This is the course's token normalisation (Σ loss, Σ count, one division), the z-loss and the labels the step
 used, checked against what the optimizer receives — a hook that scales gradients, a wrong N, a micro-batch
-dropped or counted twice. The tolerance bounds the rounding of the sum by its terms' magnitudes: λ·(the stages' unit
+dropped or counted twice. N is the check's own count of the step's valid labels (the data check holds them to the
+specification's), summed over the ranks: never the count the step divided by. The tolerance bounds the rounding of the sum by its terms' magnitudes: λ·(the stages' unit
 roundoffs) × Σ_tokens |∂obj/∂logits|₁·max|W|·‖x̂‖ (≥ ‖Σ_tokens |∂obj/∂logits|·|W| ⊙ |x̂|‖, the same sum with every
 term's magnitude), so cancellation between tokens cannot make it tight. The closed form is computed in FP32, the
 path's own precision, so the tolerance counts the roundings of both sides. Under FP16 loss scaling the gain's
@@ -105,9 +106,9 @@ class LossGradCheck(Check):
         self.extra["out_rms"] = (list(self.norms), rms)
         gamma, W = _full(model.norm.weight).detach().float(), _full(model.head.weight).detach().float()
         z, world = float(self.ctx.cfg.train.z_loss), self.ctx.dist.world
-        scale = world / s.n_valid_t.to(F64).reshape(())
-        if self.ctx.scaler is not None:
-            scale = scale * float(self.ctx.scaler.scale)
+        # NOTE: per rank, unnormalised; the sums over the ranks are divided by N below (world/N per rank, then the
+        # ranks' mean, as the step does)
+        scale = float(self.ctx.scaler.scale) if self.ctx.scaler is not None else 1.0
         h = torch.cat([x.reshape(-1, x.shape[-1]) for x in self.h]).float()  # every micro-batch's tokens, (N, D)
         labels = torch.cat([mb.labels.reshape(-1) for mb in s.micro])
         valid = labels != IGNORE
@@ -131,11 +132,14 @@ class LossGradCheck(Check):
         mag = (l1 * r * ms.sqrt()).sum().double() * math.sqrt(h.shape[-1]) * scale * W.abs().max().double()
         lo, hi = torch.aminmax(logits)
         lmax = torch.maximum(hi, -lo)
+        n = valid.sum().to(F64).reshape(1)  # this rank's valid labels
         if world > 1:
             import torch.distributed as tdist
-            tdist.all_reduce(want)
-            tdist.all_reduce(mag)
-            want, mag = want / world, mag / world
+            sums = torch.cat([want, mag.reshape(1), n])
+            tdist.all_reduce(sums)  # the ranks' sums, and N, in one collective
+            want, mag, n = sums[:-2], sums[-2], sums[-1:]
+        n = n.clamp(min=1).reshape(())
+        want, mag = want / n, mag / n
         got = _full(model.norm.weight.grad).to(F64) if model.norm.weight.grad is not None else torch.zeros_like(want)
         u_in = u(matmul_dtype(self.ctx.recipe, self.ctx.cfg.parallel.param_dtype))
         n_tok = labels.numel()

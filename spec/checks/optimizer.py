@@ -33,6 +33,7 @@ from torch import Tensor
 
 from optim.groups import group_of
 from spec.check import AFTER, STEP, SYSTEM, UPDATE, Check, Kind, on_device
+from spec.checks.precision import on_coarser_grid
 from spec.muon_ref import orthogonalised, row_parts
 from spec.schedule import group_settings, lr_at
 from spec.tolerance import LAMBDA, U32, stage, u
@@ -58,6 +59,9 @@ class OptimizerCheck(Check):
              "update": Kind("optim.settings", "the named parameter's update is not the configured optimizer's: "
                                               "a setting (weight decay, eps, betas), its param group (the config's "
                                               "optim.groups rules) or a multiplier changed"),
+             "precision": Kind("numerics.precision", "the named parameter's optimizer state is kept coarser than "
+                                                     "the recipe's FP32: its moments on a coarser format's grid (a "
+                                                     "cast, a low-precision state)"),
              "rank": Kind("system.rank_divergence", "one rank's parameters or optimizer state left the algebra the "
                                                     "others followed: that rank's copy was changed", layer=SYSTEM)}
 
@@ -264,6 +268,11 @@ class OptimizerCheck(Check):
         if not bool(state_first[i]):
             return "update"
         own = self.owner == i
+        # NOTE: a moment whose every probe element lies on a coarser format's grid (its low bits zero: the precision
+        # check's own test, by chance 2^-13 an element) was rounded there: the state is kept in a lower precision
+        dtype = self.params[i][1].dtype
+        if any(on_coarser_grid(got[own], dtype) for got, *_ in moments):
+            return "precision"
         if bool(miscounted[i]) or bool(still[own].any()):  # a count off, or a state that moved when nothing may
             return "state"
         mine = (self.group_of == self.group_of[own][0]) & ~still

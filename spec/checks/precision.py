@@ -69,6 +69,15 @@ def coarse_counts(y: Tensor) -> tuple[Tensor, Tensor]:
     return coarse.sum(-1, dtype=torch.float64), counted.sum(-1, dtype=torch.float64)
 
 
+def on_coarser_grid(values: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Every one of `values` (float64 copies of a `dtype` tensor's elements) a normal number of `dtype` whose low bits
+    a rounding to a coarser format zeroes (coarse_counts), and at least one of them normal."""
+    if dtype not in STORED:
+        return False
+    k, n = coarse_counts(values.to(dtype)[None])
+    return bool(n[0] > 0) and bool(k[0] == n[0]) and n[0] == values.numel()
+
+
 class PrecisionCheck(Check):
     name, layer, cadence, phase = "precision", FORWARD, STEP, BEFORE
     rank = 22

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from spec.check import BEFORE, STEP, UPDATE, Check, Kind
+from spec.check import BEFORE, STEP, SYSTEM, UPDATE, Check, Kind
 from spec.schedule import continued, fields, lr_at
 
 TOL = 1e-12
@@ -20,7 +20,10 @@ class ScheduleCheck(Check):
     rank = 45
     doc = "every group's LR against the configured schedule at this step"
     # NOTE: a schedule reset at a resume moves the scheduler's counter: the continuity check names it first
-    kinds = {"lr": Kind("optim.lr_switch", "the named group's LR left its schedule")}
+    kinds = {"lr": Kind("optim.lr_switch", "the named group's LR left its schedule"),
+             "rank": Kind("system.rank_divergence", "one rank's optimizer runs another LR than the others (their "
+                                                    "replicas part from this update on)", layer=SYSTEM)}
+    rank_kind = "rank"  # failing on some ranks, not all: that rank's own setting
 
     def __init__(self, ctx):
         super().__init__(ctx)
