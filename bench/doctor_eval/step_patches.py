@@ -1,12 +1,14 @@
-"""The patches of bench/doctor_eval/drills.py that change the step's arithmetic rather than its data or modules: the
-attention kernel's call, the token count the loss is divided by, the optimizer state's precision, a group's setting
-and one rank's LR. drills.patch calls patch() after its own; each fault's entry is in bench/doctor_eval/key.py.
+"""The patches of bench/doctor_eval/drills.py that change what the step computes: the attention kernel's call, the
+token count and the z-loss coefficient the loss is given, the gradients' zeroing, the optimizer state's precision, a
+group's setting, one rank's LR or update, and the MoE layers' shared expert, balancing and expert weights. drills.patch
+calls patch() after its own; each fault's entry is in bench/doctor_eval/key.py.
 """
 from __future__ import annotations
 
 # the faults this module plants (drills.patch hands every name over; the others are not this module's)
 NAMES = ("attn_scale_d", "attn_bf16_kernel_sustained", "loss_all_positions", "exp_avg_sq_bf16_sustained",
-         "wd_on_no_decay", "rank1_lr_x2")
+         "wd_on_no_decay", "rank1_lr_x2", "zero_grad_skipped", "z_loss_x10_sustained", "moe_shared_expert_off",
+         "moe_bias_stale_loads", "moe_experts_swapped_between", "rank1_step_skipped")
 
 
 def patch(name: str, clock, S: int) -> None:
@@ -14,6 +16,7 @@ def patch(name: str, clock, S: int) -> None:
     if name not in NAMES:
         return
     import torch
+    import torch.distributed as tdist
     if name in ("attn_scale_d", "attn_bf16_kernel_sustained"):
         _attention_kernel(name, clock, S)
     if name == "loss_all_positions":  # NOTE: train.py imports the function by name: patched before it runs
@@ -49,8 +52,32 @@ def patch(name: str, clock, S: int) -> None:
                         g["weight_decay"] = decay
             return orig_ostep(self, *aa, **kk)
         torch.optim.AdamW.step = ostep
+    if name in ("moe_shared_expert_off", "moe_bias_stale_loads", "moe_experts_swapped_between"):
+        _moe(name, clock, S)
+    if name == "zero_grad_skipped":  # NOTE: on the class: train.py zeroes at the end of each step
+        orig_zero = torch.optim.Optimizer.zero_grad
+
+        def zero_grad(self, *aa, **kk):
+            if clock.step == S - 1:
+                return None
+            return orig_zero(self, *aa, **kk)
+        torch.optim.Optimizer.zero_grad = zero_grad
+    if name == "z_loss_x10_sustained":  # NOTE: train.py imports forward_backward by name: patched before it runs
+        import optim.accumulate as acc
+        orig_fb = acc.forward_backward
+
+        def forward_backward(wrapped, micro, n_valid, z_coef, *aa, **kk):
+            return orig_fb(wrapped, micro, n_valid, z_coef * 10.0 if clock.step >= S else z_coef, *aa, **kk)
+        acc.forward_backward = forward_backward
+    if name == "rank1_step_skipped":  # NOTE: on the class: the optimizer is built after this patch
+        orig_astep = torch.optim.AdamW.step
+
+        def astep(self, *aa, **kk):
+            if clock.step == S and tdist.is_initialized() and tdist.get_rank() == 1:
+                return None
+            return orig_astep(self, *aa, **kk)
+        torch.optim.AdamW.step = astep
     if name == "rank1_lr_x2":  # NOTE: on the class, as drills' lr_x3: the scheduler sets each step's LR
-        import torch.distributed as tdist
         from torch.optim.lr_scheduler import LambdaLR
         orig_sstep = LambdaLR.step
 
@@ -98,3 +125,44 @@ def _attention_kernel(name: str, clock, S: int) -> None:
         attn.register_forward_pre_hook(enter)
         attn.register_forward_hook(leave)
     tr.Transformer.__init__ = init
+
+
+def _moe(name: str, clock, S: int) -> None:
+    """block3's shared expert zeroed, block1's bias moved by the last step's loads, or block1's experts 0 and 1
+    swapped in place before step S's forward (outside any update)."""
+    import torch
+
+    from data import loader as loader_mod
+    from model import transformer as tr
+    built: list = []
+    orig_init = tr.Transformer.__init__
+
+    def init(self, *a, **k):
+        orig_init(self, *a, **k)
+        built[:] = [self]
+        if name == "moe_shared_expert_off":
+            self.blocks[3].mlp.shared.register_forward_hook(
+                lambda m, args, out: torch.zeros_like(out) if clock.step >= S else None)
+        if name == "moe_bias_stale_loads":
+            moe, last = self.blocks[1].mlp, {}
+            orig_ub = moe.update_bias
+
+            def update_bias(load, skipped=False):
+                use = last.get("load", load) if clock.step >= S else load
+                last["load"] = load.clone()
+                return orig_ub(use, skipped)
+            moe.update_bias = update_bias
+    tr.Transformer.__init__ = init
+    if name == "moe_experts_swapped_between":
+        orig_next = loader_mod.Loader.next
+
+        def next_(self):
+            out = orig_next(self)
+            if self.split == "train" and clock.step == S:  # drills' Loader.next counted this batch: step S's
+                with torch.no_grad():
+                    w = built[0].blocks[1].mlp.experts.w_down
+                    kept = w[0].clone()
+                    w[0].copy_(w[1])
+                    w[1].copy_(kept)
+            return out
+        loader_mod.Loader.next = next_
