@@ -134,7 +134,7 @@ def spec_row(runs: list[dict] | None) -> Row:
     ran = [r for r in runs if r.get("rc") == 0]
     worst = max((v for r in ran for v in r["miss"].values()), default=0.0)
     bad = [r["name"] for r in runs if r.get("rc") not in (0, None) or r.get("failed")]
-    return (f"specification checks, {len(ran)} clean configurations (bench.gpu.spec_clean)",
+    return (f"specification checks, {len(ran)} clean configuration{'s' * (len(ran) != 1)} (bench.gpu.spec_clean)",
             f"failed in {len(bad)}{': ' + ', '.join(bad) if bad else ''}; worst err/tol {worst:.2g}", goal,
             met(not bad and bool(ran)))
 
