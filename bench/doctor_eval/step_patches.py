@@ -8,7 +8,8 @@ from __future__ import annotations
 # the faults this module plants (drills.patch hands every name over; the others are not this module's)
 NAMES = ("attn_scale_d", "attn_bf16_kernel_sustained", "loss_all_positions", "exp_avg_sq_bf16_sustained",
          "wd_on_no_decay", "rank1_lr_x2", "zero_grad_skipped", "z_loss_x10_sustained", "moe_shared_expert_off",
-         "moe_bias_stale_loads", "moe_experts_swapped_between", "rank1_step_skipped")
+         "moe_bias_stale_loads", "moe_experts_swapped_between", "rank1_step_skipped", "attn_window_16",
+         "norm_gain_ignored", "weights_bf16_sustained", "moe_aux_dropped", "columns_truncated", "resume_step_count_off")
 
 
 def patch(name: str, clock, S: int) -> None:
@@ -17,7 +18,7 @@ def patch(name: str, clock, S: int) -> None:
         return
     import torch
     import torch.distributed as tdist
-    if name in ("attn_scale_d", "attn_bf16_kernel_sustained"):
+    if name in ("attn_scale_d", "attn_bf16_kernel_sustained", "attn_window_16"):
         _attention_kernel(name, clock, S)
     if name == "loss_all_positions":  # NOTE: train.py imports the function by name: patched before it runs
         import optim.accumulate as acc
@@ -52,8 +53,39 @@ def patch(name: str, clock, S: int) -> None:
                         g["weight_decay"] = decay
             return orig_ostep(self, *aa, **kk)
         torch.optim.AdamW.step = ostep
-    if name in ("moe_shared_expert_off", "moe_bias_stale_loads", "moe_experts_swapped_between"):
-        _moe(name, clock, S)
+    if name in ("moe_shared_expert_off", "moe_bias_stale_loads", "moe_experts_swapped_between", "moe_aux_dropped",
+                "norm_gain_ignored", "columns_truncated"):
+        _modules(name, clock, S)
+    if name == "weights_bf16_sustained":
+        import precision.step as pstep
+        orig_apply2 = pstep.apply_update
+        from model import transformer as tr
+        built: list = []
+        orig_init = tr.Transformer.__init__
+
+        def init(self, *a, **k):
+            orig_init(self, *a, **k)
+            built[:] = [self]
+        tr.Transformer.__init__ = init
+
+        def apply_update2(params, optimizer, *a, **k):
+            out = orig_apply2(params, optimizer, *a, **k)
+            if clock.step >= S:
+                with torch.no_grad():
+                    for p in built[0].blocks[2].mlp.parameters():
+                        p.copy_(p.bfloat16())
+            return out
+        pstep.apply_update = apply_update2
+    if name == "resume_step_count_off":
+        from checkpoint import state as state_mod
+        orig_load = state_mod.TrainState.load
+
+        def load(self, *a, **k):
+            orig_load(self, *a, **k)
+            for st in self.optimizer.state.values():
+                if "step" in st:
+                    st["step"] += 1
+        state_mod.TrainState.load = load
     if name == "zero_grad_skipped":  # NOTE: on the class: train.py zeroes at the end of each step
         orig_zero = torch.optim.Optimizer.zero_grad
 
@@ -91,7 +123,9 @@ def patch(name: str, clock, S: int) -> None:
 
 def _attention_kernel(name: str, clock, S: int) -> None:
     """One block's call of scaled_dot_product_attention computes something else from S on: block1's with the
-    scores scaled by 1/d_head, or block2's on q, k, v rounded to bf16 (its output back in theirs)."""
+    scores scaled by 1/d_head, block2's on q, k, v rounded to bf16 (its output back in theirs), or block0's within a
+    window of 16 positions."""
+    import torch
     import torch.nn.functional as F
 
     import model.attention as att
@@ -109,13 +143,18 @@ def _attention_kernel(name: str, clock, S: int) -> None:
                 return F.scaled_dot_product_attention(q, k, v, *a, **kw)
             if name == "attn_scale_d":
                 return F.scaled_dot_product_attention(q, k, v, *a, scale=1.0 / q.shape[-1], **kw)
+            if name == "attn_window_16":  # causal and at most 16 positions back
+                T, S_ = q.shape[-2], k.shape[-2]
+                t, j = torch.arange(T, device=q.device)[:, None], torch.arange(S_, device=q.device)[None, :]
+                kw = {**kw, "is_causal": False, "attn_mask": (j <= t) & (t - j < 16)}
+                return F.scaled_dot_product_attention(q, k, v, *a, **kw)
             return F.scaled_dot_product_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), *a, **kw).to(q.dtype)
     att.F = Functional()
     orig_init = tr.Transformer.__init__
 
     def init(self, *a, **k):
         orig_init(self, *a, **k)
-        attn = self.blocks[1 if name == "attn_scale_d" else 2].attn
+        attn = self.blocks[{"attn_scale_d": 1, "attn_bf16_kernel_sustained": 2, "attn_window_16": 0}[name]].attn
 
         def enter(mod, args):
             inside["on"] = clock.step >= S
@@ -127,9 +166,10 @@ def _attention_kernel(name: str, clock, S: int) -> None:
     tr.Transformer.__init__ = init
 
 
-def _moe(name: str, clock, S: int) -> None:
-    """block3's shared expert zeroed, block1's bias moved by the last step's loads, or block1's experts 0 and 1
-    swapped in place before step S's forward (outside any update)."""
+def _modules(name: str, clock, S: int) -> None:
+    """block3's shared expert zeroed or its auxiliary loss dropped, block2's MLP norm without its gain, block1's bias
+    moved by the last step's loads, block1's experts 0 and 1 swapped in place before step S's forward (outside any
+    update), or step S's batch one position shorter."""
     import torch
 
     from data import loader as loader_mod
@@ -143,6 +183,13 @@ def _moe(name: str, clock, S: int) -> None:
         if name == "moe_shared_expert_off":
             self.blocks[3].mlp.shared.register_forward_hook(
                 lambda m, args, out: torch.zeros_like(out) if clock.step >= S else None)
+        if name == "moe_aux_dropped":
+            self.blocks[3].mlp.register_forward_hook(
+                lambda m, args, out: out._replace(aux_loss=out.aux_loss * 0.0) if clock.step >= S else None)
+        if name == "norm_gain_ignored":
+            norm = self.blocks[2].mlp_norm
+            norm.register_forward_hook(lambda m, args, out: torch.nn.functional.rms_norm(
+                args[0], m.normalized_shape, None, m.eps) if clock.step >= S else None)
         if name == "moe_bias_stale_loads":
             moe, last = self.blocks[1].mlp, {}
             orig_ub = moe.update_bias
@@ -153,6 +200,18 @@ def _moe(name: str, clock, S: int) -> None:
                 return orig_ub(use, skipped)
             moe.update_bias = update_bias
     tr.Transformer.__init__ = init
+    if name == "columns_truncated":
+        orig_next1 = loader_mod.Loader.next
+
+        def next1(self):
+            out = orig_next1(self)
+            if self.split == "train" and clock.step == S:
+                from dataclasses import fields
+                out = type(out)(**{f.name: (getattr(out, f.name)[:, :-1] if getattr(out, f.name) is not None
+                                            and getattr(out, f.name).dim() == 2 else getattr(out, f.name))
+                                   for f in fields(out)})
+            return out
+        loader_mod.Loader.next = next1
     if name == "moe_experts_swapped_between":
         orig_next = loader_mod.Loader.next
 
