@@ -51,6 +51,7 @@ FAULTS = {
     "aux_coef": ("gradient", None, "balancing"),  # the MoE balancing coefficient ×100 in the module, not the config
     "n_all_positions": ("loss_grad", "norm.weight", "scaled"),  # the step's token count counts the ignored labels too
     "v_bf16": ("optimizer", None, "precision"),  # exp_avg_sq rounded to bf16 after the update: kept coarser
+    "w_bf16": ("optimizer", "blocks.0.mlp.w_down.weight", "precision"),  # a weight rounded to bf16 after its update
     "lr_rank1": ("lr", None, "rank"),  # rank 1's LRs ×2, rank 0's on schedule
 }
 RESUME = {"resume_lost_moments": ("continuity", None, "resume")}  # planted on a resume from step S − 1
@@ -228,6 +229,10 @@ def plant(name: str, S: int) -> None:
                 if "exp_avg_sq" in st:
                     st["exp_avg_sq"].div_(16.0)
         out = orig_apply(params, optimizer, *a, **k)
+        if name == "w_bf16" and Clock.step == S:
+            with torch.no_grad():
+                w = models[0].blocks[0].mlp.w_down.weight
+                w.copy_(w.bfloat16())
         if name == "v_bf16" and Clock.step == S:
             for st in optimizer.state.values():
                 if "exp_avg_sq" in st:

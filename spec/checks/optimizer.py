@@ -59,9 +59,9 @@ class OptimizerCheck(Check):
              "update": Kind("optim.settings", "the named parameter's update is not the configured optimizer's: "
                                               "a setting (weight decay, eps, betas), its param group (the config's "
                                               "optim.groups rules) or a multiplier changed"),
-             "precision": Kind("numerics.precision", "the named parameter's optimizer state is kept coarser than "
-                                                     "the recipe's FP32: its moments on a coarser format's grid (a "
-                                                     "cast, a low-precision state)"),
+             "precision": Kind("numerics.precision", "the named parameter or its optimizer state is kept coarser "
+                                                     "than its dtype: its values on a coarser format's grid (a cast, "
+                                                     "a low-precision copy or state)"),
              "rank": Kind("system.rank_divergence", "one rank's parameters or optimizer state left the algebra the "
                                                     "others followed: that rank's copy was changed", layer=SYSTEM)}
 
@@ -254,7 +254,7 @@ class OptimizerCheck(Check):
         if self.muon:
             moments.append((b["momentum_buffer"], M, g, tol_M))
         # what classify reads for a failure (references to this step's vectors, nothing copied)
-        self.places = (moments, still, miscounted, per_state >= per_w)
+        self.places = (moments, still, miscounted, per_state >= per_w, b["w"])
         self.start = b
 
     def classify(self, i: int) -> str:
@@ -264,15 +264,15 @@ class OptimizerCheck(Check):
         β' for the group's probe elements, which least squares gives and the moment's own tolerance judges. A moment
         altered between the steps (a loader, a hook, a lost state) fits no single β': its elements' ratios (x' − y) /
         (x − y) spread with g²/v, far beyond FP32's rounding."""
-        moments, still, miscounted, state_first = self.places
+        moments, still, miscounted, state_first, w_after = self.places
+        own = self.owner == i
+        # NOTE: the parameter or a moment whose every probe element lies on a coarser format's grid (its low bits zero:
+        # the precision check's own test, by chance 2^-13 an element) was rounded there: kept in a lower precision
+        dtype = self.params[i][1].dtype
+        if any(on_coarser_grid(x[own], dtype) for x in (w_after, *(got for got, *_ in moments))):
+            return "precision"
         if not bool(state_first[i]):
             return "update"
-        own = self.owner == i
-        # NOTE: a moment whose every probe element lies on a coarser format's grid (its low bits zero: the precision
-        # check's own test, by chance 2^-13 an element) was rounded there: the state is kept in a lower precision
-        dtype = self.params[i][1].dtype
-        if any(on_coarser_grid(got[own], dtype) for got, *_ in moments):
-            return "precision"
         if bool(miscounted[i]) or bool(still[own].any()):  # a count off, or a state that moved when nothing may
             return "state"
         mine = (self.group_of == self.group_of[own][0]) & ~still
