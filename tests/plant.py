@@ -298,15 +298,8 @@ def plant(name: str, S: int) -> None:
         LambdaLR.step = sstep
 
     if name == "n_all_positions":  # from step S on, the count the loss is divided by counts every position
-        import optim.accumulate as acc
-        orig_count = acc.count_valid_tokens
-
-        def count(micro, device):
-            if Clock.step < S:
-                return orig_count(micro, device)
-            n = torch.tensor([float(sum(mb.labels.numel() for mb in micro))], dtype=torch.float64)
-            return acc.all_reduce_sum(n.to(device))
-        acc.count_valid_tokens = count
+        from bench.doctor_eval.step_patches import count_every_position
+        count_every_position(lambda: Clock.step >= S)
 
     if name == "resume_lost_moments":  # a resume that loads the model but drops Adam's moments
         from checkpoint import state as state_mod

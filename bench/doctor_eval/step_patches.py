@@ -20,16 +20,8 @@ def patch(name: str, clock, S: int) -> None:
     import torch.distributed as tdist
     if name in ("attn_scale_d", "attn_bf16_kernel_sustained", "attn_window_16"):
         _attention_kernel(name, clock, S)
-    if name == "loss_all_positions":  # NOTE: train.py imports the function by name: patched before it runs
-        import optim.accumulate as acc
-        orig_count = acc.count_valid_tokens
-
-        def count(micro, device):
-            if clock.step < S:
-                return orig_count(micro, device)
-            n = torch.tensor([float(sum(mb.labels.numel() for mb in micro))], dtype=torch.float64)
-            return acc.all_reduce_sum(n.to(device))
-        acc.count_valid_tokens = count
+    if name == "loss_all_positions":
+        count_every_position(lambda: clock.step >= S)
     if name == "exp_avg_sq_bf16_sustained":
         import precision.step as pstep
         orig_apply = pstep.apply_update
@@ -119,6 +111,23 @@ def patch(name: str, clock, S: int) -> None:
                 for g in self.optimizer.param_groups:
                     g["lr"] *= 2.0
         LambdaLR.step = sstep
+
+
+def count_every_position(when) -> None:
+    """The step's token count (optim.accumulate.count_valid_tokens) counts every position, the ignored labels too,
+    while when() holds (tests/plant.py's n_all_positions too). NOTE: train.py imports the function by name: this
+    runs before it does."""
+    import torch
+
+    import optim.accumulate as acc
+    orig_count = acc.count_valid_tokens
+
+    def count(micro, device):
+        if not when():
+            return orig_count(micro, device)
+        n = torch.tensor([float(sum(mb.labels.numel() for mb in micro))], dtype=torch.float64)
+        return acc.all_reduce_sum(n.to(device))
+    acc.count_valid_tokens = count
 
 
 def _attention_kernel(name: str, clock, S: int) -> None:
