@@ -6,7 +6,8 @@
 Reads what each part left in DIR (a missing file is a row that says so): gpu_mfu.json (bench.gpu.mfu, the
 bare step), gpu_train.json (bench.gpu.train, train.py itself), gpu_precision.json (bench.gpu.precision),
 gpu_moe.json (bench.speed.moe_speed --json), quant_fused.json (bench.speed.quant_fused --json), gpu_spec.json
-(bench.gpu.spec_clean) and gpu_parts.tsv (each part's exit status, seconds and cap, from bench/gpu/all.sh). The goals are read from the scripts that declare them.
+(bench.gpu.spec_clean) and gpu_parts.tsv (each part's exit status, seconds and cap, from bench/gpu/all.sh). The
+goals are read from the scripts that declare them.
 Prints the table under the device, torch, CUDA and Transformer Engine versions; --out writes it (markdown)
 under bench/report.py's header (machine, date, commit, load average, command), as docs/results/ keeps it.
 """

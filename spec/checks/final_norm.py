@@ -13,11 +13,11 @@ from the step's forward by a hook on the final norm) its gradient is exact arith
 This is the course's token normalisation (Σ loss, Σ count, one division), the z-loss and the labels the step
 used, checked against what the optimizer receives — a hook that scales gradients, a wrong N, a micro-batch
 dropped or counted twice. N is the check's own count of the step's valid labels (the data check holds them to the
-specification's), summed over the ranks: never the count the step divided by. The tolerance bounds the rounding of the sum by its terms' magnitudes: λ·(the stages' unit
-roundoffs) × Σ_tokens |∂obj/∂logits|₁·max|W|·‖x̂‖ (≥ ‖Σ_tokens |∂obj/∂logits|·|W| ⊙ |x̂|‖, the same sum with every
-term's magnitude), so cancellation between tokens cannot make it tight. The closed form is computed in FP32, the
-path's own precision, so the tolerance counts the roundings of both sides. Under FP16 loss scaling the gain's
-gradient holds S·g until the unscale: S times both.
+specification's), summed over the ranks: never the count the step divided by. The tolerance bounds the rounding of
+the sum by its terms' magnitudes: λ·(the stages' unit roundoffs) × Σ_tokens |∂obj/∂logits|₁·max|W|·‖x̂‖ (≥ ‖Σ_tokens
+|∂obj/∂logits|·|W| ⊙ |x̂|‖, the same sum with every term's magnitude), so cancellation between tokens cannot make it
+tight. The closed form is computed in FP32, the path's own precision, so the tolerance counts the roundings of both
+sides. Under FP16 loss scaling the gain's gradient holds S·g until the unscale: S times both.
 """
 from __future__ import annotations
 
