@@ -97,6 +97,8 @@ FAULTS = [
           what="block0's attention sees only the last 16 positions from S on (a sliding window in its kernel call)"),
     Fault("norm_gain_ignored", "numerics.mismatch", "forward", "forward",
           what="block2's MLP RMSNorm normalises without its gain from S on (its module, not the config)"),
+    Fault("attn_proj_out_transposed", "numerics.mismatch", "forward", "forward",
+          what="block2's attention output projection applies its weight transposed from S on (a layout bug in its call)"),
     Fault("rope_theta_x10_sustained", "numerics.mismatch", "forward", "forward",
           what="the model's RoPE tables recomputed with θ ×10 from S on (its buffers, not the config)"),
     # backward / update
@@ -141,6 +143,8 @@ FAULTS = [
           what="the step hands the loss 10× the config's z-loss coefficient from S on (the config unchanged)"),
     Fault("weights_bf16_sustained", "numerics.precision", "backward/update", "update",
           what="block2's MLP weights rounded to bf16 after each update from S on (the master copy kept coarser)"),
+    Fault("head_weight_detached", "optim.gradient_mismatch", "backward/update", "update",
+          what="the head reads its (tied) weight detached from S on: the embedding gets no gradient through the head"),
     # MoE: the expert loads stay where they were
     Fault("moe_gates_unnormalised", "moe.routing", "forward", "moe",
           what="block1's MoE stops renormalising its top-k gates from S on (its module's setting, not the config)"),
@@ -167,6 +171,10 @@ FAULTS = [
           what="block1's experts 0 and 1 swap their down projections in place between steps S − 1 and S"),
     Fault("moe_aux_dropped", "moe.balancing", "backward/update", "moe",
           what="the last MoE layer's (block3's) auxiliary loss is left out of the objective from S on"),
+    Fault("moe_gates_biased", "moe.routing", "forward", "moe",
+          what="block1's MoE scores carry its balancing bias from S on (the gates weighted by it, not selection only)"),
+    Fault("router_bf16_sustained", "numerics.precision", "forward", "moe",
+          what="the last MoE layer's (block3's) router logits rounded to bf16 from S on (the recipe keeps them FP32)"),
     Fault("attn_causal_leak", "forward.below_floor", "forward", "forward",
           what="the last-but-one block's attention (block2's) stops being causal from S on (its module's flag)"),
     Fault("clip_threshold_div10", "optim.settings", "backward/update", "update",
@@ -197,6 +205,8 @@ FAULTS = [
     Fault("rank0_param_drift", "system.rank_divergence", "system", "rank", nproc=2,
           what="rank 0's block0.mlp weights get noise after the update of S (the replicas part)"),
     # system
+    Fault("slow_optimizer", "system.slow_component", "system", "system",
+          what="the optimizer's step sleeps 60 ms from S on"),
     Fault("slow_loader", "system.slow_component", "system", "system", what="the loader sleeps 60 ms per batch from S on"),
 ]
 BY_NAME = {f.name: f for f in FAULTS}

@@ -9,7 +9,9 @@ from __future__ import annotations
 NAMES = ("attn_scale_d", "attn_bf16_kernel_sustained", "loss_all_positions", "exp_avg_sq_bf16_sustained",
          "wd_on_no_decay", "rank1_lr_x2", "zero_grad_skipped", "z_loss_x10_sustained", "moe_shared_expert_off",
          "moe_bias_stale_loads", "moe_experts_swapped_between", "rank1_step_skipped", "attn_window_16",
-         "norm_gain_ignored", "weights_bf16_sustained", "moe_aux_dropped", "columns_truncated", "resume_step_count_off")
+         "norm_gain_ignored", "weights_bf16_sustained", "moe_aux_dropped", "columns_truncated", "resume_step_count_off",
+         "moe_gates_biased", "router_bf16_sustained", "attn_proj_out_transposed", "head_weight_detached",
+         "slow_optimizer")
 
 
 def patch(name: str, clock, S: int) -> None:
@@ -46,7 +48,8 @@ def patch(name: str, clock, S: int) -> None:
             return orig_ostep(self, *aa, **kk)
         torch.optim.AdamW.step = ostep
     if name in ("moe_shared_expert_off", "moe_bias_stale_loads", "moe_experts_swapped_between", "moe_aux_dropped",
-                "norm_gain_ignored", "columns_truncated"):
+                "norm_gain_ignored", "columns_truncated", "moe_gates_biased", "router_bf16_sustained",
+                "attn_proj_out_transposed", "head_weight_detached"):
         _modules(name, clock, S)
     if name == "weights_bf16_sustained":
         import precision.step as pstep
@@ -78,6 +81,15 @@ def patch(name: str, clock, S: int) -> None:
                 if "step" in st:
                     st["step"] += 1
         state_mod.TrainState.load = load
+    if name == "slow_optimizer":  # NOTE: on the class: the optimizer is built after this patch
+        import time
+        orig_sstep2 = torch.optim.AdamW.step
+
+        def slow_step(self, *aa, **kk):
+            if clock.step >= S:
+                time.sleep(0.06)
+            return orig_sstep2(self, *aa, **kk)
+        torch.optim.AdamW.step = slow_step
     if name == "zero_grad_skipped":  # NOTE: on the class: train.py zeroes at the end of each step
         orig_zero = torch.optim.Optimizer.zero_grad
 
@@ -176,9 +188,10 @@ def _attention_kernel(name: str, clock, S: int) -> None:
 
 
 def _modules(name: str, clock, S: int) -> None:
-    """block3's shared expert zeroed or its auxiliary loss dropped, block2's MLP norm without its gain, block1's bias
-    moved by the last step's loads, block1's experts 0 and 1 swapped in place before step S's forward (outside any
-    update), or step S's batch one position shorter."""
+    """block3's shared expert zeroed, its auxiliary loss dropped or its router logits in bf16, block2's MLP norm
+    without its gain or its attention projection transposed, block1's scores biased or its bias moved by the last
+    step's loads, block1's experts 0 and 1 swapped in place before step S's forward (outside any update), the head's
+    tied weight detached, or step S's batch one position shorter."""
     import torch
 
     from data import loader as loader_mod
@@ -199,6 +212,25 @@ def _modules(name: str, clock, S: int) -> None:
             norm = self.blocks[2].mlp_norm
             norm.register_forward_hook(lambda m, args, out: torch.nn.functional.rms_norm(
                 args[0], m.normalized_shape, None, m.eps) if clock.step >= S else None)
+        if name == "moe_gates_biased":
+            moe = self.blocks[1].mlp
+            orig_scores = moe.scores
+            moe.scores = lambda logits: orig_scores(logits) + moe.bias_E if clock.step >= S else orig_scores(logits)
+        if name == "router_bf16_sustained":
+            moe = self.blocks[3].mlp
+            orig_logits = moe.router_logits
+            moe.router_logits = lambda x: (orig_logits(x).bfloat16().float() if clock.step >= S
+                                           else orig_logits(x))
+        if name in ("attn_proj_out_transposed", "head_weight_detached"):
+            lin = self.blocks[2].attn.proj_out if name == "attn_proj_out_transposed" else self.head
+            orig_fwd = lin.forward
+
+            def forward(x, lin=lin, orig_fwd=orig_fwd):
+                if clock.step < S:
+                    return orig_fwd(x)
+                w = lin.weight.T if name == "attn_proj_out_transposed" else lin.weight.detach()
+                return torch.nn.functional.linear(x, w)
+            lin.forward = forward
         if name == "moe_bias_stale_loads":
             moe, last = self.blocks[1].mlp, {}
             orig_ub = moe.update_bias
