@@ -52,6 +52,7 @@ FAULTS = {
     "n_all_positions": ("loss_grad", "norm.weight", "scaled"),  # the step's token count counts the ignored labels too
     "v_bf16": ("optimizer", None, "precision"),  # exp_avg_sq rounded to bf16 after the update: kept coarser
     "w_bf16": ("optimizer", "blocks.0.mlp.w_down.weight", "precision"),  # a weight rounded to bf16 after its update
+    "router_bf16": ("forward", "block1.mlp", "precision"),  # the MoE router's logits rounded to bf16 from step S on
     "lr_rank1": ("lr", None, "rank"),  # rank 1's LRs ×2, rank 0's on schedule
 }
 RESUME = {"resume_lost_moments": ("continuity", None, "resume")}  # planted on a resume from step S − 1
@@ -187,6 +188,10 @@ def plant(name: str, S: int) -> None:
             orig_top = moe.top_ids
             moe.top_ids = lambda scores: (torch.topk(-scores.detach(), moe.top_k, -1).indices if at()
                                           else orig_top(scores))
+        if name == "router_bf16":  # the router's FP32 logits rounded to bf16 (model/moe.py keeps them FP32)
+            moe = self.blocks[1].mlp
+            orig_logits = moe.router_logits
+            moe.router_logits = lambda x: orig_logits(x).bfloat16().float() if at() else orig_logits(x)
         if name == "bias_sign":
             moe = self.blocks[1].mlp
             orig_ub = moe.update_bias

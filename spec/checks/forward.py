@@ -32,6 +32,13 @@ from spec.reference import F64, IGNORE, Reference, losses, rms_norm
 from spec.tolerance import LAMBDA, U32, matmul_dtype, stage, u
 
 ROUNDING_ONLY = 2.0 ** -3  # unit roundoff of FP8 E5M2, the coarsest float format: below it, an error is a rounding
+# the 16-bit formats a router's logits can be rounded to where the recipe keeps them in FP32 (model/moe.py router_logits)
+ROUTER_FORMATS = (torch.float16, torch.bfloat16)
+
+
+def router_scores(logits: Tensor, score: str, dim: int) -> Tensor:
+    """The router's scores from its logits (model.moe.score): a softmax over the experts, or a sigmoid each."""
+    return logits.softmax(dim) if score == "softmax" else torch.sigmoid(logits)
 
 
 class ForwardCheck(Check):
@@ -74,7 +81,7 @@ class ForwardCheck(Check):
             return "leak"
         kind = kind_of(got, want, tol, scalable="sums" not in extra)
         if "moe" in extra and kind != "nonfinite":
-            return moe_kind(got.reshape(-1, got.shape[-1]), extra["moe"], extra["rel"]) or kind
+            return moe_kind(got.reshape(-1, got.shape[-1]), extra["moe"], extra["rel"], self.ctx.model_cfg.moe) or kind
         return kind
 
     # --- tolerances -------------------------------------------------------------------------------------
@@ -218,9 +225,17 @@ def kind_of(got: Tensor, want: Tensor, tol: Tensor, scalable: bool = True) -> st
     return "precision" if bool((got - want).norm() / scale < ROUNDING_ONLY) else "mismatch"
 
 
-def moe_kind(y: Tensor, parts, rel_tol: Tensor) -> str | None:
-    """gates / dead_expert when the training output is a gate-weighted sum of the chosen experts' outputs with
-    other weights (least squares per token on its k expert outputs); None otherwise."""
+def moe_kind(y: Tensor, parts, rel_tol: Tensor, mc) -> str | None:
+    """precision when the training output is the reference's with the router's logits rounded to a 16-bit format
+    (within the layer's tolerance: the same experts, their gates from those logits); gates / dead_expert when it is a
+    gate-weighted sum of the chosen experts' outputs with other weights (least squares per token on its k expert
+    outputs); None otherwise. mc: the config's model.moe."""
+    for fmt in ROUTER_FORMATS:
+        g = router_scores(parts.logits.to(fmt).to(F64), mc.score, -1).gather(-1, parts.ids)
+        if parts.ids.shape[-1] > 1 and (mc.norm_topk or mc.score == "sigmoid"):
+            g = g / g.sum(-1, keepdim=True)
+        if bool((y - (parts.outs * g[..., None]).sum(1) - parts.shared).norm() <= rel_tol * y.norm() + 1e-300):
+            return "precision"
     A, b = parts.outs.transpose(1, 2), (y - parts.shared)[..., None]  # (N, D, k), (N, D, 1)
     g = torch.linalg.lstsq(A, b).solution[..., 0]                     # (N, k)
     if not bool((A @ g[..., None] - b).norm() <= rel_tol * y.norm() + 1e-300):

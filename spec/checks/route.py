@@ -20,9 +20,10 @@ import torch
 from torch import Tensor
 
 from spec.check import AFTER, BEFORE, FORWARD, REFERENCE, STEP, Check, Kind, on_device
+from spec.checks.forward import ROUTER_FORMATS, router_scores
 from spec.probe import PROBE_TOKENS
 from spec.reference import F64
-from spec.tolerance import LAMBDA, U32, stage
+from spec.tolerance import LAMBDA, U32, stage, u
 
 
 class RouteCheck(Check):
@@ -30,7 +31,10 @@ class RouteCheck(Check):
     rank = 25
     doc = "every token's experts against the router's top-k (with the bias), or the given routes"
     kinds = {"topk": Kind("moe.routing", "the named MoE layer's experts are not its router's top-k"),
-             "collapse": Kind("moe.load_collapse", "the named MoE layer routes every token to the same k experts")}
+             "collapse": Kind("moe.load_collapse", "the named MoE layer routes every token to the same k experts"),
+             "precision": Kind("numerics.precision", "the named MoE layer's router rounds its logits coarser than the "
+                                                     "FP32 the recipe keeps it in: its experts are the top-k of those "
+                                                     "rounded scores", layer=FORWARD)}
 
     @classmethod
     def applies(cls, ctx) -> bool:
@@ -104,12 +108,12 @@ def compare(check: Check, rows: dict[int, tuple[Tensor, Tensor, Tensor | None]],
     k_spec = check.ctx.model_cfg.moe.top_k
     for i, moe in check.ctx.model.moe_layers():
         x, ids, given = rows[i]
-        ranked_EN = None
+        ranked_EN = logits_EN = b = None
         if ids.shape[-1] != k_spec:  # the router chose another number of experts than the config's top_k
             errs.append(on_device(torch.inf, ids.device, F64))
             tols.append(on_device(0.5, ids.device, F64))
             where.append(f"moe{i}")
-            check.places.append((None, ids, given))
+            check.places.append((None, ids, given, None))
             continue
         if given is not None:  # anticipatory routing: the specification is the routes given, no router to rerun
             err, tol = (given.to(ids.device) != ids).sum().double(), on_device(0.5, ids.device, F64)
@@ -121,7 +125,7 @@ def compare(check: Check, rows: dict[int, tuple[Tensor, Tensor, Tensor | None]],
             # NOTE: experts along the rows, (E, N): E is a handful, and a softmax or a product along a short
             # contiguous last dimension costs CPU kernels several times more than along a long one
             logits_EN = w @ x.T
-            scores_EN = logits_EN.softmax(0) if check.ctx.model_cfg.moe.score == "softmax" else torch.sigmoid(logits_EN)
+            scores_EN = router_scores(logits_EN, check.ctx.model_cfg.moe.score, 0)
             ranked_EN = scores_EN + b[:, None]
             ids_kN = ids.T
             low = ranked_EN.gather(0, ids_kN).min(0).values                    # the weakest expert chosen
@@ -134,16 +138,25 @@ def compare(check: Check, rows: dict[int, tuple[Tensor, Tensor, Tensor | None]],
         errs.append(torch.as_tensor(err, dtype=F64))
         tols.append(torch.as_tensor(tol, dtype=F64, device=err.device))
         where.append(f"moe{i}")
-        check.places.append((ranked_EN, ids, given))
+        check.places.append((ranked_EN, ids, given, None if ranked_EN is None else (logits_EN, b, tol)))
     check.measure(torch.stack(errs), torch.stack(tols), "topk", where=where)
 
 
 def classify(check: Check, i: int) -> str:
     """A failing layer's kind (on the host, after the read): a collapse when the chosen experts all lie in a set of k
-    while the router's own top-k spreads further."""
-    ranked_EN, ids, given = check.places[i]
+    while the router's own top-k spreads further; precision when they are the top-k of the scores the router's logits
+    give rounded to a 16-bit format (within the tie tolerance, and one ulp of that format at the largest logit: the
+    path's FP32 logits and these FP64 ones may round to neighbours)."""
+    ranked_EN, ids, given, router = check.places[i]
     k = ids.shape[-1]
     if given is not None or ranked_EN is None:
         return "topk"
+    logits_EN, b, tol = router
+    for fmt in ROUTER_FORMATS:
+        r = router_scores(logits_EN.to(fmt).to(F64), check.ctx.model_cfg.moe.score, 0) + b[:, None]
+        low = r.gather(0, ids.T).min(0).values
+        high = r.scatter(0, ids.T, -torch.inf).max(0).values
+        if bool((high - low).nan_to_num(nan=0.0).clamp(min=0).max() <= tol + 4 * u(fmt) * logits_EN.abs().max()):
+            return "precision"
     spread = torch.topk(ranked_EN, k, 0).indices.unique().numel()
     return "collapse" if ids.unique().numel() <= k < spread else "topk"
