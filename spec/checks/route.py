@@ -23,7 +23,7 @@ from spec.check import AFTER, BEFORE, FORWARD, REFERENCE, STEP, Check, Kind, on_
 from spec.checks.forward import ROUTER_FORMATS, router_scores
 from spec.probe import PROBE_TOKENS
 from spec.reference import F64
-from spec.tolerance import LAMBDA, U32, stage, u
+from spec.tolerance import LAMBDA, U32, stage
 
 
 class RouteCheck(Check):
@@ -145,18 +145,22 @@ def compare(check: Check, rows: dict[int, tuple[Tensor, Tensor, Tensor | None]],
 def classify(check: Check, i: int) -> str:
     """A failing layer's kind (on the host, after the read): a collapse when the chosen experts all lie in a set of k
     while the router's own top-k spreads further; precision when they are the top-k of the scores the router's logits
-    give rounded to a 16-bit format (within the tie tolerance, and one ulp of that format at the largest logit: the
-    path's FP32 logits and these FP64 ones may round to neighbours)."""
+    give rounded to a 16-bit format (within the tie tolerance, at every token none of whose logits lies within FP32's
+    error of that format's rounding boundary)."""
     ranked_EN, ids, given, router = check.places[i]
     k = ids.shape[-1]
     if given is not None or ranked_EN is None:
         return "topk"
     logits_EN, b, tol = router
+    # NOTE: a logit within the path's FP32 error of a rounding boundary of the format may round either way there
+    # (its FP32 value and this FP64 one): its token is not judged; every other token must be that top-k exactly
+    near = LAMBDA * stage(check.ctx.model_cfg.d_model, U32) * (1 + logits_EN.abs())
     for fmt in ROUTER_FORMATS:
         r = router_scores(logits_EN.to(fmt).to(F64), check.ctx.model_cfg.moe.score, 0) + b[:, None]
+        judged = ((logits_EN + near).to(fmt) == (logits_EN - near).to(fmt)).all(0)
         low = r.gather(0, ids.T).min(0).values
         high = r.scatter(0, ids.T, -torch.inf).max(0).values
-        if bool((high - low).nan_to_num(nan=0.0).clamp(min=0).max() <= tol + 4 * u(fmt) * logits_EN.abs().max()):
+        if bool(torch.where(judged, (high - low).nan_to_num(nan=0.0), 0.0).max() <= tol):
             return "precision"
     spread = torch.topk(ranked_EN, k, 0).indices.unique().numel()
     return "collapse" if ids.unique().numel() <= k < spread else "topk"
