@@ -25,17 +25,8 @@ def patch(name: str, clock, S: int) -> None:
     if name == "loss_all_positions":
         count_every_position(lambda: clock.step >= S)
     if name == "exp_avg_sq_bf16_sustained":
-        import precision.step as pstep
-        orig_apply = pstep.apply_update
-
-        def apply_update(params, optimizer, *a, **k):
-            out = orig_apply(params, optimizer, *a, **k)
-            if clock.step >= S:
-                for st in optimizer.state.values():
-                    if "exp_avg_sq" in st:
-                        st["exp_avg_sq"].copy_(st["exp_avg_sq"].bfloat16())
-            return out
-        pstep.apply_update = apply_update
+        _rounded_after_update(clock, S, lambda opt: [st["exp_avg_sq"] for st in opt.state.values()
+                                                     if "exp_avg_sq" in st])
     if name == "wd_on_no_decay":  # NOTE: on the class: the optimizer is built after this patch
         orig_ostep = torch.optim.AdamW.step
 
@@ -49,28 +40,8 @@ def patch(name: str, clock, S: int) -> None:
         torch.optim.AdamW.step = ostep
     if name in ("moe_shared_expert_off", "moe_bias_stale_loads", "moe_experts_swapped_between", "moe_aux_dropped",
                 "norm_gain_ignored", "columns_truncated", "moe_gates_biased", "router_bf16_sustained",
-                "attn_proj_out_transposed", "head_weight_detached"):
+                "attn_proj_out_transposed", "head_weight_detached", "weights_bf16_sustained"):
         _modules(name, clock, S)
-    if name == "weights_bf16_sustained":
-        import precision.step as pstep
-        orig_apply2 = pstep.apply_update
-        from model import transformer as tr
-        built: list = []
-        orig_init = tr.Transformer.__init__
-
-        def init(self, *a, **k):
-            orig_init(self, *a, **k)
-            built[:] = [self]
-        tr.Transformer.__init__ = init
-
-        def apply_update2(params, optimizer, *a, **k):
-            out = orig_apply2(params, optimizer, *a, **k)
-            if clock.step >= S:
-                with torch.no_grad():
-                    for p in built[0].blocks[2].mlp.parameters():
-                        p.copy_(p.bfloat16())
-            return out
-        pstep.apply_update = apply_update2
     if name == "resume_step_count_off":
         from checkpoint import state as state_mod
         orig_load = state_mod.TrainState.load
@@ -123,6 +94,24 @@ def patch(name: str, clock, S: int) -> None:
                 for g in self.optimizer.param_groups:
                     g["lr"] *= 2.0
         LambdaLR.step = sstep
+
+
+def _rounded_after_update(clock, S: int, tensors) -> None:
+    """After every update from S on, each tensor tensors(optimizer) gives rounded to bf16 in place (kept coarser than
+    its FP32)."""
+    import torch
+
+    import precision.step as pstep
+    orig_apply = pstep.apply_update
+
+    def apply_update(params, optimizer, *a, **k):
+        out = orig_apply(params, optimizer, *a, **k)
+        if clock.step >= S:
+            with torch.no_grad():
+                for t in tensors(optimizer):
+                    t.copy_(t.bfloat16())
+        return out
+    pstep.apply_update = apply_update
 
 
 def count_every_position(when) -> None:
@@ -191,7 +180,7 @@ def _modules(name: str, clock, S: int) -> None:
     """block3's shared expert zeroed, its auxiliary loss dropped or its router logits in bf16, block2's MLP norm
     without its gain or its attention projection transposed, block1's scores biased or its bias moved by the last
     step's loads, block1's experts 0 and 1 swapped in place before step S's forward (outside any update), the head's
-    tied weight detached, or step S's batch one position shorter."""
+    tied weight detached, block2's MLP weights kept in bf16, or step S's batch one position shorter."""
     import torch
 
     from data import loader as loader_mod
@@ -241,6 +230,8 @@ def _modules(name: str, clock, S: int) -> None:
                 return orig_ub(use, skipped)
             moe.update_bias = update_bias
     tr.Transformer.__init__ = init
+    if name == "weights_bf16_sustained":
+        _rounded_after_update(clock, S, lambda opt: list(built[0].blocks[2].mlp.parameters()))
     if name == "columns_truncated":
         orig_next1 = loader_mod.Loader.next
 
