@@ -24,13 +24,16 @@ from spec.reference import F64, weights_f64
 
 @dataclass
 class Taken:
-    """What the training path's modules took (input) and gave (output) on the probe, first call each."""
+    """What the training path's modules took (input) and gave (output) on the probe, first call each; and the whole
+    call (its arguments), for a layer's rerun (spec/rerun.py)."""
     io: dict[str, tuple[Tensor, object]] = field(default_factory=dict)
+    calls: dict[str, tuple[tuple, dict]] = field(default_factory=dict)
 
     def hook(self, key: str):
-        def keep(module, args, out):
+        def keep(module, args, kwargs, out):
             if key not in self.io:
                 self.io[key] = (args[0].detach() if args else None, _detach(out))
+                self.calls[key] = (_detach(tuple(args)), kwargs)
         return keep
 
 
@@ -55,6 +58,7 @@ class ProbeRun:
     ref_w: dict[str, Tensor]       # the reference's float64 weights (leaves with grad when grads is not None)
     bias: dict[int, Tensor]        # MoE layer -> the selection bias
     cache: dict = field(default_factory=dict)  # what one check computed that another reads (tolerances)
+    autocast: object = None  # the recipe's autocast the probe ran under (a layer's rerun runs under it too)
 
 
 # the first positions of one sequence: every layer and head, the position rules (RoPE, the causal mask) on 32 of them,
@@ -69,11 +73,10 @@ def run_probe(model, micro, routes, z_coef: float, autocast, loss_scale: float |
     mb = micro[0]
     tokens, labels = mb.tokens[:1, :PROBE_TOKENS], mb.labels[:1, :PROBE_TOKENS]
     taken = Taken()
-    hooks = [model.tok_emb.register_forward_hook(taken.hook("emb")), model.norm.register_forward_hook(taken.hook("norm"))]
+    kept = {"emb": model.tok_emb, "norm": model.norm}
     for i, block in enumerate(model.blocks):
-        hooks += [block.register_forward_hook(taken.hook(f"block{i}")),
-                  block.attn.register_forward_hook(taken.hook(f"block{i}.attn")),
-                  block.mlp.register_forward_hook(taken.hook(f"block{i}.mlp"))]
+        kept.update({f"block{i}": block, f"block{i}.attn": block.attn, f"block{i}.mlp": block.mlp})
+    hooks = [m.register_forward_hook(taken.hook(key), with_kwargs=True) for key, m in kept.items()]
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     probe_routes = None if routes is None else {l: r[:1, :PROBE_TOKENS] for l, r in routes[0].items()}
     try:
@@ -94,4 +97,5 @@ def run_probe(model, micro, routes, z_coef: float, autocast, loss_scale: float |
     ids = {i: taken.io[f"block{i}.mlp"][1].route_ids_Nk for i, _ in model.moe_layers()}
     bias = {i: m.bias_E.detach().to(F64) for i, m in model.moe_layers()}
     loss = {"ce": out.loss_sum.detach().to(F64), "z": out.z_sum.detach().to(F64), "aux": out.aux_loss.detach().to(F64)}
-    return ProbeRun(tokens, labels, taken, loss, grads, ids, weights_f64(model, requires_grad=want_grads), bias)
+    return ProbeRun(tokens, labels, taken, loss, grads, ids, weights_f64(model, requires_grad=want_grads), bias,
+                    autocast=autocast)

@@ -30,6 +30,9 @@ FAULTS = {
     "attn_x3": ("forward", "block1.attn", "scaled"),
     "nan_mlp": ("loss_grad", "block0.mlp", "nonfinite"),  # its NaN gradient is the layer's, not a write (reduce)
     "mlp_bf16": ("forward", "block0.mlp", "precision"),
+    "attn_bf16": ("forward", "block1.attn", "precision"),  # q, k, v rounded to bf16 inside the attention
+    "attn_temp": ("forward", "block1.attn", "mismatch"),  # the scores ×1.1: a function near the layer's own
+    "norm_gain_off": ("forward", "block0", "mismatch"),  # the MLP's norm without its gain
     "expert_dead": ("forward", "block1.mlp", "dead_expert"),
     "grad_hook": ("gradient", "blocks.0.attn.qkv.weight", "scaled"),
     "all_grads_x2": ("loss_grad", "norm.weight", "scaled"),
@@ -140,6 +143,20 @@ def plant(name: str, S: int) -> None:
                     return out * float("nan")
                 return None
             self.blocks[0].mlp.register_forward_hook(nan)
+        if name in ("attn_bf16", "attn_temp"):  # block1's q, k, v as its own method gives them, then changed
+            attn, qk = self.blocks[1].attn, self.blocks[1].attn.qk
+
+            def changed(*a, **k):
+                q, k_, v = qk(*a, **k)
+                if not at():
+                    return q, k_, v
+                if name == "attn_temp":
+                    return q * 1.1, k_, v
+                return q.bfloat16().float(), k_.bfloat16().float(), v.bfloat16().float()
+            attn.qk = changed
+        if name == "norm_gain_off":
+            self.blocks[0].mlp_norm.register_forward_hook(
+                lambda m, a_, out: torch.nn.functional.rms_norm(a_[0], m.normalized_shape, None, m.eps) if at() else None)
         if name == "mlp_bf16":
             self.blocks[0].mlp.register_forward_hook(lambda m, a_, out: out.bfloat16().float() if at() else None)
         if name == "logits_bf16":

@@ -17,8 +17,9 @@ only, after the step's read (spec/monitor.py calls classify):
   gates / dead_expert   (MoE) the output is a gate-weighted sum of the chosen experts' outputs with other
                gates (least squares per token on its k expert outputs), with one expert's weight zero: dead
   precision    the output is the reference rounded coarser than the recipe: relative error below 2^-3, the
-               unit roundoff of the coarsest format there is (FP8 E5M2) — a rounding, not another function
-  mismatch     anything else: the layer computes another function
+               unit roundoff of the coarsest format there is (FP8 E5M2), and the layer rerun at a perturbed
+               point misses by a fresh draw (spec/rerun.py) — a rounding, not another function
+  mismatch     anything else: the layer computes another function (a small miss that the rerun keeps too)
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from torch import Tensor
 
 from spec.check import AFTER, FORWARD, REFERENCE, Check, Kind, on_device
 from spec.reference import F64, IGNORE, Reference, losses, rms_norm
+from spec.rerun import Rerun
 from spec.tolerance import LAMBDA, U32, matmul_dtype, stage, u
 
 ROUNDING_ONLY = 2.0 ** -3  # unit roundoff of FP8 E5M2, the coarsest float format: below it, an error is a rounding
@@ -74,15 +76,27 @@ class ForwardCheck(Check):
     def classify(self, i: int) -> str:
         """The kind of layer i's miss (after the read, on a failure only): the declared rules of this module's doc."""
         got, want, tol, extra = self.places[i]
+        rerun = extra.get("rerun")
         if "pairs" in extra:  # a block's composition: its worst pair
             j = int(extra["ratios"].argmax())
-            (got, want, _), tol = extra["pairs"][j], extra["tols"][j]
+            (got, want, _), tol, rerun = extra["pairs"][j], extra["tols"][j], extra["reruns"][j]
         if "attention" in extra and bool((got - extra["attention"](causal=False)).norm() <= tol):
             return "leak"
         kind = kind_of(got, want, tol, scalable="sums" not in extra)
         if "moe" in extra and kind != "nonfinite":
             return moe_kind(got.reshape(-1, got.shape[-1]), extra["moe"], extra["rel"], self.ctx.model_cfg.moe) or kind
+        if kind == "precision" and rerun is not None:  # a rounding, or another function close to the layer's?
+            return rerun.kind(got - want)
         return kind
+
+    def rerun(self, run, key: str, module, prefix: str, reference, x: Tensor | None = None) -> Rerun | None:
+        """The training path's `module` (the probe's call `key`, or on input x) to rerun against `reference(x, w)`;
+        None under FSDP2 (a module's weights are shards there, gathered only inside the model's forward)."""
+        if self.ctx.sharded:
+            return None
+        args, kwargs = run.taken.calls[key]
+        return Rerun(module, prefix, args if x is None else (x,), kwargs if x is None else {}, reference,
+                     run.autocast)
 
     # --- tolerances -------------------------------------------------------------------------------------
     def u_in(self) -> float:
@@ -127,8 +141,11 @@ class ForwardCheck(Check):
         graph by `through`: the reference linearised at the training path's activations. Its probe objective
         (run.cache["objective"], when the weights are leaves with a gradient) is what the gradient check
         differentiates, so one FP64 forward serves both checks."""
-        c, io = self.ctx.model_cfg, run.taken.io
+        c, io, blocks = self.ctx.model_cfg, run.taken.io, self.ctx.model.blocks
         grad = any(w.requires_grad for w in run.ref_w.values())
+
+        def with_w(w: dict[str, Tensor]) -> Reference:  # the reference on some weights replaced (a rerun's)
+            return Reference(c, {**run.ref_w, **w}, run.bias)
         with torch.set_grad_enabled(grad):
             u_p = u(getattr(torch, self.ctx.cfg.parallel.param_dtype, torch.float32))
             carry = ref.embed(run.tokens)  # the reference's output so far, the graph its gradient flows back through
@@ -145,7 +162,9 @@ class ForwardCheck(Check):
                 x = through(x_in, carry)
                 n1 = rms_norm(x, ref.p(pre + "attn_norm.weight"), c.norm_eps)
                 attn = ref.attention(i, through(a_in, n1))
-                yield (f"block{i}.attn", *self.compare(a_out, attn, tol["attn"],
+                rerun = self.rerun(run, f"block{i}.attn", blocks[i].attn, pre + "attn.",
+                                   lambda x, w, i=i: with_w(w).attention(i, x))
+                yield (f"block{i}.attn", *self.compare(a_out, attn, tol["attn"], rerun=rerun,
                                                        attention=lambda causal, i=i, a_in=a_in: ref.attention(i, a_in, causal)))
                 mid = through(x_out - m_out, x + attn)  # the residual after the attention
                 n2 = rms_norm(mid, ref.p(pre + "mlp_norm.weight"), c.norm_eps)
@@ -156,8 +175,16 @@ class ForwardCheck(Check):
                     yield (f"block{i}.mlp", *self.compare(m_out, mlp, tol["mlp"], moe=parts, rel=tol["mlp"]))
                 else:
                     mlp = ref.dense_mlp(i, through(m_in, n2))
-                    yield (f"block{i}.mlp", *self.compare(m_out, mlp, tol["mlp"]))
-                yield (f"block{i}", *self.block_composition(x_in, a_in, a_out, m_in, m_out, x_out, n1, n2, tol["norm"]))
+                    rerun = self.rerun(run, f"block{i}.mlp", blocks[i].mlp, pre + "mlp.",
+                                       lambda x, w, i=i: with_w(w).dense_mlp(i, x))
+                    yield (f"block{i}.mlp", *self.compare(m_out, mlp, tol["mlp"], rerun=rerun))
+                x_raw = io[f"block{i}"][0]
+                norms = [self.rerun(run, f"block{i}", norm, pre + name + ".",
+                                    lambda x, w, key=pre + name + ".weight": rms_norm(x, w[key], c.norm_eps), x=x)
+                         for norm, name, x in ((blocks[i].attn_norm, "attn_norm", x_raw),
+                                               (blocks[i].mlp_norm, "mlp_norm", (x_out - m_out).to(x_raw.dtype)))]
+                yield (f"block{i}", *self.block_composition(x_in, a_in, a_out, m_in, m_out, x_out, n1, n2, tol["norm"],
+                                                            reruns=[*norms, None]))
                 carry = mid + mlp
             logits = ref.head(through(io["norm"][0].to(F64), carry))
             ce, z = losses(logits, run.labels)
@@ -175,11 +202,11 @@ class ForwardCheck(Check):
         yield ("loss", err, tol, ce.abs(), (got, want, tol, {"sums": True}))
 
     @staticmethod
-    def block_composition(x_in, a_in, a_out, m_in, m_out, x_out, n1, n2, rel_norm: Tensor):
+    def block_composition(x_in, a_in, a_out, m_in, m_out, x_out, n1, n2, rel_norm: Tensor, reruns: list):
         """A block's own work around its two layers, from what the training path's layers took and gave: the norm
         before each (n1, n2: the reference's RMSNorm of the residual stream, x_in and x_out − m_out), and the
         residual adds x + attn + mlp. (err, tol, scale, place) of the worst of the three, as a share of its
-        tolerance times the output's norm."""
+        tolerance times the output's norm. reruns: the two norms' (spec/rerun.py), and None for the adds."""
         # NOTE: the residual after the attention is one rounding of x_out away from the path's own: 2·u32 more
         pairs = [(a_in, n1.detach(), rel_norm), (m_in, n2.detach(), rel_norm + LAMBDA * 2 * U32),
                  (x_out, x_in + a_out + m_out, torch.full_like(rel_norm, LAMBDA * 2 * U32))]
@@ -188,7 +215,7 @@ class ForwardCheck(Check):
         scale = x_out.norm()
         # every pair is kept: classify() picks the worst, on a failure only
         return ratios.max() * scale, scale + 1e-300, scale, (None, None, None, {"pairs": pairs, "tols": tols,
-                                                                                "ratios": ratios})
+                                                                                "ratios": ratios, "reruns": reruns})
 
     @staticmethod
     def compare(got: Tensor, want: Tensor, rel_tol: Tensor, **extra):

@@ -1,0 +1,89 @@
+"""A rounding or another function? A layer's small miss, rerun at a perturbed point (on a failure only).
+
+The forward check (spec/checks/forward.py) calls a layer's miss below 2^-3 relative a rounding. So small a miss can
+also be another function close to the layer's own: a softmax temperature a few percent off, an attention window
+that drops a few far positions, a norm that ignores a gain near 1. No magnitude separates them (a 16-bit rounding's
+bound through a softmax is larger than these). How the error depends on the point does:
+
+    e(x, W) = layer(x, W) − reference(x, W)     the training path's layer and the FP64 reference, fed the same
+
+- A rounding to a grid of spacing h is a sawtooth of the value rounded. Moved by a random perturbation of standard
+  deviation σ ≥ h/2, its error is a fresh draw: the sawtooth's k-th Fourier term keeps exp(−2π²k²σ²/h²) ≤ e^−4.9 of
+  its correlation. A format of unit roundoff u has spacing h ≤ 2u·|v| at a value v, so a relative perturbation of
+  standard deviation u redraws its every rounding.
+- Another function's error is smooth in x and W: the same perturbation moves it by a fraction of itself.
+
+With e = s + r (smooth, rounding) at the probe's point and e' = s' + r' at the perturbed one, s' ≈ s and r' an
+independent draw of r: ⟨e, e'⟩ ≈ ‖s‖² and ‖e − e'‖²/2 ≈ ‖r‖². The layer computes another function when its miss
+is mostly smooth: ⟨e, e'⟩ > ‖e − e'‖²/2.
+
+The perturbation: the layer's input by 2^-3 relative, the unit roundoff of FP8 E5M2, the coarsest format (every
+rounding of an activation redrawn); the matrices its matmuls read by 2^-8, bfloat16's (a weight cast to a 16-bit
+format in the forward, as autocast does, redrawn), not more: a weight used otherwise than the math says differs
+from the right use by its own distance from what replaces it. Its gains and other vectors not at all: the recipes
+apply them in FP32 (autocast runs norms in FP32), and a gain ignored (replaced by 1) is then told at any distance
+from 1, as it could not be once moved by 2^-8. The draw is seeded: the same miss is judged alike on every run.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from spec.reference import F64
+
+ETA_INPUT = 2.0 ** -3   # FP8 E5M2's unit roundoff: the coarsest format's rounding redrawn
+ETA_WEIGHT = 2.0 ** -8  # bfloat16's: a 16-bit rounding of a matmul's weight redrawn
+SEED = 20250417
+
+
+def perturbed(t: Tensor, eta: float, gen: torch.Generator) -> Tensor:
+    """t · (1 + η·ξ), ξ ~ N(0, 1) elementwise, in t's dtype (drawn on the host: the run's own generators untouched)."""
+    xi = torch.randn(t.shape, generator=gen, dtype=F64)
+    return (t.detach().to(F64) * (1 + eta * xi.to(t.device))).to(t.dtype)
+
+
+def smooth(e0: Tensor, e1: Tensor) -> bool:
+    """Whether the miss e0 is mostly smooth: ⟨e0, e1⟩ > ‖e0 − e1‖²/2 (e1 the miss at the perturbed point)."""
+    e0, e1 = e0.reshape(-1).to(F64), e1.reshape(-1).to(F64)
+    return bool((e0 * e1).sum() > (e0 - e1).square().sum() / 2)
+
+
+class Rerun:
+    """One layer of the training path, to rerun as the probe ran it (its module, hooks and kernels, under the
+    recipe's autocast, grad enabled) against `reference(x, weights)`, the FP64 reference's same layer fed the same
+    (weights by their names in the model: prefix + the module's own)."""
+
+    def __init__(self, module: torch.nn.Module, prefix: str, args: tuple, kwargs: dict,
+                 reference: Callable[[Tensor, dict[str, Tensor]], Tensor], autocast=None):
+        self.module, self.prefix, self.args, self.kwargs = module, prefix, args, kwargs
+        self.reference, self.autocast = reference, autocast
+
+    def error(self, gen: torch.Generator) -> Tensor:
+        """The layer's miss at a perturbed point: its input by ETA_INPUT, its matrices by ETA_WEIGHT."""
+        w = {n: perturbed(p, ETA_WEIGHT, gen) if p.dim() >= 2 else p.detach()
+             for n, p in self.module.named_parameters()}
+        x = perturbed(self.args[0], ETA_INPUT, gen)
+        # NOTE: the attention's logit telemetry would count this forward: off for it
+        probe = getattr(self.module, "probe_logits", None)
+        if probe is not None:
+            self.module.probe_logits = False
+        try:
+            with torch.enable_grad(), (self.autocast() if self.autocast is not None else contextlib.nullcontext()):
+                y = torch.func.functional_call(self.module, w, (x, *self.args[1:]), self.kwargs)
+        finally:
+            if probe is not None:
+                self.module.probe_logits = probe
+        want = self.reference(x.to(F64), {self.prefix + n: t.to(F64) for n, t in w.items()})
+        return y.detach().to(F64) - want
+
+    def kind(self, e0: Tensor) -> str:
+        """"mismatch" when the miss e0 (at the probe's point) is mostly smooth, "precision" when mostly a rounding;
+        "precision" still (kind_of's reading) when the layer cannot be rerun."""
+        try:
+            e1 = self.error(torch.Generator().manual_seed(SEED))
+        except (RuntimeError, TypeError, ValueError):  # a layer that runs only inside its model's forward
+            return "precision"
+        return "mismatch" if smooth(e0, e1) else "precision"
