@@ -181,7 +181,7 @@ def train(run: Run, stop: Interrupts) -> None:
                  "skipped": skipped} if guard.watches_more else None
         verdict = guard.after_update(step, s.first_id, nums.n_valid, s.post, nums.stats["loss"], worst, extra=after,
                                      spec=failed)
-        if run.spec is not None and verdict.triggers:  # a flagged step: the reference checks look at it too
+        if run.spec is not None and (verdict.triggers or s.spec.get("fail")):  # the reference checks look at it too
             run.spec.on_demand(s, host)
         tokens_seen += nums.n_valid
         evaluated = {}

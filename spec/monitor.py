@@ -57,6 +57,7 @@ class Conformance(Callback):
                       DEMAND: [c for c in self.checks if c.cadence == REFERENCE]}
         self._probe: tuple[int, object] | None = None
         self._demand: int | None = None  # the step whose reference checks run on demand (on_demand)
+        self._failing: int | None = None  # the last step a check failed on (on_demand probes a failure's first)
         self.seconds = 0.0  # the monitor's own host time since took() (the put, the read); each check keeps its own
         ctx.probe = self.probe
         ctx.reference_step = self.reference_step
@@ -134,15 +135,21 @@ class Conformance(Callback):
         self._probe = None
 
     def on_demand(self, s: StepState, host) -> list[dict]:
-        """A step the guard flagged (a statistic left its band) that was not a reference step and failed no check:
-        its reference checks run now, after its read — the probe re-executes the training path on the step's own
-        first row, with the weights the update left, as on any reference step — and their results join the step's
-        record through a host read of their own (a flagged step's only). So an incident the doctor judges natural
-        is one whose step computed what its specification says, not one no reference check looked at (a rerun of
-        the suspect step, as Megatron-core's rerun state machine does, here by the checks). Returns the failures."""
+        """A step that was not a reference step, which the guard flagged (a statistic left its band) or on which a
+        check failed where the step before failed none: its reference checks run now, after its read — the probe
+        re-executes the training path on the step's own first row, with the weights the update left, as on any
+        reference step — and their results join the step's record through a host read of their own (such a step's
+        only). So an incident the doctor judges natural is one whose step computed what its specification says, not
+        one no reference check looked at (a rerun of the suspect step, as Megatron-core's rerun state machine does,
+        here by the checks); and a fault an every-step check sees by its consequence (a norm's gain ignored: the
+        gain gets no gradient) is named by the layer that computed otherwise, at its first step. Returns the
+        failures. NOTE: a failure's first step only: a fault that fails every step is probed once, not every step."""
         # NOTE: every rank decides alike (the guard judges the reduced numbers, the failures are every rank's), as the
         # probe's and the pack's collectives need
-        if self.reference_step(s.step) or s.spec.get("fail") or not self.phase[DEMAND]:
+        failed, failing = bool(s.spec.get("fail")), self._failing == s.step - 1
+        if failed:
+            self._failing = s.step
+        if self.reference_step(s.step) or not self.phase[DEMAND] or (failed and failing):
             return []
         self._demand = s.step
         try:

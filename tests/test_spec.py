@@ -62,12 +62,15 @@ def planted(tmp_path_factory) -> dict:
 def test_a_check_that_reads_the_steps_own_forward_fails_between_reference_steps(tmp_path, fault):
     """The route and precision checks read the step's own forward, every step: a top-k flipped at step 3, or a layer's
     output rounded to bf16 there, fails its check at 3 with spec.every=5 (whose reference steps are 1 and 5), before
-    the update; the step before held it."""
+    the update; the step before held it. The reference checks then run on that step too (on demand), and whatever
+    they name first is of the same class (the forward check's precision, at the same layer)."""
     base = [o for o in PLANTED if not o.startswith("spec.every=")]
     recs = plant(tmp_path, fault, base=[*base, "spec.every=5"])
     check, where, kind = BETWEEN[fault]
-    got = first_failure(recs[S - 1])
-    assert got is not None and (got["check"], got["where"], got["kind"]) == (check, where, kind), got
+    fails = recs[S - 1]["spec"]["fail"]
+    assert (check, where, kind) in [(f["check"], f["where"], f["kind"]) for f in fails], fails
+    own = next(f for f in fails if f["check"] == check)
+    assert (fails[0]["class"], fails[0]["where"]) == (own["class"], where), fails
     assert check in recs[S - 2]["spec"]["miss"] and not recs[S - 2]["spec"]["fail"]
 
 
@@ -85,6 +88,18 @@ def test_a_step_the_guard_flags_gets_its_reference_checks(tmp_path, fault):
         assert got is None and recs[S - 1]["spec"]["miss"]["forward"] <= 1
     else:
         assert got is not None and (got["check"], got["where"], got["kind"]) == FLAGGED[fault], got
+
+
+def test_a_step_that_fails_an_every_step_check_gets_its_reference_checks(tmp_path):
+    """A norm that ignores its gain at step 3 alone, between reference steps (spec.every=5: 1 and 5): the gain gets no
+    gradient (the reduce check, every step), and the reference checks then run on that step too, so the first failure
+    is the forward check's, at the block whose norm computed otherwise."""
+    base = [o for o in PLANTED if not o.startswith("spec.every=")]
+    recs = plant(tmp_path, "norm_gain_off", base=[*base, "spec.every=5"])
+    assert [r["step"] for r in recs if "forward" in r["spec"]["miss"]] == [1, S]
+    fails = recs[S - 1]["spec"]["fail"]
+    assert [(f["check"], f["where"], f["kind"]) for f in fails[:1]] == [FAULTS["norm_gain_off"]], fails
+    assert ("reduce", "missing") in [(f["check"], f["kind"]) for f in fails], fails
 
 
 @pytest.mark.parametrize("fault", list(SUSTAINED))
