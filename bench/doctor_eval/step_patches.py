@@ -11,7 +11,8 @@ NAMES = ("attn_scale_d", "attn_bf16_kernel_sustained", "loss_all_positions", "ex
          "moe_bias_stale_loads", "moe_experts_swapped_between", "rank1_step_skipped", "attn_window_16",
          "norm_gain_ignored", "weights_bf16_sustained", "moe_aux_dropped", "columns_truncated", "resume_step_count_off",
          "moe_gates_biased", "router_bf16_sustained", "attn_proj_out_transposed", "head_weight_detached",
-         "slow_optimizer")
+         "slow_optimizer", "swiglu_gelu_sustained", "attn_sees_next", "mlp_hidden_bf16_sustained",
+         "adam_l2_not_decoupled", "moe_gates_unnormalised", "emb_dropout_sustained")
 
 
 def patch(name: str, clock, S: int) -> None:
@@ -20,7 +21,7 @@ def patch(name: str, clock, S: int) -> None:
         return
     import torch
     import torch.distributed as tdist
-    if name in ("attn_scale_d", "attn_bf16_kernel_sustained", "attn_window_16"):
+    if name in ("attn_scale_d", "attn_bf16_kernel_sustained", "attn_window_16", "attn_sees_next"):
         _attention_kernel(name, clock, S)
     if name == "loss_all_positions":
         count_every_position(lambda: clock.step >= S)
@@ -40,7 +41,8 @@ def patch(name: str, clock, S: int) -> None:
         torch.optim.AdamW.step = ostep
     if name in ("moe_shared_expert_off", "moe_bias_stale_loads", "moe_experts_swapped_between", "moe_aux_dropped",
                 "norm_gain_ignored", "columns_truncated", "moe_gates_biased", "router_bf16_sustained",
-                "attn_proj_out_transposed", "head_weight_detached", "weights_bf16_sustained"):
+                "attn_proj_out_transposed", "head_weight_detached", "weights_bf16_sustained", "swiglu_gelu_sustained",
+                "mlp_hidden_bf16_sustained", "moe_gates_unnormalised", "emb_dropout_sustained"):
         _modules(name, clock, S)
     if name == "resume_step_count_off":
         from checkpoint import state as state_mod
@@ -52,6 +54,25 @@ def patch(name: str, clock, S: int) -> None:
                 if "step" in st:
                     st["step"] += 1
         state_mod.TrainState.load = load
+    if name == "adam_l2_not_decoupled":  # NOTE: on the class: the optimizer is built after this patch
+        orig_l2 = torch.optim.AdamW.step
+
+        def l2_step(self, *aa, **kk):
+            if clock.step < S:
+                return orig_l2(self, *aa, **kk)
+            decay = [g["weight_decay"] for g in self.param_groups]
+            with torch.no_grad():  # Adam with an L2 term in the gradient, no decoupled decay
+                for g, wd in zip(self.param_groups, decay):
+                    for p in g["params"]:
+                        if wd and p.grad is not None:
+                            p.grad.add_(p, alpha=wd)
+                    g["weight_decay"] = 0.0
+            try:
+                return orig_l2(self, *aa, **kk)
+            finally:
+                for g, wd in zip(self.param_groups, decay):
+                    g["weight_decay"] = wd
+        torch.optim.AdamW.step = l2_step
     if name == "slow_optimizer":  # NOTE: on the class: the optimizer is built after this patch
         import time
         orig_sstep2 = torch.optim.AdamW.step
@@ -133,8 +154,8 @@ def count_every_position(when) -> None:
 
 def _attention_kernel(name: str, clock, S: int) -> None:
     """One block's call of scaled_dot_product_attention computes something else from S on: block1's with the
-    scores scaled by 1/d_head, block2's on q, k, v rounded to bf16 (its output back in theirs), or block0's within a
-    window of 16 positions."""
+    scores scaled by 1/d_head, block2's on q, k, v rounded to bf16 (its output back in theirs) or with a mask that
+    lets each position see the next one, or block0's within a window of 16 positions."""
     import torch
     import torch.nn.functional as F
 
@@ -153,10 +174,11 @@ def _attention_kernel(name: str, clock, S: int) -> None:
                 return F.scaled_dot_product_attention(q, k, v, *a, **kw)
             if name == "attn_scale_d":
                 return F.scaled_dot_product_attention(q, k, v, *a, scale=1.0 / q.shape[-1], **kw)
-            if name == "attn_window_16":  # causal and at most 16 positions back
+            if name in ("attn_window_16", "attn_sees_next"):  # causal and 16 back at most | one position ahead
                 T, S_ = q.shape[-2], k.shape[-2]
                 t, j = torch.arange(T, device=q.device)[:, None], torch.arange(S_, device=q.device)[None, :]
-                kw = {**kw, "is_causal": False, "attn_mask": (j <= t) & (t - j < 16)}
+                mask = (j <= t) & (t - j < 16) if name == "attn_window_16" else j <= t + 1
+                kw = {**kw, "is_causal": False, "attn_mask": mask}
                 return F.scaled_dot_product_attention(q, k, v, *a, **kw)
             return F.scaled_dot_product_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), *a, **kw).to(q.dtype)
     att.F = Functional()
@@ -164,7 +186,7 @@ def _attention_kernel(name: str, clock, S: int) -> None:
 
     def init(self, *a, **k):
         orig_init(self, *a, **k)
-        attn = self.blocks[{"attn_scale_d": 1, "attn_bf16_kernel_sustained": 2, "attn_window_16": 0}[name]].attn
+        attn = self.blocks[{"attn_scale_d": 1, "attn_bf16_kernel_sustained": 2, "attn_window_16": 0, "attn_sees_next": 2}[name]].attn
 
         def enter(mod, args):
             inside["on"] = clock.step >= S
@@ -180,7 +202,9 @@ def _modules(name: str, clock, S: int) -> None:
     """block3's shared expert zeroed, its auxiliary loss dropped or its router logits in bf16, block2's MLP norm
     without its gain or its attention projection transposed, block1's scores biased or its bias moved by the last
     step's loads, block1's experts 0 and 1 swapped in place before step S's forward (outside any update), the head's
-    tied weight detached, block2's MLP weights kept in bf16, or step S's batch one position shorter."""
+    tied weight detached, block2's MLP weights kept in bf16, or step S's batch one position shorter; block0's SwiGLU
+    gated by GELU, block2's MLP hidden activation rounded to bf16, block1's top-k gates left unnormalised, or
+    dropout on the embedding's output."""
     import torch
 
     from data import loader as loader_mod
@@ -220,6 +244,28 @@ def _modules(name: str, clock, S: int) -> None:
                 w = lin.weight.T if name == "attn_proj_out_transposed" else lin.weight.detach()
                 return torch.nn.functional.linear(x, w)
             lin.forward = forward
+        if name in ("swiglu_gelu_sustained", "mlp_hidden_bf16_sustained"):
+            mlp = self.blocks[0 if name == "swiglu_gelu_sustained" else 2].mlp
+            orig_mlp = mlp.forward
+
+            def mlp_forward(x, mlp=mlp, orig_mlp=orig_mlp):
+                if clock.step < S:
+                    return orig_mlp(x)
+                gate, up = mlp.w_gate_up(x).chunk(2, dim=-1)
+                if mlp.limit is not None:
+                    gate, up = gate.clamp(max=mlp.limit), up.clamp(-mlp.limit, mlp.limit)
+                if name == "swiglu_gelu_sustained":
+                    return mlp.w_down(torch.nn.functional.gelu(gate) * up)
+                return mlp.w_down((torch.nn.functional.silu(gate) * up).bfloat16().to(up.dtype))
+            mlp.forward = mlp_forward
+        if name == "moe_gates_unnormalised":  # the module's own config swapped: the run's config unchanged
+            from dataclasses import replace
+            moe = self.blocks[1].mlp
+            own, off = moe.cfg, replace(moe.cfg, norm_topk=False)
+            moe.register_forward_pre_hook(lambda m, args: setattr(m, "cfg", off if clock.step >= S else own))
+        if name == "emb_dropout_sustained":
+            self.tok_emb.register_forward_hook(lambda m, args, out: torch.nn.functional.dropout(out, 0.1, training=True)
+                                               if clock.step >= S and torch.is_grad_enabled() else None)
         if name == "moe_bias_stale_loads":
             moe, last = self.blocks[1].mlp, {}
             orig_ub = moe.update_bias
