@@ -66,6 +66,12 @@ class Rerun:
         w = {n: perturbed(p, ETA_WEIGHT, gen) if p.dim() >= 2 else p.detach()
              for n, p in self.module.named_parameters()}
         x = perturbed(self.args[0], ETA_INPUT, gen)
+        want = self.reference(x.to(F64), {self.prefix + n: t.to(F64) for n, t in w.items()})
+        return self.output(x, w) - want
+
+    def output(self, x: Tensor, w: dict[str, Tensor] | None = None) -> Tensor:
+        """The layer's output (FP64) on input x, with its own weights or w, as the probe ran it."""
+        w = w if w is not None else {n: p.detach() for n, p in self.module.named_parameters()}
         # NOTE: the attention's logit telemetry would count this forward: off for it
         probe = getattr(self.module, "probe_logits", None)
         if probe is not None:
@@ -76,8 +82,22 @@ class Rerun:
         finally:
             if probe is not None:
                 self.module.probe_logits = probe
-        want = self.reference(x.to(F64), {self.prefix + n: t.to(F64) for n, t in w.items()})
-        return y.detach().to(F64) - want
+        return y.detach().to(F64)
+
+    def sees_ahead(self, rel_tol: Tensor) -> bool:
+        """Whether a position's output moves when only the positions after it change: causality says it must not.
+        The inputs after the middle position are replaced (reversed in order), and the outputs before it compared
+        with the layer's own on the probe's input, within the layer's relative tolerance (they are the same
+        arithmetic on the same numbers: no more than the recipe's rounding). A mask off by one (each position
+        seeing the next) moves the output just before the middle; no mask at all, every one."""
+        x = self.args[0]
+        half = x.shape[-2] // 2
+        other = torch.cat([x[..., :half, :], x[..., half:, :].flip(-2)], dim=-2)
+        try:
+            y, y2 = self.output(x)[..., :half, :], self.output(other)[..., :half, :]
+        except (RuntimeError, TypeError, ValueError):  # a layer that runs only inside its model's forward
+            return False
+        return bool((y - y2).norm() > rel_tol.to(y.device) * y.norm() + 1e-300)
 
     def kind(self, e0: Tensor) -> str:
         """"mismatch" when the miss e0 (at the probe's point) is mostly smooth, "precision" when mostly a rounding;

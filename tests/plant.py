@@ -33,6 +33,8 @@ FAULTS = {
     "attn_bf16": ("forward", "block1.attn", "precision"),  # q, k, v rounded to bf16 inside the attention
     "attn_temp": ("forward", "block1.attn", "mismatch"),  # the scores ×1.1: a function near the layer's own
     "norm_gain_off": ("forward", "block0", "mismatch"),  # the MLP's norm without its gain
+    "attn_next": ("forward", "block1.attn", "leak"),  # each position sees the next one too: a mask off by one
+    "adam_l2": ("optimizer", None, "update"),  # the decay added to the gradient (Adam's L2), not decoupled
     "expert_dead": ("forward", "block1.mlp", "dead_expert"),
     "grad_hook": ("gradient", "blocks.0.attn.qkv.weight", "scaled"),
     "all_grads_x2": ("loss_grad", "norm.weight", "scaled"),
@@ -154,6 +156,19 @@ def plant(name: str, S: int) -> None:
                     return q * 1.1, k_, v
                 return q.bfloat16().float(), k_.bfloat16().float(), v.bfloat16().float()
             attn.qk = changed
+        if name == "attn_next":
+            attn1, forward1 = self.blocks[1].attn, self.blocks[1].attn.forward
+
+            def ahead(x, cos, sin, kv=None):
+                if not at():
+                    return forward1(x, cos, sin, kv=kv)
+                q, k_, v = attn1.qk(x, cos, sin)
+                T = q.shape[-2]
+                mask = torch.arange(T)[None, :] <= torch.arange(T)[:, None] + 1
+                y = torch.nn.functional.scaled_dot_product_attention(q, k_, v, attn_mask=mask,
+                                                                     enable_gqa=attn1.n_kv_heads != attn1.n_heads)
+                return attn1.proj_out(y.transpose(1, 2).flatten(2))
+            attn1.forward = ahead
         if name == "norm_gain_off":
             self.blocks[0].mlp_norm.register_forward_hook(
                 lambda m, a_, out: torch.nn.functional.rms_norm(a_[0], m.normalized_shape, None, m.eps) if at() else None)
@@ -264,6 +279,26 @@ def plant(name: str, S: int) -> None:
                 models[0].blocks[0].mlp.w_down.weight.mul_(1.001)
         return out
     pstep.prepare_update, pstep.apply_update = prepare_update, apply_update
+
+    if name == "adam_l2":  # from step S on, the decay added to the gradient and the decoupled decay off (Adam's L2)
+        orig_l2 = torch.optim.AdamW.step
+
+        def l2_step(self, *aa, **kk):
+            if Clock.step < S:
+                return orig_l2(self, *aa, **kk)
+            decay = [g["weight_decay"] for g in self.param_groups]
+            with torch.no_grad():
+                for g, wd in zip(self.param_groups, decay):
+                    for p in g["params"]:
+                        if wd and p.grad is not None:
+                            p.grad.add_(p, alpha=wd)
+                    g["weight_decay"] = 0.0
+            try:
+                return orig_l2(self, *aa, **kk)
+            finally:
+                for g, wd in zip(self.param_groups, decay):
+                    g["weight_decay"] = wd
+        torch.optim.AdamW.step = l2_step
 
     if name in ("eps", "betas"):  # an optimizer setting changed under the config, from step S on
         orig_step = torch.optim.AdamW.step

@@ -13,7 +13,8 @@ How a layer missed decides the class (declared rules on what the comparison meas
 only, after the step's read (spec/monitor.py calls classify):
   nonfinite    a non-finite output
   scaled       the output is the reference times a factor (what is left after the best factor is within tol)
-  leak         (attention) the output is the reference without its causal mask: the model sees the future
+  leak         (attention) the output is the reference without its causal mask, or a position's output moves
+               when only the positions after it change (spec/rerun.py sees_ahead): the model sees the future
   gates / dead_expert   (MoE) the output is a gate-weighted sum of the chosen experts' outputs with other
                gates (least squares per token on its k expert outputs), with one expert's weight zero: dead
   precision    the output is the reference rounded coarser than the recipe: relative error below 2^-3, the
@@ -80,7 +81,8 @@ class ForwardCheck(Check):
         if "pairs" in extra:  # a block's composition: its worst pair
             j = int(extra["ratios"].argmax())
             (got, want, _), tol, rerun = extra["pairs"][j], extra["tols"][j], extra["reruns"][j]
-        if "attention" in extra and bool((got - extra["attention"](causal=False)).norm() <= tol):
+        if "attention" in extra and (bool((got - extra["attention"](causal=False)).norm() <= tol)
+                                     or (rerun is not None and rerun.sees_ahead(extra["rel"]))):
             return "leak"
         kind = kind_of(got, want, tol, scalable="sums" not in extra)
         if "moe" in extra and kind != "nonfinite":
@@ -164,7 +166,7 @@ class ForwardCheck(Check):
                 attn = ref.attention(i, through(a_in, n1))
                 rerun = self.rerun(run, f"block{i}.attn", blocks[i].attn, pre + "attn.",
                                    lambda x, w, i=i: with_w(w).attention(i, x))
-                yield (f"block{i}.attn", *self.compare(a_out, attn, tol["attn"], rerun=rerun,
+                yield (f"block{i}.attn", *self.compare(a_out, attn, tol["attn"], rerun=rerun, rel=tol["attn"],
                                                        attention=lambda causal, i=i, a_in=a_in: ref.attention(i, a_in, causal)))
                 mid = through(x_out - m_out, x + attn)  # the residual after the attention
                 n2 = rms_norm(mid, ref.p(pre + "mlp_norm.weight"), c.norm_eps)

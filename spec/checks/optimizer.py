@@ -254,7 +254,7 @@ class OptimizerCheck(Check):
         if self.muon:
             moments.append((b["momentum_buffer"], M, g, tol_M))
         # what classify reads for a failure (references to this step's vectors, nothing copied)
-        self.places = (moments, still, miscounted, per_state >= per_w, b["w"])
+        self.places = (moments, still, miscounted, per_state >= per_w, b["w"], w)
         self.start = b
 
     def classify(self, i: int) -> str:
@@ -263,8 +263,9 @@ class OptimizerCheck(Check):
         (AdamW's m: y = g; v: y = g²; Muon's M' = μ'·M + g, fitted as M' − g = μ'·M), so x' − y = β'·(x − y) with one
         β' for the group's probe elements, which least squares gives and the moment's own tolerance judges. A moment
         altered between the steps (a loader, a hook, a lost state) fits no single β': its elements' ratios (x' − y) /
-        (x − y) spread with g²/v, far beyond FP32's rounding."""
-        moments, still, miscounted, state_first, w_after = self.places
+        (x − y) spread with g²/v, far beyond FP32's rounding. Likewise AdamW's moments exactly their algebra for the
+        gradient g + λ·w, one λ for the group (l2_decay): the decay entered the gradient (Adam's L2), a setting."""
+        moments, still, miscounted, state_first, w_after, w_before = self.places
         own = self.owner == i
         # NOTE: the parameter or a moment whose every probe element lies on a coarser format's grid (its low bits zero:
         # the precision check's own test, by chance 2^-13 an element) was rounded there: kept in a lower precision
@@ -287,7 +288,7 @@ class OptimizerCheck(Check):
                 x, z = prev[sel] - y[sel], got[sel] - y[sel]
             beta = (x * z).sum() / x.square().sum().clamp(min=1e-300)
             if not bool(((z - beta * x).abs() <= tol[sel]).all()):
-                return "state"
+                return "update" if k < 2 and l2_decay(moments, w_before, adamw) else "state"
         return "update"
 
     def qk_factor(self, qk_clip: dict, like: Tensor) -> Tensor:
@@ -321,6 +322,28 @@ class OptimizerCheck(Check):
     def load_state_dict(self, sd: dict) -> None:
         u = sd.get("updates")
         self.updates, self.start = None if u is None else torch.as_tensor(u, dtype=F64), None
+
+
+def l2_decay(moments, w: Tensor, sel: Tensor) -> bool:
+    """Whether AdamW's moments on the elements `sel` are their algebra for the gradient g + λ·w with one λ ≠ 0: Adam's
+    L2 term, the decay added to the gradient instead of applied to the weight apart. m' − g = β·(m − g) + (1 − β)·λ·w:
+    β and c = (1 − β)·λ by least squares, then v' − y = β₂·(v − y) with y = (g + λ·w)², one β₂; each judged by its
+    moment's own tolerance, widened for the gradient g' = g + λ·w: its sum is one rounding more, and the algebra's
+    roundings scale with |g'| ≤ |g| + |λ·w| (m: its 2 and the sum's 1; v: its 3 and the sum's, twice through g'²)."""
+    (m1, m0, g, tol_m), (v1, v0, _, tol_v) = moments[:2]
+    g, w = g[sel], w[sel]
+    A, z = torch.stack([m0[sel] - g, w], -1), m1[sel] - g
+    beta, c = torch.linalg.lstsq(A, z[:, None]).solution[:, 0]
+    if not bool(c != 0) or not bool(beta < 1):
+        return False
+    lam = c / (1 - beta)
+    big = g.abs() + (lam * w).abs()  # a bound on |g'|
+    if not bool(((z - A @ torch.stack([beta, c])).abs() <= tol_m[sel] + (1 - beta) * SAFETY * 3 * U32 * big).all()):
+        return False
+    y = (g + lam * w).square()
+    x, z = v0[sel] - y, v1[sel] - y
+    beta2 = (x * z).sum() / x.square().sum().clamp(min=1e-300)
+    return bool(((z - beta2 * x).abs() <= tol_v[sel] + (1 - beta2) * SAFETY * 5 * U32 * big.square()).all())
 
 
 def _full(t: Tensor) -> Tensor:
