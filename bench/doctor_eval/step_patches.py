@@ -12,7 +12,9 @@ NAMES = ("attn_scale_d", "attn_bf16_kernel_sustained", "loss_all_positions", "ex
          "norm_gain_ignored", "weights_bf16_sustained", "moe_aux_dropped", "columns_truncated", "resume_step_count_off",
          "moe_gates_biased", "router_bf16_sustained", "attn_proj_out_transposed", "head_weight_detached",
          "slow_optimizer", "swiglu_gelu_sustained", "attn_sees_next", "mlp_hidden_bf16_sustained",
-         "adam_l2_not_decoupled", "moe_gates_unnormalised", "emb_dropout_sustained")
+         "adam_l2_not_decoupled", "moe_gates_unnormalised", "emb_dropout_sustained", "attn_heads_rolled",
+         "attn_qk_fp16_sustained", "moe_expert_out_bf16_sustained", "first_tokens_swapped", "resume_cursor_ahead",
+         "grad_accum_last_only")
 
 
 def patch(name: str, clock, S: int) -> None:
@@ -21,7 +23,8 @@ def patch(name: str, clock, S: int) -> None:
         return
     import torch
     import torch.distributed as tdist
-    if name in ("attn_scale_d", "attn_bf16_kernel_sustained", "attn_window_16", "attn_sees_next"):
+    if name in ("attn_scale_d", "attn_bf16_kernel_sustained", "attn_window_16", "attn_sees_next",
+                "attn_qk_fp16_sustained"):
         _attention_kernel(name, clock, S)
     if name == "loss_all_positions":
         count_every_position(lambda: clock.step >= S)
@@ -42,14 +45,18 @@ def patch(name: str, clock, S: int) -> None:
     if name in ("moe_shared_expert_off", "moe_bias_stale_loads", "moe_experts_swapped_between", "moe_aux_dropped",
                 "norm_gain_ignored", "columns_truncated", "moe_gates_biased", "router_bf16_sustained",
                 "attn_proj_out_transposed", "head_weight_detached", "weights_bf16_sustained", "swiglu_gelu_sustained",
-                "mlp_hidden_bf16_sustained", "moe_gates_unnormalised", "emb_dropout_sustained"):
+                "mlp_hidden_bf16_sustained", "moe_gates_unnormalised", "emb_dropout_sustained", "attn_heads_rolled",
+                "moe_expert_out_bf16_sustained", "first_tokens_swapped", "grad_accum_last_only"):
         _modules(name, clock, S)
-    if name == "resume_step_count_off":
+    if name in ("resume_step_count_off", "resume_cursor_ahead"):
         from checkpoint import state as state_mod
         orig_load = state_mod.TrainState.load
 
         def load(self, *a, **k):
             orig_load(self, *a, **k)
+            if name == "resume_cursor_ahead":  # the data cursor one batch further than saved
+                self.loader.samples_consumed = self.loader._served(self.loader.samples_consumed + self.loader.batch_size)
+                return
             for st in self.optimizer.state.values():
                 if "step" in st:
                     st["step"] += 1
@@ -155,7 +162,7 @@ def count_every_position(when) -> None:
 def _attention_kernel(name: str, clock, S: int) -> None:
     """One block's call of scaled_dot_product_attention computes something else from S on: block1's with the
     scores scaled by 1/d_head, block2's on q, k, v rounded to bf16 (its output back in theirs) or with a mask that
-    lets each position see the next one, or block0's within a window of 16 positions."""
+    lets each position see the next one, or block0's within a window of 16 positions or on q and k rounded to fp16."""
     import torch
     import torch.nn.functional as F
 
@@ -180,13 +187,16 @@ def _attention_kernel(name: str, clock, S: int) -> None:
                 mask = (j <= t) & (t - j < 16) if name == "attn_window_16" else j <= t + 1
                 kw = {**kw, "is_causal": False, "attn_mask": mask}
                 return F.scaled_dot_product_attention(q, k, v, *a, **kw)
+            if name == "attn_qk_fp16_sustained":
+                return F.scaled_dot_product_attention(q.half().to(q.dtype), k.half().to(k.dtype), v, *a, **kw)
             return F.scaled_dot_product_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), *a, **kw).to(q.dtype)
     att.F = Functional()
     orig_init = tr.Transformer.__init__
 
     def init(self, *a, **k):
         orig_init(self, *a, **k)
-        attn = self.blocks[{"attn_scale_d": 1, "attn_bf16_kernel_sustained": 2, "attn_window_16": 0, "attn_sees_next": 2}[name]].attn
+        attn = self.blocks[{"attn_scale_d": 1, "attn_bf16_kernel_sustained": 2, "attn_window_16": 0, "attn_sees_next": 2,
+                            "attn_qk_fp16_sustained": 0}[name]].attn
 
         def enter(mod, args):
             inside["on"] = clock.step >= S
@@ -204,7 +214,9 @@ def _modules(name: str, clock, S: int) -> None:
     step's loads, block1's experts 0 and 1 swapped in place before step S's forward (outside any update), the head's
     tied weight detached, block2's MLP weights kept in bf16, or step S's batch one position shorter; block0's SwiGLU
     gated by GELU, block2's MLP hidden activation rounded to bf16, block1's top-k gates left unnormalised, or
-    dropout on the embedding's output."""
+    dropout on the embedding's output; block1's attention heads rolled by one before its output projection, block1's
+    expert outputs rounded to bf16, step S's rows with their first two tokens swapped, or step S's gradient cleared
+    between its micro-batches (the last one's alone)."""
     import torch
 
     from data import loader as loader_mod
@@ -266,6 +278,24 @@ def _modules(name: str, clock, S: int) -> None:
         if name == "emb_dropout_sustained":
             self.tok_emb.register_forward_hook(lambda m, args, out: torch.nn.functional.dropout(out, 0.1, training=True)
                                                if clock.step >= S and torch.is_grad_enabled() else None)
+        if name == "attn_heads_rolled":  # a layout bug: head h's output where head h + 1's belongs
+            H = self.blocks[1].attn.n_heads
+            self.blocks[1].attn.proj_out.register_forward_pre_hook(
+                lambda m, args: (args[0].unflatten(-1, (H, -1)).roll(1, dims=-2).flatten(-2),) if clock.step >= S
+                else None)
+        if name == "moe_expert_out_bf16_sustained":
+            self.blocks[1].mlp.experts.register_forward_hook(
+                lambda m, args, out: out.bfloat16().to(out.dtype) if clock.step >= S else None)
+        if name == "grad_accum_last_only":  # .grad cleared before step S's second micro-batch's forward
+            seen = {"n": 0}
+
+            def cleared(m, args):
+                if clock.step == S and torch.is_grad_enabled():
+                    seen["n"] += 1
+                    if seen["n"] == 2:
+                        for p in m.parameters():
+                            p.grad = None
+            self.register_forward_pre_hook(cleared)
         if name == "moe_bias_stale_loads":
             moe, last = self.blocks[1].mlp, {}
             orig_ub = moe.update_bias
@@ -278,6 +308,15 @@ def _modules(name: str, clock, S: int) -> None:
     tr.Transformer.__init__ = init
     if name == "weights_bf16_sustained":
         _rounded_after_update(clock, S, lambda opt: list(built[0].blocks[2].mlp.parameters()))
+    if name == "first_tokens_swapped":
+        orig_next2 = loader_mod.Loader.next
+
+        def next2(self):
+            out = orig_next2(self)
+            if self.split == "train" and clock.step == S:
+                out.tokens[:, [0, 1]] = out.tokens[:, [1, 0]]
+            return out
+        loader_mod.Loader.next = next2
     if name == "columns_truncated":
         orig_next1 = loader_mod.Loader.next
 
