@@ -57,6 +57,12 @@ def _angles(T: int, d: int, theta: float, device) -> tuple[Tensor, Tensor]:
     return _ANGLES[key]
 
 
+def rope_tables(T: int, d: int, theta: float, device) -> tuple[Tensor, Tensor]:
+    """(cos, sin) of t·θ^(−2i/d) as (T, d/2) in float64: the tables a model's attention is given, exact."""
+    cos, sin = _angles(T, d, theta, device)
+    return cos[:, 0], sin[:, 0]
+
+
 def swiglu(x: Tensor, w_gate_up: Tensor, w_down: Tensor, limit: float | None) -> Tensor:
     """One expert's (weights (2H, D), (D, H)) or every expert's at once (weights (E, 2H, D), (E, D, H): (E, N, D))."""
     gate, up = (x @ w_gate_up.mT).chunk(2, dim=-1)

@@ -57,9 +57,9 @@ class Rerun:
     (weights by their names in the model: prefix + the module's own)."""
 
     def __init__(self, module: torch.nn.Module, prefix: str, args: tuple, kwargs: dict,
-                 reference: Callable[[Tensor, dict[str, Tensor]], Tensor], autocast=None):
+                 reference: Callable[[Tensor, dict[str, Tensor]], Tensor], autocast=None, fp64: bool = False):
         self.module, self.prefix, self.args, self.kwargs = module, prefix, args, kwargs
-        self.reference, self.autocast = reference, autocast
+        self.reference, self.autocast, self.fp64 = reference, autocast, fp64
 
     def error(self, gen: torch.Generator) -> Tensor:
         """The layer's miss at a perturbed point: its input by ETA_INPUT, its matrices by ETA_WEIGHT."""
@@ -70,15 +70,20 @@ class Rerun:
         return self.output(x, w) - want
 
     def output(self, x: Tensor, w: dict[str, Tensor] | None = None) -> Tensor:
-        """The layer's output (FP64) on input x, with its own weights or w, as the probe ran it."""
+        """The layer's output (FP64) on input x, with its own weights or w, as the probe ran it; with fp64, in FP64
+        throughout (the weights, x and the other tensors it is given; no autocast)."""
         w = w if w is not None else {n: p.detach() for n, p in self.module.named_parameters()}
+        args, autocast = self.args[1:], self.autocast
+        if self.fp64:
+            w, x, autocast = {n: t.to(F64) for n, t in w.items()}, x.to(F64), None
+            args = tuple(a.to(F64) if torch.is_tensor(a) and a.is_floating_point() else a for a in args)
         # NOTE: the attention's logit telemetry would count this forward: off for it
         probe = getattr(self.module, "probe_logits", None)
         if probe is not None:
             self.module.probe_logits = False
         try:
-            with torch.enable_grad(), (self.autocast() if self.autocast is not None else contextlib.nullcontext()):
-                y = torch.func.functional_call(self.module, w, (x, *self.args[1:]), self.kwargs)
+            with torch.enable_grad(), (autocast() if autocast is not None else contextlib.nullcontext()):
+                y = torch.func.functional_call(self.module, w, (x, *args), self.kwargs)
         finally:
             if probe is not None:
                 self.module.probe_logits = probe

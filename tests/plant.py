@@ -34,6 +34,8 @@ FAULTS = {
     "attn_temp": ("forward", "block1.attn", "mismatch"),  # the scores ×1.1: a function near the layer's own
     "norm_gain_off": ("forward", "block0", "mismatch"),  # the MLP's norm without its gain
     "attn_next": ("forward", "block1.attn", "leak"),  # each position sees the next one too: a mask off by one
+    "attn_qk_fp16": ("exact", "block1.attn", "precision"),  # q and k rounded to fp16: within the FP32 recipe's bound
+    "attn_temp_small": ("exact", "block1.attn", "mismatch"),  # the scores ×1.001: within it too
     "adam_l2": ("optimizer", None, "update"),  # the decay added to the gradient (Adam's L2), not decoupled
     "expert_dead": ("forward", "block1.mlp", "dead_expert"),
     "grad_hook": ("gradient", "blocks.0.attn.qkv.weight", "scaled"),
@@ -145,15 +147,17 @@ def plant(name: str, S: int) -> None:
                     return out * float("nan")
                 return None
             self.blocks[0].mlp.register_forward_hook(nan)
-        if name in ("attn_bf16", "attn_temp"):  # block1's q, k, v as its own method gives them, then changed
+        if name in ("attn_bf16", "attn_temp", "attn_qk_fp16", "attn_temp_small"):  # block1's q, k, v, then changed
             attn, qk = self.blocks[1].attn, self.blocks[1].attn.qk
 
             def changed(*a, **k):
                 q, k_, v = qk(*a, **k)
                 if not at():
                     return q, k_, v
-                if name == "attn_temp":
-                    return q * 1.1, k_, v
+                if name in ("attn_temp", "attn_temp_small"):
+                    return q * (1.1 if name == "attn_temp" else 1.001), k_, v
+                if name == "attn_qk_fp16":
+                    return q.half().to(q.dtype), k_.half().to(k_.dtype), v
                 return q.bfloat16().float(), k_.bfloat16().float(), v.bfloat16().float()
             attn.qk = changed
         if name == "attn_next":

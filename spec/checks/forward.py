@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from spec.check import AFTER, FORWARD, REFERENCE, Check, Kind, on_device
-from spec.reference import F64, IGNORE, Reference, losses, rms_norm
+from spec.reference import F64, IGNORE, Reference, losses, rms_norm, rope_tables
 from spec.rerun import Rerun
 from spec.tolerance import LAMBDA, U32, matmul_dtype, stage, u
 
@@ -91,14 +91,29 @@ class ForwardCheck(Check):
             return rerun.kind(got - want)
         return kind
 
-    def rerun(self, run, key: str, module, prefix: str, reference, x: Tensor | None = None) -> Rerun | None:
+    def rerun(self, run, key: str, module, prefix: str, reference, x: Tensor | None = None,
+              fp64: bool = False) -> Rerun | None:
         """The training path's `module` (the probe's call `key`, or on input x) to rerun against `reference(x, w)`;
         None under FSDP2 (a module's weights are shards there, gathered only inside the model's forward)."""
         if self.ctx.sharded:
             return None
         args, kwargs = run.taken.calls[key]
         return Rerun(module, prefix, args if x is None else (x,), kwargs if x is None else {}, reference,
-                     run.autocast)
+                     run.autocast, fp64)
+
+    def exact(self, run, layer: str, what: str, rerun: Rerun | None, want: Tensor, i: int,
+              x: Tensor | None = None) -> None:
+        """The module of `rerun` again, to rerun in FP64 on x (default: its own input) against `want`, the reference
+        at that input: the exact check's row (spec/checks/exact.py), kept in run.cache["exact"]; nothing is computed
+        here. An attention is given RoPE tables exact in FP64 (spec/reference.py's), not the model's FP32 ones."""
+        if rerun is not None:
+            x, rest = rerun.args[0] if x is None else x, rerun.args[1:]
+            if what == "attn":
+                c = self.ctx.model_cfg
+                rest = (*rope_tables(rest[0].shape[0], c.head_dim, c.rope_theta, x.device), *rest[2:])
+            again = Rerun(rerun.module, rerun.prefix, (x, *rest), rerun.kwargs, rerun.reference, fp64=True)
+            run.cache.setdefault("exact", []).append((layer, what, again, x, want.detach(),
+                                                      run.cache.get(("s_max", i))))
 
     # --- tolerances -------------------------------------------------------------------------------------
     def u_in(self) -> float:
@@ -117,7 +132,7 @@ class ForwardCheck(Check):
         c, u_in, io = self.ctx.model_cfg, self.u_in(), run.taken.io
         T = run.tokens.shape[1]
         ew = 4 * U32  # the elementwise ops of a layer (norm scale, RoPE, SwiGLU, residual add), once each
-        s_max = logit_bound(ref, i, io[f"block{i}.attn"][0].to(F64))
+        s_max = run.cache[("s_max", i)] = logit_bound(ref, i, io[f"block{i}.attn"][0].to(F64))
         attn = LAMBDA * (stage(c.d_model, u_in) + stage(c.head_dim, u_in) + stage(T, u_in)
                          + stage(c.n_heads * c.head_dim, u_in) + ew) * (1 + s_max)
         if ref.is_moe(i):
@@ -166,6 +181,7 @@ class ForwardCheck(Check):
                 attn = ref.attention(i, through(a_in, n1))
                 rerun = self.rerun(run, f"block{i}.attn", blocks[i].attn, pre + "attn.",
                                    lambda x, w, i=i: with_w(w).attention(i, x))
+                self.exact(run, f"block{i}.attn", "attn", rerun, attn, i)
                 yield (f"block{i}.attn", *self.compare(a_out, attn, tol["attn"], rerun=rerun, rel=tol["attn"],
                                                        attention=lambda causal, i=i, a_in=a_in: ref.attention(i, a_in, causal)))
                 mid = through(x_out - m_out, x + attn)  # the residual after the attention
@@ -179,12 +195,16 @@ class ForwardCheck(Check):
                     mlp = ref.dense_mlp(i, through(m_in, n2))
                     rerun = self.rerun(run, f"block{i}.mlp", blocks[i].mlp, pre + "mlp.",
                                        lambda x, w, i=i: with_w(w).dense_mlp(i, x))
+                    self.exact(run, f"block{i}.mlp", "mlp", rerun, mlp, i)
                     yield (f"block{i}.mlp", *self.compare(m_out, mlp, tol["mlp"], rerun=rerun))
                 x_raw = io[f"block{i}"][0]
                 norms = [self.rerun(run, f"block{i}", norm, pre + name + ".",
                                     lambda x, w, key=pre + name + ".weight": rms_norm(x, w[key], c.norm_eps), x=x)
                          for norm, name, x in ((blocks[i].attn_norm, "attn_norm", x_raw),
                                                (blocks[i].mlp_norm, "mlp_norm", (x_out - m_out).to(x_raw.dtype)))]
+                # NOTE: the MLP norm's input in FP64 as the reference took it (its FP32 rounding is one u32 off)
+                for rerun, want, x in zip(norms, (n1, n2), (None, x_out - m_out)):
+                    self.exact(run, f"block{i}", "norm", rerun, want, i, x)
                 yield (f"block{i}", *self.block_composition(x_in, a_in, a_out, m_in, m_out, x_out, n1, n2, tol["norm"],
                                                             reruns=[*norms, None]))
                 carry = mid + mlp
