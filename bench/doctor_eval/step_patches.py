@@ -14,7 +14,8 @@ NAMES = ("attn_scale_d", "attn_bf16_kernel_sustained", "loss_all_positions", "ex
          "slow_optimizer", "swiglu_gelu_sustained", "attn_sees_next", "mlp_hidden_bf16_sustained",
          "adam_l2_not_decoupled", "moe_gates_unnormalised", "emb_dropout_sustained", "attn_heads_rolled",
          "attn_qk_fp16_sustained", "moe_expert_out_bf16_sustained", "first_tokens_swapped", "resume_cursor_ahead",
-         "grad_accum_last_only")
+         "grad_accum_last_only", "attn_out_fp16_sustained", "norm_eps_1e4_sustained", "rope_theta_1pct_sustained",
+         "moe_router_z_on", "labels_last_ignored", "rank1_exp_avg_zeroed")
 
 
 def patch(name: str, clock, S: int) -> None:
@@ -46,7 +47,8 @@ def patch(name: str, clock, S: int) -> None:
                 "norm_gain_ignored", "columns_truncated", "moe_gates_biased", "router_bf16_sustained",
                 "attn_proj_out_transposed", "head_weight_detached", "weights_bf16_sustained", "swiglu_gelu_sustained",
                 "mlp_hidden_bf16_sustained", "moe_gates_unnormalised", "emb_dropout_sustained", "attn_heads_rolled",
-                "moe_expert_out_bf16_sustained", "first_tokens_swapped", "grad_accum_last_only"):
+                "moe_expert_out_bf16_sustained", "first_tokens_swapped", "grad_accum_last_only", "attn_out_fp16_sustained",
+                "norm_eps_1e4_sustained", "rope_theta_1pct_sustained", "moe_router_z_on", "labels_last_ignored"):
         _modules(name, clock, S)
     if name in ("resume_step_count_off", "resume_cursor_ahead"):
         from checkpoint import state as state_mod
@@ -80,6 +82,16 @@ def patch(name: str, clock, S: int) -> None:
                 for g, wd in zip(self.param_groups, decay):
                     g["weight_decay"] = wd
         torch.optim.AdamW.step = l2_step
+    if name == "rank1_exp_avg_zeroed":  # NOTE: on the class: the optimizer is built after this patch
+        orig_zstep = torch.optim.AdamW.step
+
+        def zstep(self, *aa, **kk):
+            if clock.step == S and tdist.is_initialized() and tdist.get_rank() == 1:
+                for st in self.state.values():
+                    if "exp_avg" in st:
+                        st["exp_avg"].zero_()
+            return orig_zstep(self, *aa, **kk)
+        torch.optim.AdamW.step = zstep
     if name == "slow_optimizer":  # NOTE: on the class: the optimizer is built after this patch
         import time
         orig_sstep2 = torch.optim.AdamW.step
@@ -216,7 +228,9 @@ def _modules(name: str, clock, S: int) -> None:
     gated by GELU, block2's MLP hidden activation rounded to bf16, block1's top-k gates left unnormalised, or
     dropout on the embedding's output; block1's attention heads rolled by one before its output projection, block1's
     expert outputs rounded to bf16, step S's rows with their first two tokens swapped, or step S's gradient cleared
-    between its micro-batches (the last one's alone)."""
+    between its micro-batches (the last one's alone); block2's attention output rounded to fp16 before its projection,
+    block1's attention norm at ε 1e-4, the RoPE tables at θ ×1.01, block1's router z-loss on, or step S's last label
+    of every row ignored."""
     import torch
 
     from data import loader as loader_mod
@@ -296,6 +310,29 @@ def _modules(name: str, clock, S: int) -> None:
                         for p in m.parameters():
                             p.grad = None
             self.register_forward_pre_hook(cleared)
+        if name == "attn_out_fp16_sustained":
+            self.blocks[2].attn.proj_out.register_forward_pre_hook(
+                lambda m, args: (args[0].half().to(args[0].dtype),) if clock.step >= S else None)
+        if name == "norm_eps_1e4_sustained":
+            norm = self.blocks[1].attn_norm
+            norm.register_forward_pre_hook(lambda m, args: setattr(m, "eps", 1e-4 if clock.step >= S else 1e-5))
+        if name == "rope_theta_1pct_sustained":  # the model's tables recomputed at S (its buffers, not the config)
+            from model.rope import rope_tables
+            model = self
+            c = self.cfg
+            cos, sin = rope_tables(c.seq_len, c.head_dim, c.rope_theta * 1.01)
+
+            def swap(m, args):
+                if clock.step >= S and not getattr(m, "_swapped", False):
+                    m.rope_cos.copy_(cos.to(m.rope_cos.device))
+                    m.rope_sin.copy_(sin.to(m.rope_sin.device))
+                    m._swapped = True
+            model.register_forward_pre_hook(swap)
+        if name == "moe_router_z_on":  # the module's own config: the run's says router_z_coef 0
+            from dataclasses import replace
+            moe = self.blocks[1].mlp
+            own, on = moe.cfg, replace(moe.cfg, router_z_coef=1e-3)
+            moe.register_forward_pre_hook(lambda m, args: setattr(m, "cfg", on if clock.step >= S else own))
         if name == "moe_bias_stale_loads":
             moe, last = self.blocks[1].mlp, {}
             orig_ub = moe.update_bias
@@ -308,6 +345,15 @@ def _modules(name: str, clock, S: int) -> None:
     tr.Transformer.__init__ = init
     if name == "weights_bf16_sustained":
         _rounded_after_update(clock, S, lambda opt: list(built[0].blocks[2].mlp.parameters()))
+    if name == "labels_last_ignored":
+        orig_next3 = loader_mod.Loader.next
+
+        def next3(self):
+            out = orig_next3(self)
+            if self.split == "train" and clock.step == S:
+                out.labels[:, -1] = -100
+            return out
+        loader_mod.Loader.next = next3
     if name == "first_tokens_swapped":
         orig_next2 = loader_mod.Loader.next
 
