@@ -55,7 +55,8 @@ FAULTS = {
     "replica_drift": ("optimizer", "blocks.0.mlp.w_down.weight", "rank"),  # rank 0's weights moved after its update
     "emb_grad_zero": ("gradient", None, "mismatch"),  # a gradient erased (factor 0) is another one, not a scaled copy
     "grad_bf16": ("reduce", "blocks.0.mlp.w_down.weight", "precision"),  # .grad rounded after the backward: a cast
-    "aux_coef": ("gradient", None, "balancing"),  # the MoE balancing coefficient ×100 in the module, not the config
+    "aux_coef": ("aux", "aux_loss", "balancing"),  # the MoE balancing coefficient ×100 in the module, not the config
+    "router_z_x10": ("aux", "aux_loss", "balancing"),  # the router z-loss coefficient ×10 in the module, not the config
     "n_all_positions": ("loss_grad", "norm.weight", "scaled"),  # the step's token count counts the ignored labels too
     "v_bf16": ("optimizer", None, "precision"),  # exp_avg_sq rounded to bf16 after the update: kept coarser
     "w_bf16": ("optimizer", "blocks.0.mlp.w_down.weight", "precision"),  # a weight rounded to bf16 after its update
@@ -104,9 +105,10 @@ def plant(name: str, S: int) -> None:
             if name == "emb_row" and Clock.step == S:  # between the steps: the weights change under the run
                 with torch.no_grad():
                     models[0].tok_emb.weight[3] *= 2.0
-            if name == "aux_coef" and Clock.step == S:
+            if name in ("aux_coef", "router_z_x10") and Clock.step == S:
                 moe = models[0].blocks[1].mlp
-                moe.cfg = replace(moe.cfg, balance_coef=100 * moe.cfg.balance_coef)
+                moe.cfg = (replace(moe.cfg, balance_coef=100 * moe.cfg.balance_coef) if name == "aux_coef"
+                           else replace(moe.cfg, router_z_coef=10 * moe.cfg.router_z_coef))
         batch = orig_next(self)
         if self.split != "train" or Clock.step != S:
             return batch

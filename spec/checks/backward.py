@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from spec.check import AFTER, BACKWARD, REFERENCE, Check, Kind, on_device
+from spec.checks.aux import aux_terms
 from spec.checks.forward import ForwardCheck, kind_of
 from spec.reference import Reference
 
@@ -61,16 +62,9 @@ class GradientCheck(Check):
         self.measure(err, tol, where=names)
 
     def aux_miss(self, fwd: ForwardCheck, ref: Reference, run) -> torch.Tensor:
-        """|aux − aux_ref| over its tolerance: the training path's MoE auxiliary loss on the probe against the
-        reference's with the config's coefficients. Its terms are non-negative (a balance E·Σ f·P, a mean squared
-        log-sum-exp), so the aux is its own magnitude; the MoE layers' relative tolerance (their router stage)
-        bounds its rounding."""
-        layers = [i for i in range(self.ctx.model_cfg.n_layers) if ref.is_moe(i)]
-        if not layers or "aux" not in run.cache:
-            return torch.zeros((), dtype=torch.float64)
-        rel = torch.stack([torch.as_tensor(fwd.layer_tolerances(ref, run, i)["mlp"]) for i in layers]).max()
-        want = run.cache["aux"]
-        return (run.loss["aux"] - want).abs() / (rel * want.abs() + 1e-300)
+        """|aux − aux_ref| over its tolerance (spec/checks/aux.py), 0 without an MoE layer."""
+        terms = aux_terms(fwd, ref, run)
+        return torch.zeros((), dtype=torch.float64) if terms is None else terms[0] / terms[1]
 
     def classify(self, i: int) -> str:
         """A gradient missed while the auxiliary loss differs from the config's: the balancing's fault; otherwise
