@@ -66,12 +66,14 @@ def onset(seg: list[dict], i: int, f: dict) -> tuple[dict, int] | None:
     gap = len(candidates)
     if gap <= 1:
         return None
-    # the place's log series over 2·gap steps before the gap and the gap itself, step to step
+    # the place's log series over 2·gap steps before the gap and the gap itself, step to step; a series may be a
+    # number of the record itself (the step's aux_loss); a positive value that became exactly 0 changed without bound
     window = seg[max(0, held - 2 * gap):i + 1]
-    y = {r["step"]: ((r.get("spec") or {}).get(series) or {}).get(where) for r in window}
-    y = {t: math.log(v) for t, v in y.items() if isinstance(v, (int, float)) and math.isfinite(v) and v > 0}
-    d = {t: y[t] - y[t - 1] for t in y if t - 1 in y}
-    before = np.array([v for t, v in d.items() if t <= lo])
+    y = {r["step"]: _value(r, series, where) for r in window}
+    y = {t: math.log(v) if v > 0 else -math.inf for t, v in y.items()
+         if isinstance(v, (int, float)) and math.isfinite(v) and v >= 0}
+    d = {t: y[t] - y[t - 1] for t in y if t - 1 in y and math.isfinite(y[t - 1])}
+    before = np.array([v for t, v in d.items() if t <= lo and math.isfinite(v)])
     inside = [(t, v) for t, v in d.items() if lo < t <= hi]
     if len(before) < 3 or not inside:  # a mean, a spread and a residual
         return None
@@ -84,6 +86,12 @@ def onset(seg: list[dict], i: int, f: dict) -> tuple[dict, int] | None:
     if z <= t_isf(ALPHA / (2 * gap), h - 1) or t == hi:  # at the failing step itself: nothing to date
         return None
     return next(r for r in candidates if r["step"] == t), lo
+
+
+def _value(rec: dict, series: str, where: str):
+    """The failing place's value in a record: spec[series][where], or the record's own number `series`."""
+    spec = (rec.get("spec") or {}).get(series)
+    return spec.get(where) if isinstance(spec, dict) else rec.get(series)
 
 
 def incident(rec: dict, f: dict, seg_index: int, n_failed: int, dated: tuple[dict, int] | None = None) -> Diagnosis:

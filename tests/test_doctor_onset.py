@@ -58,3 +58,17 @@ def test_only_a_check_that_held_before_a_gap_is_dated():
         r["spec"]["miss"]["forward"] = r["spec"]["miss"].get("forward", 0.2)
     assert onset(every, len(every) - 1, f) is None
     assert onset(records(34), FOUND - 1, {**f, "series": None}) is None  # a check that declares no series
+
+
+def test_a_record_number_that_drops_to_zero_dates_its_failure():
+    """A series may be a number of the record itself (the aux check's, the step's aux_loss): an auxiliary loss left
+    out from step 34 on reads 0 there, a change without bound, dated at 34."""
+    recs = records(None)
+    for r in recs:
+        r["aux_loss"] = 0.0 if r["step"] >= 34 else 0.02 * (1 + 0.01 * math.sin(r["step"]))
+        r["spec"]["miss"]["aux"] = r["spec"]["miss"].pop("forward", None) or None
+        r["spec"]["miss"] = {k: v for k, v in r["spec"]["miss"].items() if v is not None}
+    f = {"check": "aux", "where": "aux_loss", "series": "aux_loss", "kind": "balancing"}
+    recs[-1]["spec"]["fail"] = [f]
+    got = onset(recs, len(recs) - 1, f)
+    assert got is not None and (got[0]["step"], got[1]) == (34, 30), got

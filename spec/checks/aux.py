@@ -29,6 +29,7 @@ def aux_terms(fwd: ForwardCheck, ref: Reference, run) -> tuple[torch.Tensor, tor
 class AuxCheck(Check):
     name, layer, cadence, phase = "aux", BACKWARD, REFERENCE, AFTER
     rank = 22  # after the forward check, whose reference computed the aux with the config's coefficients
+    onset_series = "aux_loss"  # the step's own auxiliary loss, every step (its record's aux_loss)
     doc = "the MoE auxiliary loss on the probe against the reference's with the config's coefficients"
     kinds = {"balancing": Kind("moe.balancing", "the MoE layers' auxiliary loss is not the configured one: a "
                                                 "coefficient set in a module (balancing, router z-loss), a term "
