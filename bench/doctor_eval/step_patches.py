@@ -15,7 +15,7 @@ NAMES = ("attn_scale_d", "attn_bf16_kernel_sustained", "loss_all_positions", "ex
          "adam_l2_not_decoupled", "moe_gates_unnormalised", "emb_dropout_sustained", "attn_heads_rolled",
          "attn_qk_fp16_sustained", "moe_expert_out_bf16_sustained", "first_tokens_swapped", "resume_cursor_ahead",
          "grad_accum_last_only", "attn_out_fp16_sustained", "norm_eps_1e4_sustained", "rope_theta_1pct_sustained",
-         "moe_router_z_on", "labels_last_ignored", "rank1_exp_avg_zeroed")
+         "moe_router_z_x10", "labels_last_ignored", "rank1_exp_avg_zeroed")
 
 
 def patch(name: str, clock, S: int) -> None:
@@ -48,7 +48,7 @@ def patch(name: str, clock, S: int) -> None:
                 "attn_proj_out_transposed", "head_weight_detached", "weights_bf16_sustained", "swiglu_gelu_sustained",
                 "mlp_hidden_bf16_sustained", "moe_gates_unnormalised", "emb_dropout_sustained", "attn_heads_rolled",
                 "moe_expert_out_bf16_sustained", "first_tokens_swapped", "grad_accum_last_only", "attn_out_fp16_sustained",
-                "norm_eps_1e4_sustained", "rope_theta_1pct_sustained", "moe_router_z_on", "labels_last_ignored"):
+                "norm_eps_1e4_sustained", "rope_theta_1pct_sustained", "moe_router_z_x10", "labels_last_ignored"):
         _modules(name, clock, S)
     if name in ("resume_step_count_off", "resume_cursor_ahead"):
         from checkpoint import state as state_mod
@@ -229,7 +229,7 @@ def _modules(name: str, clock, S: int) -> None:
     dropout on the embedding's output; block1's attention heads rolled by one before its output projection, block1's
     expert outputs rounded to bf16, step S's rows with their first two tokens swapped, or step S's gradient cleared
     between its micro-batches (the last one's alone); block2's attention output rounded to fp16 before its projection,
-    block1's attention norm at ε 1e-4, the RoPE tables at θ ×1.01, block1's router z-loss on, or step S's last label
+    block1's attention norm at ε 1e-4, the RoPE tables at θ ×1.01, block1's router z-loss ×10, or step S's last target
     of every row ignored."""
     import torch
 
@@ -328,10 +328,10 @@ def _modules(name: str, clock, S: int) -> None:
                     m.rope_sin.copy_(sin.to(m.rope_sin.device))
                     m._swapped = True
             model.register_forward_pre_hook(swap)
-        if name == "moe_router_z_on":  # the module's own config: the run's says router_z_coef 0
+        if name == "moe_router_z_x10":  # the module's own config: the run's coefficient unchanged
             from dataclasses import replace
             moe = self.blocks[1].mlp
-            own, on = moe.cfg, replace(moe.cfg, router_z_coef=1e-3)
+            own, on = moe.cfg, replace(moe.cfg, router_z_coef=10 * moe.cfg.router_z_coef)
             moe.register_forward_pre_hook(lambda m, args: setattr(m, "cfg", on if clock.step >= S else own))
         if name == "moe_bias_stale_loads":
             moe, last = self.blocks[1].mlp, {}
@@ -350,8 +350,11 @@ def _modules(name: str, clock, S: int) -> None:
 
         def next3(self):
             out = orig_next3(self)
-            if self.split == "train" and clock.step == S:
-                out.labels[:, -1] = -100
+            if self.split == "train" and clock.step == S:  # each row's last label that has a target
+                valid = out.labels != -100
+                last = valid.shape[1] - 1 - valid.flip(1).int().argmax(1)
+                rows = valid.any(1).nonzero()[:, 0]
+                out.labels[rows, last[rows]] = -100
             return out
         loader_mod.Loader.next = next3
     if name == "first_tokens_swapped":
