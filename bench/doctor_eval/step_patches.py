@@ -15,7 +15,9 @@ NAMES = ("attn_scale_d", "attn_bf16_kernel_sustained", "loss_all_positions", "ex
          "adam_l2_not_decoupled", "moe_gates_unnormalised", "emb_dropout_sustained", "attn_heads_rolled",
          "attn_qk_fp16_sustained", "moe_expert_out_bf16_sustained", "first_tokens_swapped", "resume_cursor_ahead",
          "grad_accum_last_only", "attn_out_fp16_sustained", "norm_eps_1e4_sustained", "rope_theta_1pct_sustained",
-         "moe_router_z_x10", "labels_last_ignored", "rank1_exp_avg_zeroed")
+         "moe_router_z_x10", "labels_last_ignored", "rank1_exp_avg_zeroed",
+         "attn_v_bf16_sustained", "swiglu_halves_swapped", "attn_out_x098_sustained", "default_group_lr_x15",
+         "two_rows_swapped", "moe_shared_expert_x2")
 
 
 def patch(name: str, clock, S: int) -> None:
@@ -25,7 +27,7 @@ def patch(name: str, clock, S: int) -> None:
     import torch
     import torch.distributed as tdist
     if name in ("attn_scale_d", "attn_bf16_kernel_sustained", "attn_window_16", "attn_sees_next",
-                "attn_qk_fp16_sustained"):
+                "attn_qk_fp16_sustained", "attn_v_bf16_sustained"):
         _attention_kernel(name, clock, S)
     if name == "loss_all_positions":
         count_every_position(lambda: clock.step >= S)
@@ -48,7 +50,8 @@ def patch(name: str, clock, S: int) -> None:
                 "attn_proj_out_transposed", "head_weight_detached", "weights_bf16_sustained", "swiglu_gelu_sustained",
                 "mlp_hidden_bf16_sustained", "moe_gates_unnormalised", "emb_dropout_sustained", "attn_heads_rolled",
                 "moe_expert_out_bf16_sustained", "first_tokens_swapped", "grad_accum_last_only", "attn_out_fp16_sustained",
-                "norm_eps_1e4_sustained", "rope_theta_1pct_sustained", "moe_router_z_x10", "labels_last_ignored"):
+                "norm_eps_1e4_sustained", "rope_theta_1pct_sustained", "moe_router_z_x10", "labels_last_ignored",
+                "swiglu_halves_swapped", "attn_out_x098_sustained", "two_rows_swapped", "moe_shared_expert_x2"):
         _modules(name, clock, S)
     if name in ("resume_step_count_off", "resume_cursor_ahead"):
         from checkpoint import state as state_mod
@@ -92,6 +95,17 @@ def patch(name: str, clock, S: int) -> None:
                         st["exp_avg"].zero_()
             return orig_zstep(self, *aa, **kk)
         torch.optim.AdamW.step = zstep
+    if name == "default_group_lr_x15":  # NOTE: on the class, as the drills' lr_x3: the scheduler sets each step's LR
+        from torch.optim.lr_scheduler import LambdaLR
+        orig_gstep = LambdaLR.step
+
+        def gstep(self, *aa, **kk):
+            orig_gstep(self, *aa, **kk)
+            if clock.step >= S - 1:
+                for g in self.optimizer.param_groups:
+                    if g.get("name", "") == "default":
+                        g["lr"] *= 1.5
+        LambdaLR.step = gstep
     if name == "slow_optimizer":  # NOTE: on the class: the optimizer is built after this patch
         import time
         orig_sstep2 = torch.optim.AdamW.step
@@ -199,6 +213,8 @@ def _attention_kernel(name: str, clock, S: int) -> None:
                 mask = (j <= t) & (t - j < 16) if name == "attn_window_16" else j <= t + 1
                 kw = {**kw, "is_causal": False, "attn_mask": mask}
                 return F.scaled_dot_product_attention(q, k, v, *a, **kw)
+            if name == "attn_v_bf16_sustained":
+                return F.scaled_dot_product_attention(q, k, v.bfloat16().to(v.dtype), *a, **kw)
             if name == "attn_qk_fp16_sustained":
                 return F.scaled_dot_product_attention(q.half().to(q.dtype), k.half().to(k.dtype), v, *a, **kw)
             return F.scaled_dot_product_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), *a, **kw).to(q.dtype)
@@ -208,7 +224,8 @@ def _attention_kernel(name: str, clock, S: int) -> None:
     def init(self, *a, **k):
         orig_init(self, *a, **k)
         attn = self.blocks[{"attn_scale_d": 1, "attn_bf16_kernel_sustained": 2, "attn_window_16": 0, "attn_sees_next": 2,
-                            "attn_qk_fp16_sustained": 0}[name]].attn
+                            "attn_qk_fp16_sustained": 0,
+                            "attn_v_bf16_sustained": 0}[name]].attn
 
         def enter(mod, args):
             inside["on"] = clock.step >= S
@@ -333,6 +350,22 @@ def _modules(name: str, clock, S: int) -> None:
             moe = self.blocks[1].mlp
             own, on = moe.cfg, replace(moe.cfg, router_z_coef=10 * moe.cfg.router_z_coef)
             moe.register_forward_pre_hook(lambda m, args: setattr(m, "cfg", on if clock.step >= S else own))
+        if name == "swiglu_halves_swapped":  # block2's fused projection read as (up, gate), not (gate, up)
+            mlp2 = self.blocks[2].mlp
+            orig_mlp2 = mlp2.forward
+
+            def swapped(x, mlp=mlp2, orig=orig_mlp2):
+                if clock.step < S:
+                    return orig(x)
+                up, gate = mlp.w_gate_up(x).chunk(2, dim=-1)
+                if mlp.limit is not None:
+                    gate, up = gate.clamp(max=mlp.limit), up.clamp(-mlp.limit, mlp.limit)
+                return mlp.w_down(torch.nn.functional.silu(gate) * up)
+            mlp2.forward = swapped
+        if name == "attn_out_x098_sustained":
+            self.blocks[1].attn.register_forward_hook(lambda m, args, out: out * 0.98 if clock.step >= S else None)
+        if name == "moe_shared_expert_x2":
+            self.blocks[3].mlp.shared.register_forward_hook(lambda m, args, out: out * 2.0 if clock.step >= S else None)
         if name == "moe_bias_stale_loads":
             moe, last = self.blocks[1].mlp, {}
             orig_ub = moe.update_bias
@@ -345,6 +378,16 @@ def _modules(name: str, clock, S: int) -> None:
     tr.Transformer.__init__ = init
     if name == "weights_bf16_sustained":
         _rounded_after_update(clock, S, lambda opt: list(built[0].blocks[2].mlp.parameters()))
+    if name == "two_rows_swapped":
+        orig_next4 = loader_mod.Loader.next
+
+        def next4(self):
+            out = orig_next4(self)
+            if self.split == "train" and clock.step == S:  # rows 0 and 1's content swapped, their ids kept
+                out.tokens[[0, 1]] = out.tokens[[1, 0]]
+                out.labels[[0, 1]] = out.labels[[1, 0]]
+            return out
+        loader_mod.Loader.next = next4
     if name == "labels_last_ignored":
         orig_next3 = loader_mod.Loader.next
 
