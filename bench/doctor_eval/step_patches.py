@@ -1,31 +1,33 @@
 """The patches of bench/doctor_eval/drills.py that change what the step computes: the attention kernel's call, the
-token count and the z-loss coefficient the loss is given, the gradients' zeroing, the optimizer state's precision, a
-group's setting, one rank's LR or update, and the MoE layers' shared expert, balancing and expert weights. drills.patch
-calls patch() after its own; each fault's entry is in bench/doctor_eval/key.py.
+token count and the z-loss coefficient the loss is given, the optimizer state's precision, the modules' own forwards
+(norms, MLPs, the MoE layers' shared expert, balancing and expert weights), the batch and a resume; the optimizer's and
+the scheduler's own (bench/doctor_eval/optim_patches.py) through it. drills.patch calls patch() after its own; each
+fault's entry is in bench/doctor_eval/key.py.
 """
 from __future__ import annotations
 
+from bench.doctor_eval import optim_patches
+
 # the faults this module plants (drills.patch hands every name over; the others are not this module's)
 NAMES = ("attn_scale_d", "attn_bf16_kernel_sustained", "loss_all_positions", "exp_avg_sq_bf16_sustained",
-         "wd_on_no_decay", "rank1_lr_x2", "zero_grad_skipped", "z_loss_x10_sustained", "moe_shared_expert_off",
-         "moe_bias_stale_loads", "moe_experts_swapped_between", "rank1_step_skipped", "attn_window_16",
+         "z_loss_x10_sustained", "moe_shared_expert_off",
+         "moe_bias_stale_loads", "moe_experts_swapped_between", "attn_window_16",
          "norm_gain_ignored", "weights_bf16_sustained", "moe_aux_dropped", "columns_truncated", "resume_step_count_off",
          "moe_gates_biased", "router_bf16_sustained", "attn_proj_out_transposed", "head_weight_detached",
-         "slow_optimizer", "swiglu_gelu_sustained", "attn_sees_next", "mlp_hidden_bf16_sustained",
-         "adam_l2_not_decoupled", "moe_gates_unnormalised", "emb_dropout_sustained", "attn_heads_rolled",
+         "swiglu_gelu_sustained", "attn_sees_next", "mlp_hidden_bf16_sustained",
+         "moe_gates_unnormalised", "emb_dropout_sustained", "attn_heads_rolled",
          "attn_qk_fp16_sustained", "moe_expert_out_bf16_sustained", "first_tokens_swapped", "resume_cursor_ahead",
          "grad_accum_last_only", "attn_out_fp16_sustained", "norm_eps_1e4_sustained", "rope_theta_1pct_sustained",
-         "moe_router_z_x10", "labels_last_ignored", "rank1_exp_avg_zeroed",
-         "attn_v_bf16_sustained", "swiglu_halves_swapped", "attn_out_x098_sustained", "default_group_lr_x15",
+         "moe_router_z_x10", "labels_last_ignored",
+         "attn_v_bf16_sustained", "swiglu_halves_swapped", "attn_out_x098_sustained",
          "two_rows_swapped", "moe_shared_expert_x2")
 
 
 def patch(name: str, clock, S: int) -> None:
     """Plant `name` in this process: `clock.step` is the optimizer step the run is at (the train batches served)."""
+    optim_patches.patch(name, clock, S)
     if name not in NAMES:
         return
-    import torch
-    import torch.distributed as tdist
     if name in ("attn_scale_d", "attn_bf16_kernel_sustained", "attn_window_16", "attn_sees_next",
                 "attn_qk_fp16_sustained", "attn_v_bf16_sustained"):
         _attention_kernel(name, clock, S)
@@ -34,17 +36,6 @@ def patch(name: str, clock, S: int) -> None:
     if name == "exp_avg_sq_bf16_sustained":
         _rounded_after_update(clock, S, lambda opt: [st["exp_avg_sq"] for st in opt.state.values()
                                                      if "exp_avg_sq" in st])
-    if name == "wd_on_no_decay":  # NOTE: on the class: the optimizer is built after this patch
-        orig_ostep = torch.optim.AdamW.step
-
-        def ostep(self, *aa, **kk):
-            if clock.step >= S:
-                decay = max(g["weight_decay"] for g in self.param_groups)
-                for g in self.param_groups:
-                    if g.get("name", "").startswith("no_decay"):
-                        g["weight_decay"] = decay
-            return orig_ostep(self, *aa, **kk)
-        torch.optim.AdamW.step = ostep
     if name in ("moe_shared_expert_off", "moe_bias_stale_loads", "moe_experts_swapped_between", "moe_aux_dropped",
                 "norm_gain_ignored", "columns_truncated", "moe_gates_biased", "router_bf16_sustained",
                 "attn_proj_out_transposed", "head_weight_detached", "weights_bf16_sustained", "swiglu_gelu_sustained",
@@ -66,63 +57,6 @@ def patch(name: str, clock, S: int) -> None:
                 if "step" in st:
                     st["step"] += 1
         state_mod.TrainState.load = load
-    if name == "adam_l2_not_decoupled":  # NOTE: on the class: the optimizer is built after this patch
-        orig_l2 = torch.optim.AdamW.step
-
-        def l2_step(self, *aa, **kk):
-            if clock.step < S:
-                return orig_l2(self, *aa, **kk)
-            decay = [g["weight_decay"] for g in self.param_groups]
-            with torch.no_grad():  # Adam with an L2 term in the gradient, no decoupled decay
-                for g, wd in zip(self.param_groups, decay):
-                    for p in g["params"]:
-                        if wd and p.grad is not None:
-                            p.grad.add_(p, alpha=wd)
-                    g["weight_decay"] = 0.0
-            try:
-                return orig_l2(self, *aa, **kk)
-            finally:
-                for g, wd in zip(self.param_groups, decay):
-                    g["weight_decay"] = wd
-        torch.optim.AdamW.step = l2_step
-    if name == "rank1_exp_avg_zeroed":  # NOTE: on the class: the optimizer is built after this patch
-        orig_zstep = torch.optim.AdamW.step
-
-        def zstep(self, *aa, **kk):
-            if clock.step == S and tdist.is_initialized() and tdist.get_rank() == 1:
-                for st in self.state.values():
-                    if "exp_avg" in st:
-                        st["exp_avg"].zero_()
-            return orig_zstep(self, *aa, **kk)
-        torch.optim.AdamW.step = zstep
-    if name == "default_group_lr_x15":  # NOTE: on the class, as the drills' lr_x3: the scheduler sets each step's LR
-        from torch.optim.lr_scheduler import LambdaLR
-        orig_gstep = LambdaLR.step
-
-        def gstep(self, *aa, **kk):
-            orig_gstep(self, *aa, **kk)
-            if clock.step >= S - 1:
-                for g in self.optimizer.param_groups:
-                    if g.get("name", "") == "default":
-                        g["lr"] *= 1.5
-        LambdaLR.step = gstep
-    if name == "slow_optimizer":  # NOTE: on the class: the optimizer is built after this patch
-        import time
-        orig_sstep2 = torch.optim.AdamW.step
-
-        def slow_step(self, *aa, **kk):
-            if clock.step >= S:
-                time.sleep(0.06)
-            return orig_sstep2(self, *aa, **kk)
-        torch.optim.AdamW.step = slow_step
-    if name == "zero_grad_skipped":  # NOTE: on the class: train.py zeroes at the end of each step
-        orig_zero = torch.optim.Optimizer.zero_grad
-
-        def zero_grad(self, *aa, **kk):
-            if clock.step == S - 1:
-                return None
-            return orig_zero(self, *aa, **kk)
-        torch.optim.Optimizer.zero_grad = zero_grad
     if name == "z_loss_x10_sustained":  # NOTE: train.py imports forward_backward by name: patched before it runs
         import optim.accumulate as acc
         orig_fb = acc.forward_backward
@@ -130,24 +64,6 @@ def patch(name: str, clock, S: int) -> None:
         def forward_backward(wrapped, micro, n_valid, z_coef, *aa, **kk):
             return orig_fb(wrapped, micro, n_valid, z_coef * 10.0 if clock.step >= S else z_coef, *aa, **kk)
         acc.forward_backward = forward_backward
-    if name == "rank1_step_skipped":  # NOTE: on the class: the optimizer is built after this patch
-        orig_astep = torch.optim.AdamW.step
-
-        def astep(self, *aa, **kk):
-            if clock.step == S and tdist.is_initialized() and tdist.get_rank() == 1:
-                return None
-            return orig_astep(self, *aa, **kk)
-        torch.optim.AdamW.step = astep
-    if name == "rank1_lr_x2":  # NOTE: on the class, as drills' lr_x3: the scheduler sets each step's LR
-        from torch.optim.lr_scheduler import LambdaLR
-        orig_sstep = LambdaLR.step
-
-        def sstep(self, *aa, **kk):
-            orig_sstep(self, *aa, **kk)
-            if clock.step >= S - 1 and tdist.is_initialized() and tdist.get_rank() == 1:
-                for g in self.optimizer.param_groups:
-                    g["lr"] *= 2.0
-        LambdaLR.step = sstep
 
 
 def _rounded_after_update(clock, S: int, tensors) -> None:
