@@ -287,24 +287,8 @@ def plant(name: str, S: int) -> None:
     pstep.prepare_update, pstep.apply_update = prepare_update, apply_update
 
     if name == "adam_l2":  # from step S on, the decay added to the gradient and the decoupled decay off (Adam's L2)
-        orig_l2 = torch.optim.AdamW.step
-
-        def l2_step(self, *aa, **kk):
-            if Clock.step < S:
-                return orig_l2(self, *aa, **kk)
-            decay = [g["weight_decay"] for g in self.param_groups]
-            with torch.no_grad():
-                for g, wd in zip(self.param_groups, decay):
-                    for p in g["params"]:
-                        if wd and p.grad is not None:
-                            p.grad.add_(p, alpha=wd)
-                    g["weight_decay"] = 0.0
-            try:
-                return orig_l2(self, *aa, **kk)
-            finally:
-                for g, wd in zip(self.param_groups, decay):
-                    g["weight_decay"] = wd
-        torch.optim.AdamW.step = l2_step
+        from bench.doctor_eval.optim_patches import l2_in_gradient
+        l2_in_gradient(lambda: Clock.step >= S)
 
     if name in ("eps", "betas"):  # an optimizer setting changed under the config, from step S on
         orig_step = torch.optim.AdamW.step

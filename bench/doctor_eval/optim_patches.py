@@ -27,25 +27,8 @@ def patch(name: str, clock, S: int) -> None:
                         g["weight_decay"] = decay
             return orig_ostep(self, *aa, **kk)
         torch.optim.AdamW.step = ostep
-    if name == "adam_l2_not_decoupled":  # NOTE: on the class: the optimizer is built after this patch
-        orig_l2 = torch.optim.AdamW.step
-
-        def l2_step(self, *aa, **kk):
-            if clock.step < S:
-                return orig_l2(self, *aa, **kk)
-            decay = [g["weight_decay"] for g in self.param_groups]
-            with torch.no_grad():  # Adam with an L2 term in the gradient, no decoupled decay
-                for g, wd in zip(self.param_groups, decay):
-                    for p in g["params"]:
-                        if wd and p.grad is not None:
-                            p.grad.add_(p, alpha=wd)
-                    g["weight_decay"] = 0.0
-            try:
-                return orig_l2(self, *aa, **kk)
-            finally:
-                for g, wd in zip(self.param_groups, decay):
-                    g["weight_decay"] = wd
-        torch.optim.AdamW.step = l2_step
+    if name == "adam_l2_not_decoupled":
+        l2_in_gradient(lambda: clock.step >= S)
     if name == "rank1_exp_avg_zeroed":  # NOTE: on the class: the optimizer is built after this patch
         orig_zstep = torch.optim.AdamW.step
 
@@ -102,3 +85,27 @@ def patch(name: str, clock, S: int) -> None:
                 for g in self.optimizer.param_groups:
                     g["lr"] *= 2.0
         LambdaLR.step = sstep
+
+
+def l2_in_gradient(when) -> None:
+    """While when() holds, AdamW's decay is added to the gradient (Adam with an L2 term) and its decoupled decay is off
+    (tests/plant.py's adam_l2 too). NOTE: on the class: the optimizer is built after this patch."""
+    import torch
+    orig_l2 = torch.optim.AdamW.step
+
+    def l2_step(self, *aa, **kk):
+        if not when():
+            return orig_l2(self, *aa, **kk)
+        decay = [g["weight_decay"] for g in self.param_groups]
+        with torch.no_grad():
+            for g, wd in zip(self.param_groups, decay):
+                for p in g["params"]:
+                    if wd and p.grad is not None:
+                        p.grad.add_(p, alpha=wd)
+                g["weight_decay"] = 0.0
+        try:
+            return orig_l2(self, *aa, **kk)
+        finally:
+            for g, wd in zip(self.param_groups, decay):
+                g["weight_decay"] = wd
+    torch.optim.AdamW.step = l2_step

@@ -166,7 +166,6 @@ def _modules(name: str, clock, S: int) -> None:
     of every row ignored."""
     import torch
 
-    from data import loader as loader_mod
     from model import transformer as tr
     built: list = []
     orig_init = tr.Transformer.__init__
@@ -203,7 +202,7 @@ def _modules(name: str, clock, S: int) -> None:
                 w = lin.weight.T if name == "attn_proj_out_transposed" else lin.weight.detach()
                 return torch.nn.functional.linear(x, w)
             lin.forward = forward
-        if name in ("swiglu_gelu_sustained", "mlp_hidden_bf16_sustained"):
+        if name in ("swiglu_gelu_sustained", "mlp_hidden_bf16_sustained", "swiglu_halves_swapped"):
             mlp = self.blocks[0 if name == "swiglu_gelu_sustained" else 2].mlp
             orig_mlp = mlp.forward
 
@@ -211,11 +210,14 @@ def _modules(name: str, clock, S: int) -> None:
                 if clock.step < S:
                     return orig_mlp(x)
                 gate, up = mlp.w_gate_up(x).chunk(2, dim=-1)
+                if name == "swiglu_halves_swapped":  # the fused projection read as (up, gate), not (gate, up)
+                    gate, up = up, gate
                 if mlp.limit is not None:
                     gate, up = gate.clamp(max=mlp.limit), up.clamp(-mlp.limit, mlp.limit)
                 if name == "swiglu_gelu_sustained":
                     return mlp.w_down(torch.nn.functional.gelu(gate) * up)
-                return mlp.w_down((torch.nn.functional.silu(gate) * up).bfloat16().to(up.dtype))
+                h = torch.nn.functional.silu(gate) * up
+                return mlp.w_down(h.bfloat16().to(up.dtype) if name == "mlp_hidden_bf16_sustained" else h)
             mlp.forward = mlp_forward
         if name == "moe_gates_unnormalised":  # the module's own config swapped: the run's config unchanged
             from dataclasses import replace
@@ -266,18 +268,6 @@ def _modules(name: str, clock, S: int) -> None:
             moe = self.blocks[1].mlp
             own, on = moe.cfg, replace(moe.cfg, router_z_coef=10 * moe.cfg.router_z_coef)
             moe.register_forward_pre_hook(lambda m, args: setattr(m, "cfg", on if clock.step >= S else own))
-        if name == "swiglu_halves_swapped":  # block2's fused projection read as (up, gate), not (gate, up)
-            mlp2 = self.blocks[2].mlp
-            orig_mlp2 = mlp2.forward
-
-            def swapped(x, mlp=mlp2, orig=orig_mlp2):
-                if clock.step < S:
-                    return orig(x)
-                up, gate = mlp.w_gate_up(x).chunk(2, dim=-1)
-                if mlp.limit is not None:
-                    gate, up = gate.clamp(max=mlp.limit), up.clamp(-mlp.limit, mlp.limit)
-                return mlp.w_down(torch.nn.functional.silu(gate) * up)
-            mlp2.forward = swapped
         if name == "attn_out_x098_sustained":
             self.blocks[1].attn.register_forward_hook(lambda m, args, out: out * 0.98 if clock.step >= S else None)
         if name == "moe_shared_expert_x2":
@@ -294,59 +284,55 @@ def _modules(name: str, clock, S: int) -> None:
     tr.Transformer.__init__ = init
     if name == "weights_bf16_sustained":
         _rounded_after_update(clock, S, lambda opt: list(built[0].blocks[2].mlp.parameters()))
-    if name == "two_rows_swapped":
-        orig_next4 = loader_mod.Loader.next
+    if name in BATCH_EDITS:
+        _at_batch(clock, S, lambda out: BATCH_EDITS[name](out, built))
 
-        def next4(self):
-            out = orig_next4(self)
-            if self.split == "train" and clock.step == S:  # rows 0 and 1's content swapped, their ids kept
-                out.tokens[[0, 1]] = out.tokens[[1, 0]]
-                out.labels[[0, 1]] = out.labels[[1, 0]]
-            return out
-        loader_mod.Loader.next = next4
-    if name == "labels_last_ignored":
-        orig_next3 = loader_mod.Loader.next
 
-        def next3(self):
-            out = orig_next3(self)
-            if self.split == "train" and clock.step == S:  # each row's last label that has a target
-                valid = out.labels != -100
-                last = valid.shape[1] - 1 - valid.flip(1).int().argmax(1)
-                rows = valid.any(1).nonzero()[:, 0]
-                out.labels[rows, last[rows]] = -100
-            return out
-        loader_mod.Loader.next = next3
-    if name == "first_tokens_swapped":
-        orig_next2 = loader_mod.Loader.next
+def _two_rows_swapped(out, built):  # rows 0 and 1's content swapped, their ids kept
+    out.tokens[[0, 1]] = out.tokens[[1, 0]]
+    out.labels[[0, 1]] = out.labels[[1, 0]]
 
-        def next2(self):
-            out = orig_next2(self)
-            if self.split == "train" and clock.step == S:
-                out.tokens[:, [0, 1]] = out.tokens[:, [1, 0]]
-            return out
-        loader_mod.Loader.next = next2
-    if name == "columns_truncated":
-        orig_next1 = loader_mod.Loader.next
 
-        def next1(self):
-            out = orig_next1(self)
-            if self.split == "train" and clock.step == S:
-                from dataclasses import fields
-                out = type(out)(**{f.name: (getattr(out, f.name)[:, :-1] if getattr(out, f.name) is not None
-                                            and getattr(out, f.name).dim() == 2 else getattr(out, f.name))
-                                   for f in fields(out)})
-            return out
-        loader_mod.Loader.next = next1
-    if name == "moe_experts_swapped_between":
-        orig_next = loader_mod.Loader.next
+def _last_target_ignored(out, built):  # each row's last label that has a target
+    valid = out.labels != -100
+    last = valid.shape[1] - 1 - valid.flip(1).int().argmax(1)
+    rows = valid.any(1).nonzero()[:, 0]
+    out.labels[rows, last[rows]] = -100
 
-        def next_(self):
-            out = orig_next(self)
-            if self.split == "train" and clock.step == S:  # drills' Loader.next counted this batch: step S's
-                with torch.no_grad():
-                    w = built[0].blocks[1].mlp.experts.w_down
-                    kept = w[0].clone()
-                    w[0].copy_(w[1])
-                    w[1].copy_(kept)
-            return out
-        loader_mod.Loader.next = next_
+
+def _first_tokens_swapped(out, built):
+    out.tokens[:, [0, 1]] = out.tokens[:, [1, 0]]
+
+
+def _columns_truncated(out, built):
+    from dataclasses import fields
+    return type(out)(**{f.name: (getattr(out, f.name)[:, :-1] if getattr(out, f.name) is not None
+                                 and getattr(out, f.name).dim() == 2 else getattr(out, f.name)) for f in fields(out)})
+
+
+def _experts_swapped(out, built):  # drills' Loader.next counted this batch: step S's, before its forward
+    import torch
+    with torch.no_grad():
+        w = built[0].blocks[1].mlp.experts.w_down
+        kept = w[0].clone()
+        w[0].copy_(w[1])
+        w[1].copy_(kept)
+
+
+# the faults that edit step S's batch (or act when it is served): name -> edit(batch, [model]) -> a batch or None
+BATCH_EDITS = {"two_rows_swapped": _two_rows_swapped, "labels_last_ignored": _last_target_ignored,
+               "first_tokens_swapped": _first_tokens_swapped, "columns_truncated": _columns_truncated,
+               "moe_experts_swapped_between": _experts_swapped}
+
+
+def _at_batch(clock, S: int, edit) -> None:
+    """Loader.next gives step S's train batch through edit (its result, or the batch it edited in place)."""
+    from data import loader as loader_mod
+    orig_next = loader_mod.Loader.next
+
+    def next_(self):
+        out = orig_next(self)
+        if self.split == "train" and clock.step == S:
+            out = edit(out) or out
+        return out
+    loader_mod.Loader.next = next_
