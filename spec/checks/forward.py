@@ -91,15 +91,14 @@ class ForwardCheck(Check):
             return rerun.kind(got - want)
         return kind
 
-    def rerun(self, run, key: str, module, prefix: str, reference, x: Tensor | None = None,
-              fp64: bool = False) -> Rerun | None:
+    def rerun(self, run, key: str, module, prefix: str, reference, x: Tensor | None = None) -> Rerun | None:
         """The training path's `module` (the probe's call `key`, or on input x) to rerun against `reference(x, w)`;
         None under FSDP2 (a module's weights are shards there, gathered only inside the model's forward)."""
         if self.ctx.sharded:
             return None
         args, kwargs = run.taken.calls[key]
         return Rerun(module, prefix, args if x is None else (x,), kwargs if x is None else {}, reference,
-                     run.autocast, fp64)
+                     run.autocast)
 
     def exact(self, run, layer: str, what: str, rerun: Rerun | None, want: Tensor, i: int,
               x: Tensor | None = None) -> None:
