@@ -196,13 +196,13 @@ class ForwardCheck(Check):
                                        lambda x, w, i=i: with_w(w).dense_mlp(i, x))
                     self.exact(run, f"block{i}.mlp", "mlp", rerun, mlp, i)
                     yield (f"block{i}.mlp", *self.compare(m_out, mlp, tol["mlp"], rerun=rerun))
-                x_raw = io[f"block{i}"][0]
+                x_raw, mid_in = io[f"block{i}"][0], mid.detach()  # mid's value is x_out − m_out, bit for bit
                 norms = [self.rerun(run, f"block{i}", norm, pre + name + ".",
                                     lambda x, w, key=pre + name + ".weight": rms_norm(x, w[key], c.norm_eps), x=x)
                          for norm, name, x in ((blocks[i].attn_norm, "attn_norm", x_raw),
-                                               (blocks[i].mlp_norm, "mlp_norm", (x_out - m_out).to(x_raw.dtype)))]
+                                               (blocks[i].mlp_norm, "mlp_norm", mid_in.to(x_raw.dtype)))]
                 # NOTE: the MLP norm's input in FP64 as the reference took it (its FP32 rounding is one u32 off)
-                for rerun, want, x in zip(norms, (n1, n2), (None, x_out - m_out)):
+                for rerun, want, x in zip(norms, (n1, n2), (None, mid_in)):
                     self.exact(run, f"block{i}", "norm", rerun, want, i, x)
                 yield (f"block{i}", *self.block_composition(x_in, a_in, a_out, m_in, m_out, x_out, n1, n2, tol["norm"],
                                                             reruns=[*norms, None]))
