@@ -9,6 +9,7 @@ from torch import Tensor, nn
 
 from model.config import ModelConfig
 from model.kv_cache import LayerKV
+from model.norm import RMSNorm
 from model.rope import apply_rope
 
 
@@ -72,8 +73,8 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_dim
         self.qkv = nn.Linear(cfg.d_model, (self.n_heads + 2 * self.n_kv_heads) * self.head_dim, bias=False)
         self.proj_out = nn.Linear(self.n_heads * self.head_dim, cfg.d_model, bias=False)
-        self.q_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
-        self.k_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
+        self.q_norm = RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
         self.probe_logits = False
         self.causal = True  # False lets every position attend to the future (a fault drill: causal_leak)
         self._logit_parts: list[Tensor] = []  # one (H,) max per probed forward

@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from model.config import MoEConfig
 from model.grouped_gemm import grouped_mm
 from model.rope import at_least_fp32
-from model.swiglu import SwiGLU, swiglu, swiglu_counted
+from model.swiglu import SwiGLU, swiglu_fused, swiglu_fused_counted
 
 
 class MoEOutput(NamedTuple):
@@ -81,12 +81,12 @@ class GroupedExperts(nn.Module):
         offs_E = counts_E.cumsum(0).to(torch.int32)  # end row of each expert's group
         w_gate_up = self.w_gate_up.to(x_MD.dtype)  # NOTE: what F.linear does under autocast (x_MD is cast)
         # NOTE: transposed views: grouped_mm computes x_m @ w_e with w_e (D, 2H); F.linear(x, W) = x @ Wᵀ
-        gate_MH, up_MH = grouped_mm(x_MD, w_gate_up.transpose(1, 2), offs_E).chunk(2, dim=-1)
+        gate_up_MX = grouped_mm(x_MD, w_gate_up.transpose(1, 2), offs_E)
         if self.record_stats:
-            h_MH, self.clamp_hits = swiglu_counted(gate_MH, up_MH, self.limit)
-            self.clamp_total = torch.tensor(gate_MH.numel(), dtype=torch.int64, device=x_MD.device)
+            h_MH, self.clamp_hits = swiglu_fused_counted(gate_up_MX, self.limit)
+            self.clamp_total = torch.tensor(h_MH.numel(), dtype=torch.int64, device=x_MD.device)
         else:
-            h_MH = swiglu(gate_MH, up_MH, self.limit)
+            h_MH = swiglu_fused(gate_up_MX, self.limit)
         return grouped_mm(h_MH, self.w_down.to(h_MH.dtype).transpose(1, 2), offs_E)
 
     def _loop(self, x_MD: Tensor, counts: list[int]) -> Tensor:
@@ -94,12 +94,12 @@ class GroupedExperts(nn.Module):
         # WARN: every expert runs, even on zero rows (an empty matmul): then every parameter is in
         # the autograd graph every step, as DDP / FSDP require without find_unused_parameters.
         for e, x_mD in enumerate(torch.split(x_MD, counts)):
-            gate_mH, up_mH = self.linear(x_mD, self.w_gate_up[e]).chunk(2, dim=-1)
+            gate_up_mX = self.linear(x_mD, self.w_gate_up[e])
             if self.record_stats:
-                h_mH, hits_e = swiglu_counted(gate_mH, up_mH, self.limit)
-                hits, total = hits + hits_e, total + gate_mH.numel()
+                h_mH, hits_e = swiglu_fused_counted(gate_up_mX, self.limit)
+                hits, total = hits + hits_e, total + h_mH.numel()
             else:
-                h_mH = swiglu(gate_mH, up_mH, self.limit)
+                h_mH = swiglu_fused(gate_up_mX, self.limit)
             outs.append(self.linear(h_mH, self.w_down[e]))
         if self.record_stats:
             self.clamp_hits = torch.as_tensor(hits, dtype=torch.int64, device=x_MD.device)

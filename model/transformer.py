@@ -14,15 +14,16 @@ from model.kv_cache import KVCache, LayerKV
 from model.rope import rope_tables
 from model.loss import IGNORE_INDEX, ModelOutput, token_losses
 from model.moe import MoE, MoEOutput
+from model.norm import RMSNorm
 from model.swiglu import SwiGLU
 
 
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int):
         super().__init__()
-        self.attn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.attn = Attention(cfg)
-        self.mlp_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         if cfg.is_moe_layer(index):
             self.mlp = MoE(cfg.moe, cfg.d_model, cfg.swiglu_clamp)
         else:
@@ -59,7 +60,7 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
-        self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.head.weight = self.tok_emb.weight

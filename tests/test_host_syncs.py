@@ -32,13 +32,13 @@ WHY = {
     ("model/attention.py", "head_logit_max"):
         "telemetry's attention-logit probe on a CPU only (a vectorised add, checked finite): a GPU takes the "
         "masked_fill branch, which reads nothing",
-    ("model/swiglu.py", "swiglu_counted"):
+    ("model/swiglu.py", "_hits"):
         "telemetry's clamp count on a CPU only (a bound check on the clamped halves while in cache): a GPU "
         "counts on the device",
 }
 READ = ("parallel/host_scalars.py", "read")
 TELEMETRY_OWN = {("stability/telemetry.py", "finish"): 1, ("stability/telemetry_layers.py", "norms"): 3}
-CPU_ONLY = {("model/attention.py", "head_logit_max"), ("model/swiglu.py", "swiglu_counted")}
+CPU_ONLY = {("model/attention.py", "head_logit_max"), ("model/swiglu.py", "_hits")}
 FIRST_STEP = {("precision/step.py", "apply_update"): 1}
 EVAL = {("train.py", "evaluate"): 1}
 

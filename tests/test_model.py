@@ -10,8 +10,9 @@ from torch.func import functional_call
 
 from model import IGNORE_INDEX, ModelConfig, MoEConfig, SwiGLU, Transformer, token_losses
 from model.attention import Attention
+from model.norm import RMSNorm, rms_norm
 from model.rope import apply_rope, rope_tables
-from model.swiglu import swiglu
+from model.swiglu import swiglu, swiglu_fused
 
 
 def tiny_cfg(moe: bool, **kw) -> ModelConfig:
@@ -198,6 +199,54 @@ def test_swiglu_module_counts_clamp_hits():
     assert mlp.clamp_hits.item() == hits and mlp.clamp_total.item() == 3 * 5 * 16
 
 
+def test_swiglu_fused_is_swiglu_of_the_halves_and_its_hand_written_gradient_is_autograds():
+    torch.manual_seed(6)
+    for limit in (None, 1.0):
+        x = torch.randn(4, 5, 12) * 2
+        x[0, 0, :3] = torch.tensor([1.0, -1.0, 7.0])  # at the bound (its gradient passes) and beyond it
+        x[0, 0, 6:9] = torch.tensor([1.0, -1.0, -7.0])
+        dh = torch.randn(4, 5, 6)
+        a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
+        y_fused, y_plain = swiglu_fused(a, limit), swiglu(*b.chunk(2, dim=-1), limit)
+        assert torch.equal(y_fused, y_plain)
+        y_fused.backward(dh)
+        y_plain.backward(dh)
+        assert torch.equal(a.grad == 0, b.grad == 0)  # the clamp's zeros, ends of the bound included
+        torch.testing.assert_close(a.grad, b.grad, rtol=2e-7, atol=0)  # one rounding of silu′ apart at most
+        x64 = (torch.randn(3, 4, 10, dtype=torch.float64) * 2).requires_grad_()
+        assert torch.autograd.gradcheck(lambda t: swiglu_fused(t, limit), (x64,))
+
+
+def test_swiglu_fused_runs_a_replaced_swiglu(monkeypatch):
+    import model.swiglu as sw
+    monkeypatch.setattr(sw, "swiglu", lambda gate, up, limit: gate * up)  # a planted bug, as labs/breaks.py does
+    x = torch.randn(3, 8)
+    assert torch.equal(sw.swiglu_fused(x, None), x[:, :4] * x[:, 4:])
+
+
+@pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")
+def test_rms_norm_is_torchs_and_its_hand_written_gradient_is_exact():
+    torch.manual_seed(7)
+    x, g, dy = torch.randn(6, 9, 32) * 3, 1 + 0.2 * torch.randn(32), torch.randn(6, 9, 32)
+    a, ga = x.clone().requires_grad_(), g.clone().requires_grad_()
+    b, gb = x.clone().requires_grad_(), g.clone().requires_grad_()
+    y = rms_norm(a, ga, 1e-5)
+    # ‖x‖²/D instead of mean(x²): another order of one sum, a few units of the last place
+    torch.testing.assert_close(y, torch.rms_norm(b, (32,), gb, 1e-5), rtol=4e-7, atol=0)
+    y.backward(dy)
+    torch.rms_norm(b, (32,), gb, 1e-5).backward(dy)
+    torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ga.grad, gb.grad, rtol=1e-5, atol=1e-5)
+    x64 = torch.randn(3, 5, 8, dtype=torch.float64, requires_grad=True)
+    g64 = torch.randn(8, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t, w: rms_norm(t, w, 1e-5), (x64, g64))
+    # a BF16 input (q, k under autocast) is normed in FP32 and cast back, as torch.rms_norm does
+    xb = x.bfloat16()
+    assert torch.equal(rms_norm(xb, g, 1e-5), torch.rms_norm(xb, (32,), g, 1e-5))
+    norm = RMSNorm(32, eps=1e-5)
+    assert isinstance(norm, torch.nn.RMSNorm) and list(norm.state_dict()) == ["weight"]
+
+
 # ---------------------------------------------------------------- gradient check
 
 @pytest.mark.parametrize("moe", [False, True])
@@ -225,6 +274,9 @@ def test_gradcheck_float64(moe):
         out = functional_call(model, dict(zip(names, ps)), (tokens, labels), {"routes": routes})
         return out.loss_sum + 0.1 * out.z_sum + out.aux_loss
 
+    assert torch.autograd.gradcheck(objective, inputs, eps=1e-6, atol=1e-6, rtol=1e-5, fast_mode=True)
+    for _, m in model.swiglus():  # and through the step's own SwiGLU path (model/swiglu.py swiglu_fused)
+        m.record_stats = False
     assert torch.autograd.gradcheck(objective, inputs, eps=1e-6, atol=1e-6, rtol=1e-5, fast_mode=True)
 
 

@@ -14,6 +14,7 @@ from torch import nn
 
 from model import Transformer
 from model.moe import GroupedExperts
+from model.norm import RMSNorm
 from helpers import model_config, precision_config
 from precision import RECIPES, build_recipe
 from precision.config import PrecisionConfig
@@ -42,7 +43,7 @@ def test_fp8_conversion_keeps_excluded_modules_by_type_and_shares_parameters():
     moe = model.blocks[1].mlp
     assert type(model.tok_emb) is nn.Embedding and type(model.head) is nn.Linear
     assert type(moe.router) is nn.Linear
-    assert all(type(m) is nn.RMSNorm for n, m in model.named_modules() if n.endswith("norm"))
+    assert all(type(m) is RMSNorm for n, m in model.named_modules() if n.endswith("norm"))
     for block in model.blocks:
         assert type(block.attn.qkv) is Fp8Linear and type(block.attn.proj_out) is Fp8Linear
     assert type(model.blocks[0].mlp.w_gate_up) is Fp8Linear and type(moe.shared.w_down) is Fp8Linear
