@@ -62,6 +62,7 @@ class SpecContext:
     compiled: bool = False   # train.compile: the step's forward is a compiled graph (no Python hooks inside)
     max_grad_norm: float | None = None  # train.max_grad_norm: the clip threshold the config sets
     reference_step: Any = None  # the monitor's: step -> whether it is a reference step (spec.every)
+    reference_every: int = 1   # spec.every: a reference step every this many steps (and the first)
     names: dict[int, str] = field(default_factory=dict)  # id(parameter) -> its name
     # filled during a step, for the checks that read another's result
     probe: Any = None        # the monitor's probe(s): the step's probe run, on a reference step

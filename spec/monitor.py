@@ -60,7 +60,7 @@ class Conformance(Callback):
         self._failing: int | None = None  # the last step a check failed on (on_demand probes a failure's first)
         self.seconds = 0.0  # the monitor's own host time since took() (the put, the read); each check keeps its own
         ctx.probe = self.probe
-        ctx.reference_step = self.reference_step
+        ctx.reference_step, ctx.reference_every = self.reference_step, every
 
     def reference_step(self, step: int) -> bool:
         return step == 1 or step % self.every == 0

@@ -207,7 +207,7 @@ def test_a_clipped_step_within_the_clip_tolerance_passes_the_optimizer_check(tmp
 
 
 def test_muon_between_reference_steps_checks_its_momentum_and_no_update(tmp_path):
-    """Muon's oracle (an FP64 Newton–Schulz of every hidden matrix) runs on reference steps only: with spec.every=2
+    """Muon's oracle (an FP64 Newton–Schulz of the hidden matrices, one block's in turn) runs on reference steps only: with spec.every=2
     step 3 is not one; its momentum is checked, its matrices' update is not judged, and no step fails."""
     base = [o for o in PLANTED if not o.startswith("spec.every=")] + ["spec.every=2"]
     recs = plant(tmp_path, "none", "optim=muon", base=base)
@@ -225,6 +225,17 @@ def test_a_muon_update_off_its_multiplier_fails_the_optimizer_check(tmp_path):
     got = first_failure(recs[S - 1])
     assert got is not None and (got["check"], got["kind"], got["class"]) == ("optimizer", "update", "optim.settings"), got
     assert got["where"].startswith("blocks."), got  # a hidden matrix: which one misses most is the float path's
+
+
+def test_muons_oracle_checks_one_blocks_matrices_a_reference_step_in_turn(tmp_path):
+    """The FP64 oracle of Muon's update takes block b's matrices on the reference steps k·every with k ≡ b (mod
+    n_layers) (spec/checks/optimizer.py muon_turn). Block 0's update 10 % larger from step S = 3 on: step 3 is block
+    1's turn and passes; step 4, block 0's, fails on a block-0 matrix."""
+    recs = plant(tmp_path, "muon_block0", "optim=muon")
+    assert not any(r["spec"].get("fail") for r in recs[:S])
+    got = first_failure(recs[S])
+    assert got is not None and (got["check"], got["kind"]) == ("optimizer", "update"), got
+    assert got["where"].startswith("blocks.0."), got
 
 
 @pytest.mark.slow  # 2-process launches

@@ -7,7 +7,8 @@ rules (optim/groups.py group_of) rather than the group the optimizer holds it in
             θ' = θ·(1 − η·λ) − (η / (1−β1^t')) · m' / (√v' / √(1−β2^t') + ε)
     Muon    M' = μ·M + g     U = g + μ·M' (Nesterov) or M'     θ' = θ·(1 − η·λ) − η·s·√max(m, n)·NS5(U)
             (NS5 of the whole matrix, per fused part, in FP64 here: spec/muon_ref.py; θ' on reference steps only,
-            over the whole matrix: NS5's error bound is normwise, and the bound on one element is the whole norm's)
+            over the whole matrix: NS5's error bound is normwise, and the bound on one element is the whole norm's;
+            one block's matrices a reference step, the blocks in turn, the others' every time: muon_turn)
     g = coef·g₀: the backward's gradient (before the clip, unscaled) times the clip policy's coefficient
     (spec/checks/clip.py), within the tolerance the clip check allows the applied one where it clips; a skipped
     step (a non-finite gradient, the guard's veto) leaves all of it as it was;
@@ -145,19 +146,30 @@ class OptimizerCheck(Check):
         self.g0 = torch.cat(g).double() / scale  # NaN: a parameter without a gradient (the optimizer leaves it)
 
     def before_batch_muon(self, s) -> None:
-        """Muon, before a reference step: every hidden matrix as the previous step left it, whole (its update is
-        judged normwise: muon_update)."""
+        """Muon, before a reference step: the hidden matrices in turn (muon_turn) as the previous step left them,
+        whole (an update is judged normwise: muon_update)."""
         self.w_before, self.ortho = None, None
         due = self.ctx.reference_step
         if self.muon and (due is None or due(s.step)):
             self.w_before = {n: _full(p.detach()).to(F64, copy=True) for n, p, *_, kind in self.params
-                             if kind == "muon"}
+                             if kind == "muon" and self.muon_turn(n, s.step)}
+
+    def muon_turn(self, name: str, step: int) -> bool:
+        """Whether a Muon matrix's update is checked against the oracle on this reference step: block b's on the
+        reference steps k·every with k ≡ b (mod n_layers), a matrix outside the blocks on every one.
+        NOTE: the oracle is an eigendecomposition in FP64 per matrix, about a step's time for all of them at the
+        speedrun's size; in turn, each reference step checks every group's algebra on whole matrices (a Muon
+        update's probe element is its matrix), and every matrix within n_layers reference steps. Its momentum is
+        checked every step, element by element (end_step)."""
+        parts = name.split(".")
+        if len(parts) < 2 or parts[0] != "blocks" or not parts[1].isdigit():
+            return True
+        return int(parts[1]) == (step // self.ctx.reference_every) % self.ctx.model_cfg.n_layers
 
     def after_update(self, s) -> None:
-        """Muon, on a reference step: NS5 in FP64 of each hidden matrix's U from the momentum the update wrote and the
-        clipped gradient, whole, per part (spec/muon_ref.py); the momentum's elements are checked against their own
-        algebra at end_step, every step.
-        NOTE: reference steps only: the oracle costs about a step at the speedrun's size."""
+        """Muon, on a reference step: NS5 in FP64 of the U of each hidden matrix in turn (before_batch_muon), from
+        the momentum the update wrote and the clipped gradient, whole, per part (spec/muon_ref.py); the momentum's
+        elements are checked against their own algebra at end_step, every step."""
         self.ortho = None
         if self.w_before is None:
             return
@@ -166,7 +178,7 @@ class OptimizerCheck(Check):
         self.ortho = {}
         for n, p, _, _, kind in self.params:
             st = self.ctx.optimizer.state.get(p, {})
-            if kind == "muon" and p.grad is not None and "momentum_buffer" in st:
+            if n in self.w_before and p.grad is not None and "momentum_buffer" in st:
                 g, M = _full(p.grad).double(), _full(st["momentum_buffer"]).double()
                 U = g + mc.momentum * M if mc.nesterov else M
                 parts = U.split(row_parts(n, self.ctx.model_cfg, U), dim=-2)
