@@ -12,9 +12,9 @@ above 1 is an execution fault at that step, of the class the check declares for 
         def after_clip(self, s): self.measure(err_P, tol_P, kind="coef")   # device tensors, nothing read
 
 Everything a check measures stays on the device until the step's one read (parallel/host_scalars.py):
-`measure` packs the worst place as (miss, where, kind, err, tol) and spec/monitor.py reads it with the step's
-other numbers. `rank` orders the registry: within a step the first failed check in it is the first that broke
-(the state the step started from, 0; its data, 10; forward 20; gradient 30; update 40; the system, 60).
+`measure` keeps them; at the read every check's worst place is packed as (miss, where, kind, err, tol) in one set
+of ops (pack) and spec/monitor.py reads it with the step's other numbers. `rank` orders the registry: within a step
+the first failed check in it is the first that broke (the state the step started from, 0; its data, 10; forward 20; gradient 30; update 40; the system, 60).
 """
 from __future__ import annotations
 
@@ -99,6 +99,85 @@ def _arange(n: int, device) -> Tensor:
     return _ARANGE[key]
 
 
+_LAYOUTS: dict[tuple, tuple] = {}
+
+
+def _layout(key: tuple, device) -> tuple:
+    """The index vectors that lay the checks' measurements out, by element: where each one's err, tol and kind lie
+    in the packed vector (parts first, in the order measured, then the host numbers), its check's row and its place
+    in that check. Cached: the same layout every step while the checks measure the same shapes."""
+    cached = _LAYOUTS.get((key, str(device)))
+    if cached is not None:
+        return cached
+    n_parts = sum(d for desc in key if desc is not None for d in desc if d >= 0)
+    off, ci = 0, n_parts
+    e_idx, t_idx, k_idx, seg, local, rows = [], [], [], [], [], []
+    for j, desc in enumerate(key):
+        if desc is None:
+            continue
+        length = desc[0] if desc[0] >= 0 else 1
+        for d, out in zip(desc, (e_idx, t_idx, k_idx)):
+            if d < 0:  # a host number, broadcast
+                out += [ci] * length
+                ci += 1
+            else:  # a tensor: one element per place, or one for all
+                out += list(range(off, off + length)) if d == length else [off] * length
+                off += d
+        seg += [len(rows)] * length
+        local += range(length)
+        rows.append(j)
+    n = len(e_idx)
+    as_dev = lambda v, dtype=torch.int64: on_device(v, device, dtype)  # noqa: E731
+    cached = (as_dev(e_idx), as_dev(t_idx), as_dev(k_idx), as_dev(seg), as_dev(local, torch.float64),
+              as_dev(list(range(n))), n, len(rows), as_dev(rows))
+    _LAYOUTS[(key, str(device))] = cached
+    return cached
+
+
+def pack(checks: list["Check"], device) -> Tensor:
+    """(len(checks), 5) float64 on `device`: each check's worst place of this step as (miss, where, kind, err, tol),
+    miss = err / tol (a NaN tolerance judges nothing: inf; a NaN or infinite error is a miss of inf); a check that
+    measured nothing, (−1, 0, 0, 0, 0). NOTE: one set of ops for every check of the step (a concatenation, the
+    ratio, a segmented argmax), not one set each: the checks run between the step's kernels, where every op costs its
+    dispatch; nothing is read to the host."""
+    parts, consts, key = [], [], []
+    for c in checks:
+        if c.measured is None:
+            key.append(None)
+            continue
+        err, tol, kind = c.measured
+        if not torch.is_tensor(kind):
+            names = list(c.kinds)
+            kind = float(names.index(kind or names[0]))
+        desc = []
+        for v in (err, tol, kind):
+            if torch.is_tensor(v):
+                v = v.reshape(-1) if v.dim() != 1 else v
+                parts.append(v if v.device == device else on_device(v, device))
+                desc.append(v.numel())
+            else:
+                consts.append(float(v))
+                desc.append(-1)
+        if desc[0] == 0:  # no place measured
+            del parts[len(parts) - sum(d >= 0 for d in desc):]
+            del consts[len(consts) - sum(d < 0 for d in desc):]
+            key.append(None)
+            continue
+        key.append(tuple(desc))
+    table = torch.tensor([-1.0, 0, 0, 0, 0], dtype=torch.float64).repeat(len(checks), 1).to(device)
+    if all(k is None for k in key):
+        return table
+    e_idx, t_idx, k_idx, seg, local, pos, n, n_rows, rows = _layout(tuple(key), device)
+    every = torch.cat(parts + ([on_device(consts, device, torch.float64)] if consts else [])).to(torch.float64)
+    err, tol, kind = (every.index_select(0, i) for i in (e_idx, t_idx, k_idx))
+    tol = tol.nan_to_num(nan=math.inf, posinf=math.inf, neginf=-math.inf)
+    miss = (err / tol.clamp(min=1e-300)).nan_to_num(nan=math.inf, posinf=math.inf, neginf=-math.inf)
+    worst = torch.full((n_rows,), -math.inf, dtype=torch.float64, device=device).scatter_reduce(0, seg, miss, "amax")
+    first = torch.where(miss == worst.index_select(0, seg), pos, n)  # each check's first place at its worst
+    at = torch.full((n_rows,), n, dtype=torch.int64, device=device).scatter_reduce(0, seg, first, "amin")
+    return table.index_copy_(0, rows, torch.stack([miss, local, kind, err, tol], 1).index_select(0, at))
+
+
 class Check:
     """Base: a check acts at the points it overrides; `measure` records this step's result."""
     name: ClassVar[str]
@@ -126,7 +205,7 @@ class Check:
     def __init__(self, ctx: SpecContext):
         self.ctx = ctx
         self.where: list[str] = []  # the names of the places it measures, in the order of its vectors
-        self.out: Tensor | None = None  # this step's packed result, until the monitor takes it
+        self.measured: tuple | None = None  # this step's (err, tol, kind), until the monitor packs it
         self.extra: dict[str, tuple[list[str], Tensor]] = {}  # name -> (places, (L,) values) for the record
         self.seconds = 0.0  # host time in this check (its points, its hooks inside the step's forward) since took()
         self.raised = False  # a point of this step raised (spec/monitor.py): the check failed, its other points skip
@@ -136,27 +215,26 @@ class Check:
         """Whether this run has what the check checks (an MoE layer, a second rank, ...)."""
         return True
 
-    def measure(self, err: Tensor, tol: Tensor, kind: str | Tensor | None = None,
+    def measure(self, err: Tensor, tol: Tensor | float, kind: str | Tensor | None = None,
                 where: list[str] | None = None) -> None:
-        """err, tol: (L,) per place (or 0-d); kind: one of self.kinds, or an (L,) tensor of indices into it.
-        The worst place (largest err/tol; a NaN err is a miss of inf) is kept for the read."""
+        """err, tol: (L,) per place (or 0-d; tol may be a number); kind: one of self.kinds, or an (L,) tensor of
+        indices into it. The worst place (largest err/tol; a NaN err is a miss of inf) is found at the read, for every
+        check of the step in one set of ops (pack)."""
         if where is not None:
             self.where = where
-        err = torch.atleast_1d(err).to(torch.float64)
-        tol = on_device(torch.atleast_1d(tol), err.device, torch.float64).expand_as(err)
-        tol = tol.nan_to_num(nan=math.inf, posinf=math.inf, neginf=-math.inf)
-        # NOTE: a tolerance that came out NaN (its scale is non-finite: upstream's miss) judges nothing (inf); a NaN or
-        # infinite error is a miss whatever the tolerance (inf / inf and NaN / anything are NaN, made inf). One op
-        # each: the checks run between the step's kernels, where every op costs its dispatch from cold caches
-        miss = (err / tol.clamp(min=1e-300)).nan_to_num(nan=math.inf, posinf=math.inf, neginf=-math.inf)
-        at = miss.argmax()
-        if torch.is_tensor(kind):
-            k = on_device(torch.atleast_1d(kind), err.device, torch.float64).expand_as(err)
-        else:
-            names = list(self.kinds)
-            k = torch.full_like(err, float(names.index(kind or names[0])))
-        # NOTE: index_select, not [at]: a 0-d tensor as an index is read to the host (a wait on a GPU)
-        self.out = torch.stack([miss, _arange(len(err), err.device), k, err, tol], 1).index_select(0, at.reshape(1))[0]
+        n = err.numel() if torch.is_tensor(err) else 1
+        for name, v in (("tol", tol), ("kind", kind)):
+            if torch.is_tensor(v) and v.numel() not in (1, n):
+                raise ValueError(f"{self.name}: {name} has {v.numel()} elements for {n} places")
+        self.measured = (err, tol, kind)
+
+    @property
+    def out(self) -> Tensor | None:
+        """This step's packed result (miss, where, kind, err, tol), or None: nothing measured."""
+        if self.measured is None:
+            return None
+        device = next((v.device for v in self.measured if torch.is_tensor(v)), torch.device("cpu"))
+        return pack([self], device)[0]
 
     def kind_name(self, index: float) -> str:
         return list(self.kinds)[int(index)]

@@ -23,12 +23,13 @@ what was saved.
 """
 from __future__ import annotations
 
+import math
 import time
 
 import torch
 import torch.distributed as tdist
 
-from spec.check import AFTER, BEFORE, REFERENCE, SpecContext, on_device
+from spec.check import AFTER, BEFORE, REFERENCE, SpecContext, on_device, pack
 from spec.checks import registry
 from spec.probe import run_probe
 from stability.callbacks import Callback, StepState
@@ -97,7 +98,7 @@ class Conformance(Callback):
                     raise
                 c.raised = True
                 c.where = [f"{point}: {type(e).__name__}: {e}"[:300]]
-                c.out = on_device([torch.inf, 0, 0, torch.inf, 1.0], s.n_valid_t.device, torch.float64)
+                c.measured = (math.inf, 1.0, None)
             c.seconds += time.perf_counter() - t0
 
     def took(self) -> tuple[float, dict[str, float]]:
@@ -113,7 +114,7 @@ class Conformance(Callback):
 
     def before_batch(self, s: StepState) -> None:
         for c in self.checks:
-            c.out, c.extra, c.raised = None, {}, False
+            c.measured, c.extra, c.raised = None, {}, False
         self._at("before_batch", s)
 
     def before_forward(self, s: StepState) -> None:
@@ -154,7 +155,7 @@ class Conformance(Callback):
         self._demand = s.step
         try:
             for c in self.phase[DEMAND]:
-                c.out, c.extra, c.raised = None, {}, False
+                c.measured, c.extra, c.raised = None, {}, False
             self._at("after_update", s, self.phase[DEMAND])
             t1 = time.perf_counter()
             self._pack(s, DEMAND)
@@ -175,8 +176,7 @@ class Conformance(Callback):
         if not checks:
             return
         dev = s.n_valid_t.device
-        rows = [on_device(c.out if c.out is not None else [-1.0, 0, 0, 0, 0], dev, torch.float64) for c in checks]
-        table = torch.stack(rows)
+        table = pack(checks, dev)
         world = self.ctx.dist.world
         if world > 1:
             every = [torch.empty_like(table) for _ in range(world)]
@@ -230,7 +230,7 @@ class Conformance(Callback):
         s.spec["fail"] = sorted(s.spec.get("fail", []) + fails, key=lambda f: self.rank[f["check"]])
         if phase == AFTER:  # the step's outcome is on the host now: the checks that count updates go on from it
             for c in checks:
-                if c.out is not None and hasattr(c, "after_read"):
+                if c.measured is not None and hasattr(c, "after_read"):
                     c.after_read(s)
         for c in checks:
             for k, (names, _) in c.extra.items():

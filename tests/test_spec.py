@@ -160,6 +160,54 @@ def test_every_check_declares_what_the_doctor_reads():
             assert k.cls in CLASSES and callable(CLASSES[k.cls].fix) and k.fix, (name, kind)
 
 
+def test_the_read_packs_every_checks_worst_place_as_each_alone():
+    """pack lays every check's measurement out in one set of ops: each row must be what the check's own argmax of
+    err/tol gives (NaN and infinite errors a miss of inf, a NaN tolerance judging nothing, ties to the first place),
+    for tensors and host numbers, broadcast tolerances and kinds, a check that measured nothing or no place."""
+    import torch
+
+    from spec.check import Check, Kind, pack
+
+    class Probe(Check):  # an abstract-looking name: not registered (name None)
+        kinds = {"a": Kind("numerics.mismatch", "a"), "b": Kind("numerics.mismatch", "b")}
+
+    def alone(err, tol, kind, kinds):
+        err = torch.atleast_1d(torch.as_tensor(err, dtype=torch.float64)).reshape(-1)
+        tol = torch.atleast_1d(torch.as_tensor(tol, dtype=torch.float64)).reshape(-1).expand_as(err)
+        tol = torch.nan_to_num(tol, nan=math.inf, posinf=math.inf, neginf=-math.inf)
+        miss = torch.nan_to_num(err / tol.clamp(min=1e-300), nan=math.inf, posinf=math.inf, neginf=-math.inf)
+        at = int(miss.argmax())
+        k = list(kinds).index(kind or "a") if not torch.is_tensor(kind) else \
+            float(torch.atleast_1d(kind).reshape(-1).expand_as(err)[at])
+        return [float(miss[at]), float(at), float(k), float(err[at]), float(tol[at])]
+
+    g = torch.Generator().manual_seed(0)
+    cases = [
+        (torch.rand(7, generator=g), torch.rand(7, generator=g), None),
+        (torch.rand(3, dtype=torch.float64, generator=g), 0.25, "b"),
+        (torch.tensor([0.1, float("nan"), 0.3]), torch.tensor(0.5), torch.tensor([0.0, 1.0, 0.0])),
+        (torch.tensor([2.0, 2.0, 1.0]), torch.tensor([1.0, 1.0, float("nan")]), torch.tensor(1.0)),
+        (torch.tensor(float("inf")), 1.0, None),
+        (math.inf, 1.0, None),
+        None,
+        (torch.zeros(0), 1.0, None),
+        (torch.rand(2, 3, generator=g), torch.rand(6, generator=g), torch.tensor([1.0] * 6)),
+    ]
+    checks = []
+    for case in cases:
+        c = Probe.__new__(Probe)
+        c.measured = case
+        checks.append(c)
+    for _ in range(2):  # the second time from the cached layout
+        table = pack(checks, torch.device("cpu"))
+        for c, row, case in zip(checks, table.tolist(), cases):
+            if case is None or (torch.is_tensor(case[0]) and case[0].numel() == 0):
+                assert row == [-1.0, 0.0, 0.0, 0.0, 0.0]
+            else:
+                want = alone(*case, c.kinds)
+                assert row == pytest.approx(want, nan_ok=True), (case, row, want)
+
+
 def records(d: Path) -> list[dict]:
     return [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines() if x.strip()]
 

@@ -135,7 +135,7 @@ class ReduceCheck(Check):
         names = list(self.kinds)
         kinds = torch.where(missing > 0, float(names.index("missing")),
                             float(names.index("reduce" if world > 1 else "written")))
-        self.measure(worst, torch.ones_like(worst), kinds)
+        self.measure(worst, 1.0, kinds)
         self.places = (got, mean, tol, owner, none)
         self.kept = []
 
@@ -181,4 +181,4 @@ class ReplicasCheck(Check):
         tdist.all_reduce(hi, op=tdist.ReduceOp.MAX)
         tdist.all_reduce(lo, op=tdist.ReduceOp.MIN)
         off = (hi != lo).any().double()  # the same computation on the same numbers gives the same bits
-        self.measure(off, torch.full_like(off, 0.5), "replicas", where=["parameters"])
+        self.measure(off, 0.5, "replicas", where=["parameters"])

@@ -122,7 +122,7 @@ class DataCheck(Check):
                              on_device(float(names.index("definition")), dev), kind, kind, kind,
                              on_device(float(names.index("leak")), dev)])
         # NOTE: exact comparisons: a miss is one element off, so the tolerance is half of one
-        self.measure(err, torch.full_like(err, 0.5), kinds, where=list(ASPECTS))
+        self.measure(err, 0.5, kinds, where=list(ASPECTS))
         self.last, self.resumed = hashes, False
 
     def content_kind(self, hashes: Tensor, sources: Tensor, row_bad: Tensor, dev) -> Tensor:

@@ -261,7 +261,7 @@ class OptimizerCheck(Check):
         if self.ortho and self.w_before:
             per_w = torch.maximum(per_w, self.muon_update(s, skipped.reshape(())))
         worst = torch.maximum(per_state, per_w)
-        self.measure(worst, torch.ones_like(worst), torch.where(per_state >= per_w, 0.0, 1.0))
+        self.measure(worst, 1.0, torch.where(per_state >= per_w, 0.0, 1.0))
         moments = [(b["exp_avg"], m, g, tol_m), (b["exp_avg_sq"], v, g * g, tol_v)]
         if self.muon:
             moments.append((b["momentum_buffer"], M, g, tol_M))

@@ -153,7 +153,7 @@ class ContinuityCheck(Check):
                                 norms.device, torch.float64)
                 moved = (norms != norms_then).double()  # the parameters and buffers come first
                 err = torch.cat([torch.maximum(err[:len(moved)], moved), err[len(moved):]])
-                self.measure(err, torch.full_like(err, 0.5), kinds,
+                self.measure(err, 0.5, kinds,
                              where=[m[0] for m in now] + ["scheduler.last_epoch"])
         else:  # the run's first step
             self.measure(torch.tensor(float(counter_off), **f64), torch.tensor(0.5, **f64), "schedule",
@@ -182,7 +182,7 @@ class ContinuityCheck(Check):
         sums_off = (now["sums"] != then["sums"].to(now["sums"].device)).to(torch.float64)  # exact integers
         err = torch.maximum((a_n - b_n).abs() / (rel * b_n.abs() + 1e-300), sums_off / 0.5)
         err = torch.cat([err, torch.tensor([max(counter_off, abs(now["counter"] - then["counter"])) / 0.5], **f64)])
-        self.measure(err, torch.ones_like(err), "resume", where=now["names"] + ["scheduler.last_epoch"])
+        self.measure(err, 1.0, "resume", where=now["names"] + ["scheduler.last_epoch"])
 
     def end_step(self, s) -> None:
         self.end = self.marks()
