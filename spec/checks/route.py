@@ -2,9 +2,10 @@
 
            The experts each token went to (kept by a hook on each MoE layer, with the input it routed, from the
            step's own forward) are a top-k (the config's k) of the router's scores plus the bias the step ran
-           with, recomputed in FP64 from that input: the largest score (plus bias) left out may exceed the
-           smallest one chosen only by the scores' rounding, λ·(the router's FP32 stage)·(1 + the largest
-           |router logit|) (a near-tie can fall either way). Under anticipatory routing the specification is
+           with, recomputed from that input (its logits in FP32, the router's own precision, the rest in FP64):
+           the largest score (plus bias) left out may exceed the smallest one chosen only by the two sides'
+           rounding of the logits, 2·λ·(the router's FP32 stage)·(1 + the largest |router logit|) (a near-tie
+           can fall either way). Under anticipatory routing the specification is
            the routes the step was given: equal, exactly. Chosen experts that all lie in a set of k while the
            router would spread them further: the routing collapsed (moe.load_collapse). Known before the update
            (the bias moves after it): the guard can refuse the step.
@@ -59,14 +60,14 @@ class RouteCheck(Check):
             return
         rows = {}
         for i, moe in self.ctx.model.moe_layers():
-            x = torch.cat([x.reshape(-1, x.shape[-1]) for x, _ in self.kept[i]])
+            xs = [x.reshape(-1, x.shape[-1]) for x, _ in self.kept[i]]
             ids = torch.cat([ids for _, ids in self.kept[i]])
             # a layer recomputed (activation checkpointing) ran again on each micro-batch's rows in its backward,
             # before the next micro-batch: each micro-batch's given routes as many times, in that order
             again = len(self.kept[i]) // len(s.micro)
             given = (None if s.routes is None else
                      torch.cat([r[i].reshape(-1, ids.shape[-1]) for r in s.routes for _ in range(again)]))
-            rows[i] = (x, ids, given)
+            rows[i] = (xs, ids, given)
         self.kept = {}
         compare(self, rows)
 
@@ -96,19 +97,19 @@ class RouteProbeCheck(RouteCheck):
             x = run.taken.io[f"block{i}.mlp"][0]
             ids = run.ids[i]
             given = None if s.routes is None else s.routes[0][i][:1, :PROBE_TOKENS].reshape(-1, ids.shape[-1])
-            rows[i] = (x.reshape(-1, x.shape[-1]), ids, given)
+            rows[i] = ([x.reshape(-1, x.shape[-1])], ids, given)
         compare(self, rows, run.bias)
 
 
-def compare(check: Check, rows: dict[int, tuple[Tensor, Tensor, Tensor | None]], bias: dict | None = None) -> None:
-    """Measure each MoE layer's chosen experts (ids, (N, k)) on its input rows x against its router's top-k in FP64
-    with its bias (the module's own, or `bias` by layer), or against the routes given. Whether a miss is a collapse
-    is decided for a failing layer only, after the read (classify)."""
+def compare(check: Check, rows: dict[int, tuple[list[Tensor], Tensor, Tensor | None]], bias: dict | None = None) -> None:
+    """Measure each MoE layer's chosen experts (ids, (N, k)) on its input rows (xs: each micro-batch's, (N_i, D))
+    against its router's top-k with its bias (the module's own, or `bias` by layer), or against the routes given.
+    Whether a miss is a collapse is decided for a failing layer only, after the read (classify)."""
     errs, tols, where, check.places = [], [], [], []
     k_spec = check.ctx.model_cfg.moe.top_k
     for i, moe in check.ctx.model.moe_layers():
-        x, ids, given = rows[i]
-        ranked_EN = logits_EN = b = None
+        xs, ids, given = rows[i]
+        ranked_EN = b = w = tol = None
         if ids.shape[-1] != k_spec:  # the router chose another number of experts than the config's top_k
             errs.append(on_device(torch.inf, ids.device, F64))
             tols.append(on_device(0.5, ids.device, F64))
@@ -118,27 +119,30 @@ def compare(check: Check, rows: dict[int, tuple[Tensor, Tensor, Tensor | None]],
         if given is not None:  # anticipatory routing: the specification is the routes given, no router to rerun
             err, tol = (given.to(ids.device) != ids).sum().double(), on_device(0.5, ids.device, F64)
         else:
-            x, ids = x.to(F64), ids.to(x.device)
-            b = (bias[i] if bias is not None else moe.bias_E.detach()).to(x.device, F64)
             w = moe.router.weight.detach()
-            w = (w.full_tensor() if hasattr(w, "full_tensor") else w).to(x.device, F64)
-            # NOTE: experts along the rows, (E, N): E is a handful, and a softmax or a product along a short
-            # contiguous last dimension costs CPU kernels several times more than along a long one
-            logits_EN = w @ x.T
+            w = (w.full_tensor() if hasattr(w, "full_tensor") else w).to(xs[0].device)
+            b = (bias[i] if bias is not None else moe.bias_E.detach()).to(xs[0].device, F64)
+            # NOTE: the logits in FP32 (the router's own precision) on each micro-batch's rows, then FP64: the rows
+            # neither copied to FP64 nor concatenated (an (N, D) pass each, where the logits are (E, N) and E a
+            # handful). Experts along the rows: a softmax or a product along a short contiguous last dimension
+            # costs CPU kernels several times more than along a long one
+            w32 = w.float()
+            logits_EN = torch.cat([w32 @ x.float().T for x in xs], 1).to(F64)
             scores_EN = router_scores(logits_EN, check.ctx.model_cfg.moe.score, 0)
             ranked_EN = scores_EN + b[:, None]
-            ids_kN = ids.T
+            ids_kN = ids.to(logits_EN.device).T
             low = ranked_EN.gather(0, ids_kN).min(0).values                    # the weakest expert chosen
             high = ranked_EN.scatter(0, ids_kN, -torch.inf).max(0).values      # the strongest left out
             # NOTE: a non-finite input row is upstream's miss (loss_grad names the layer): its comparison is 0, and
-            # the tolerance, non-finite then, judges nothing (spec/check.py measure)
+            # the tolerance, non-finite then, judges nothing (spec/check.py pack)
             err = (high - low).nan_to_num(nan=0.0).clamp(min=0).max()
-            tol = (LAMBDA * stage(x.shape[-1], U32) * (1 + logits_EN.abs().max()) * scores_EN.max()
+            # the path's FP32 logits and these, each within the stage's rounding of the exact ones: twice it
+            tol = (2 * LAMBDA * stage(xs[0].shape[-1], U32) * (1 + logits_EN.abs().max()) * scores_EN.max()
                    + 2 * U32 * b.abs().max())
         errs.append(torch.as_tensor(err, dtype=F64))
         tols.append(torch.as_tensor(tol, dtype=F64, device=err.device))
         where.append(f"moe{i}")
-        check.places.append((ranked_EN, ids, given, None if ranked_EN is None else (logits_EN, b, tol)))
+        check.places.append((ranked_EN, ids, given, None if ranked_EN is None else (xs, w, b, tol)))
     check.measure(torch.stack(errs), torch.stack(tols), "topk", where=where)
 
 
@@ -151,7 +155,8 @@ def classify(check: Check, i: int) -> str:
     k = ids.shape[-1]
     if given is not None or ranked_EN is None:
         return "topk"
-    logits_EN, b, tol = router
+    xs, w, b, tol = router
+    logits_EN = w.to(F64) @ torch.cat(xs).to(F64).T  # the exact logits (FP64), for a failing layer only
     # NOTE: a logit within the path's FP32 error of a rounding boundary of the format may round either way there
     # (its FP32 value and this FP64 one): its token is not judged; every other token must be that top-k exactly
     near = LAMBDA * stage(check.ctx.model_cfg.d_model, U32) * (1 + logits_EN.abs())
