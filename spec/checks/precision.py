@@ -106,7 +106,9 @@ class PrecisionCheck(Check):
             t0 = time.perf_counter()
             y = _tensor(out).detach()
             if y.dtype in STORED:
-                self.samples[name] = y.reshape(-1)[::sample_stride(y.numel())]
+                # NOTE: copied now, while the output is in cache: after the backward, a strided gather misses it at
+                # every element
+                self.samples[name] = y.reshape(-1)[::sample_stride(y.numel())].clone()
             self.seconds += time.perf_counter() - t0  # the step's time_s.spec counts it (spec/monitor.py took)
         return keep
 
