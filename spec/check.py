@@ -128,8 +128,11 @@ def _layout(key: tuple, device) -> tuple:
         rows.append(j)
     n = len(e_idx)
     as_dev = lambda v, dtype=torch.int64: on_device(v, device, dtype)  # noqa: E731
+    empty = as_dev([[-1.0, 0, 0, 0, 0]] * len(key), torch.float64)  # the row of a check that measured nothing
     cached = (as_dev(e_idx), as_dev(t_idx), as_dev(k_idx), as_dev(seg), as_dev(local, torch.float64),
-              as_dev(list(range(n))), n, len(rows), as_dev(rows))
+              as_dev(list(range(n))), n, len(rows), as_dev(rows), empty)
+    if len(_LAYOUTS) >= 64:  # layouts that come and go (a check that raised, a resume): never an unbounded cache
+        _LAYOUTS.clear()
     _LAYOUTS[(key, str(device))] = cached
     return cached
 
@@ -164,10 +167,10 @@ def pack(checks: list["Check"], device) -> Tensor:
             key.append(None)
             continue
         key.append(tuple(desc))
-    table = torch.tensor([-1.0, 0, 0, 0, 0], dtype=torch.float64).repeat(len(checks), 1).to(device)
-    if all(k is None for k in key):
+    e_idx, t_idx, k_idx, seg, local, pos, n, n_rows, rows, empty = _layout(tuple(key), device)
+    table = empty.clone()
+    if not n:
         return table
-    e_idx, t_idx, k_idx, seg, local, pos, n, n_rows, rows = _layout(tuple(key), device)
     every = torch.cat(parts + ([on_device(consts, device, torch.float64)] if consts else [])).to(torch.float64)
     err, tol, kind = (every.index_select(0, i) for i in (e_idx, t_idx, k_idx))
     tol = tol.nan_to_num(nan=math.inf, posinf=math.inf, neginf=-math.inf)
