@@ -12,7 +12,7 @@ matrix-vector products of the one product P = dy·x: ∂L/∂g = Pᵀ·r and mea
 
 Under torch.compile the plain expression is used instead: inductor fuses it into one kernel each way. The sums
 run in at least FP32 (a BF16 q or k under autocast is normed in FP32 and cast back, as torch.rms_norm does);
-tests/test_model.py holds it to torch.rms_norm and to finite differences in FP64.
+tests/test_model_kernels.py holds it to torch.rms_norm and to finite differences in FP64.
 """
 from __future__ import annotations
 
