@@ -128,7 +128,7 @@ def _layout(key: tuple, device) -> tuple:
         rows.append(j)
     n = len(e_idx)
     as_dev = lambda v, dtype=torch.int64: on_device(v, device, dtype)  # noqa: E731
-    empty = as_dev([[-1.0, 0, 0, 0, 0]] * len(key), torch.float64)  # the row of a check that measured nothing
+    empty = as_dev([[-1.0, 0, 0, 0, 0]] * len(key), torch.float64)  # the row of a check with nothing to report
     cached = (as_dev(e_idx), as_dev(t_idx), as_dev(k_idx), as_dev(seg), as_dev(local, torch.float64),
               as_dev(list(range(n))), n, len(rows), as_dev(rows), empty)
     if len(_LAYOUTS) >= 64:  # layouts that come and go (a check that raised, a resume): never an unbounded cache
@@ -161,7 +161,7 @@ def pack(checks: list["Check"], device) -> Tensor:
             else:
                 consts.append(float(v))
                 desc.append(-1)
-        if desc[0] == 0:  # no place measured
+        if desc[0] == 0:  # an empty err: nothing to report
             del parts[len(parts) - sum(d >= 0 for d in desc):]
             del consts[len(consts) - sum(d < 0 for d in desc):]
             key.append(None)
