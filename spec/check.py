@@ -14,7 +14,8 @@ above 1 is an execution fault at that step, of the class the check declares for 
 Everything a check measures stays on the device until the step's one read (parallel/host_scalars.py):
 `measure` keeps them; at the read every check's worst place is packed as (miss, where, kind, err, tol) in one set
 of ops (pack) and spec/monitor.py reads it with the step's other numbers. `rank` orders the registry: within a step
-the first failed check in it is the first that broke (the state the step started from, 0; its data, 10; forward 20; gradient 30; update 40; the system, 60).
+the first failed check in it is the first that broke (the state the step started from, 0; its data, 10; forward
+20; gradient 30; update 40; the system, 60).
 """
 from __future__ import annotations
 

@@ -101,7 +101,8 @@ class RouteProbeCheck(RouteCheck):
         compare(self, rows, run.bias)
 
 
-def compare(check: Check, rows: dict[int, tuple[list[Tensor], Tensor, Tensor | None]], bias: dict | None = None) -> None:
+def compare(check: Check, rows: dict[int, tuple[list[Tensor], Tensor, Tensor | None]],
+            bias: dict | None = None) -> None:
     """Measure each MoE layer's chosen experts (ids, (N, k)) on its input rows (xs: each micro-batch's, (N_i, D))
     against its router's top-k with its bias (the module's own, or `bias` by layer), or against the routes given.
     Whether a miss is a collapse is decided for a failing layer only, after the read (classify)."""
