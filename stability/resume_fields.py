@@ -54,36 +54,37 @@ def _items(host):
 def _summary(optimizer: torch.optim.Optimizer, model, exact: bool) -> tuple[list[str], torch.Tensor]:
     """keys and their global Σ‖t‖² (K,) in FP64; not exact: one more entry, the count of tensors whose FP32
     norm norms() would compute again in FP64 (summed over ranks with the squares)."""
-    keys, sq, redo = [], [], []
+    keys, parts = [], []  # per key, its tensors
     for i, g in enumerate(optimizer.param_groups):
         name = str(g.get("name", f"group{i}"))
         for slot, short in (("exp_avg", "m"), ("exp_avg_sq", "v")):
-            ts = [local(optimizer.state[p][slot]) for p in g["params"]
-                  if p in optimizer.state and slot in optimizer.state[p]]
-            ts = [t for t in ts if t.numel()]
             keys.append(f"{short}/{name}")
-            # NOTE: one fused FP32 norm per tensor (FP64 again only where it came out non-finite: a finite
-            # 1e30 overflows FP32's square), squared and summed in FP64: no FP64 copy of every moment, so
-            # cheap enough for every step, and every step it must be: the doctor's trailing baseline for a
-            # resume's first step needs the steps before it. It reads them on a log
-            # scale with a 15 % floor (doctor/timeline.py FLOOR_STATE): FP32's ~1e-7 is nothing. A finite
-            # norm proves every element finite: state_nonfinite() reads the flag from these same norms.
-            sq.append(_sq_norm(ts, exact, redo))
+            parts.append([local(optimizer.state[p][slot]) for p in g["params"]
+                          if p in optimizer.state and slot in optimizer.state[p]])
         # the weights the moments belong to, read the same way (a parameter's storage, never its .grad)
         keys.append(f"w/{name}")
-        sq.append(_sq_norm([t for t in (local(p.detach()) for p in g["params"]) if t.numel()], exact, redo))
+        parts.append([local(p.detach()) for p in g["params"]])
+    parts = [[t for t in ts if t.numel()] for ts in parts]
+    flat = [t for ts in parts for t in ts]
+    dev = flat[0].device if flat else torch.device("cpu")
+    # NOTE: one fused FP32 norm per tensor, every key's in one call (FP64 again only where it came out
+    # non-finite: a finite 1e30 overflows FP32's square), squared and summed in FP64 per key: no FP64 copy of
+    # every moment, so cheap enough for every step, and every step it must be: the doctor's trailing baseline
+    # for a resume's first step needs the steps before it. It reads them on a log scale with a 15 % floor
+    # (doctor/timeline.py FLOOR_STATE): FP32's ~1e-7 is nothing. A finite norm proves every element finite:
+    # state_nonfinite() reads the flag from these same norms.
+    each = (norms if exact else norms_fp32)(flat, dev) if flat else torch.zeros(0, dtype=torch.float64, device=dev)
+    sq = [n.square().sum() for n in each.split([len(ts) for ts in parts])]
     n_param = len(keys)  # entries of parameters and their moments; the MoE biases after them are buffers
     moe = model.moe_layers() if hasattr(model, "moe_layers") else []
     for layer, m in moe:
         keys.append(f"moe_bias/{layer}")
-        sq.append(m.bias_E.detach().double().square().sum())
+        sq.append(m.bias_E.detach().double().square().sum().to(dev))
     if not keys:
         return [], torch.zeros(0, dtype=torch.float64)
-    dev = sq[0].device
     if not exact:
-        sq.append(torch.stack([r.to(dev) for r in redo]).sum().double() if redo
-                  else torch.zeros((), dtype=torch.float64, device=dev))
-    vals = torch.stack([s.to(dev) for s in sq])
+        sq.append(to_redo(each).sum().double())
+    vals = torch.stack(sq)
     world, sharded = _world_and_sharding(model)
     if world > 1:
         vals = all_reduce_sum(vals)
@@ -91,18 +92,6 @@ def _summary(optimizer: torch.optim.Optimizer, model, exact: bool) -> tuple[list
         # their moments) but no buffer: the MoE biases are whole on every rank under FSDP too
         vals[n_param if sharded else 0:len(keys)] /= world
     return keys, vals
-
-
-def _sq_norm(ts: list[torch.Tensor], exact: bool = True, redo: list | None = None) -> torch.Tensor:
-    """Σ‖t‖² in FP64 (0 for no tensor) from one fused norm per tensor (telemetry_layers.norms); not exact:
-    the FP32 norms only, the count of those norms() would redo appended to `redo`."""
-    if not ts:
-        return torch.zeros((), dtype=torch.float64)
-    if exact:
-        return norms(ts, ts[0].device).square().sum()
-    n = norms_fp32(ts, ts[0].device)
-    redo.append(to_redo(n).sum())
-    return n.square().sum()
 
 
 def state_nonfinite(optimizer: torch.optim.Optimizer, summary: dict[str, float], others: bool = True) -> bool:
