@@ -7,7 +7,9 @@
 #            evaluated every 5 steps: its crossing to ±2 steps (the recipe's every 25 rounds it up by 12 on average)
 #   shape    python train.py +experiment=shakespeare_char seed=i   (nanoGPT's own recipe shape; train.compile as the
 #            run decides it: eager on a CPU), stopped at step 1000 and evaluated every 25 steps, for its crossing
-# then one compiled run of the shape (train.compile=true, 30 steps) for the cold start, and bench/speed/speedrun.py's
+# then one compiled run of the shape (train.compile=true, 30 steps) for the cold start, with an empty Inductor cache of
+# its own (TORCHINDUCTOR_CACHE_DIR, removed after: the machine's cache from earlier compiles would make it a warm
+# start), and bench/speed/speedrun.py's
 # table (--out writes it under bench/report.py's header; docs/results/speedrun.md is this command's output).
 # NANOGPT_DIR: a karpathy/nanoGPT checkout (3adf61e), never part of this repository; its shakespeare_char data is
 # prepared by its own prepare.py from the local text (copied to the input.txt it expects: no download).
@@ -59,7 +61,10 @@ for i in $(seq 0 $((seeds - 1))); do
   for who in "${whos[@]:$k}" "${whos[@]:0:$k}"; do run "$who" "$i"; done
 done
 uptime > "$out/compiled.uptime"
-python train.py +experiment=shakespeare_char "data.path=$data" "hydra.run.dir=$out/compiled" train.compile=true \
-  checkpoint.stop_after=30 train.eval_every=1000000 "${quiet[@]}" > "$out/compiled.log" 2>&1
+cache=$(mktemp -d)
+TORCHINDUCTOR_CACHE_DIR=$cache python train.py +experiment=shakespeare_char "data.path=$data" \
+  "hydra.run.dir=$out/compiled" train.compile=true checkpoint.stop_after=30 train.eval_every=1000000 "${quiet[@]}" \
+  > "$out/compiled.log" 2>&1
+rm -rf "$cache"
 uptime >> "$out/compiled.uptime"
 python -m bench.speed.speedrun "$out" "$@"
