@@ -13,7 +13,9 @@ forward check's, every layer's output RMS; the gradient check's, every parameter
 dated within (the step it last held, the step it failed]: at the step whose change of the failing place's log
 series stands apart from the step-to-step changes of the 2·gap steps before it (a level shift is one such change;
 a smooth trend moves them all alike) — when it clears the prediction bound the false-alarm budget sets for as
-many candidate steps as the gap holds (doctor/budget.py). Otherwise it stays at the step the check failed: the
+many candidate steps as the gap holds (doctor/budget.py). A check that failed beside it at the same step and held at
+a step of the gap bounds the onset after that step: it fails only for a fault, so the fault had not begun there
+(the route check, every step, holding while the forward check's gates had not yet been compared). Otherwise it stays at the step the check failed: the
 first step the records show it, as when its check runs every step, or ran at the step before on the guard's demand
 (spec/monitor.py on_demand).
 """
@@ -62,19 +64,26 @@ def onset(seg: list[dict], i: int, f: dict) -> tuple[dict, int] | None:
     if held is None or not series or where is None:
         return None
     lo, hi = seg[held]["step"], seg[i]["step"]
-    candidates = seg[held + 1:i + 1]  # the records of the gap: the onset is one of them
+    # the checks that failed beside it at its step and ran within the gap: where one of them held, the fault had not
+    # begun yet (a check is exact: it fails only for a fault), so the onset is after the last such step
+    beside = {g["check"] for g in (seg[i].get("spec") or {}).get("fail") or []} - {check}
+    clean = next((j for j in range(i - 1, held, -1)
+                  if any(isinstance(m, (int, float)) and m <= 1
+                         for m in (((seg[j].get("spec") or {}).get("miss") or {}).get(c) for c in beside))), held)
+    candidates = seg[clean + 1:i + 1]  # the records of the gap the onset can be in
     gap = len(candidates)
     if gap <= 1:
         return None
-    # the place's log series over 2·gap steps before the gap and the gap itself, step to step; a series may be a
-    # number of the record itself (the step's aux_loss); a positive value that became exactly 0 changed without bound
-    window = seg[max(0, held - 2 * gap):i + 1]
+    # the place's log series over 2·gap steps before the candidates and the candidates, step to step; a series may be
+    # a number of the record itself (the step's aux_loss); a positive value that became exactly 0 changed without bound
+    window = seg[max(0, clean - 2 * gap):i + 1]
     y = {r["step"]: _value(r, series, where) for r in window}
     y = {t: math.log(v) if v > 0 else -math.inf for t, v in y.items()
          if isinstance(v, (int, float)) and math.isfinite(v) and v >= 0}
     d = {t: y[t] - y[t - 1] for t in y if t - 1 in y and math.isfinite(y[t - 1])}
-    before = np.array([v for t, v in d.items() if t <= lo and math.isfinite(v)])
-    inside = [(t, v) for t, v in d.items() if lo < t <= hi]
+    first = seg[clean]["step"]
+    before = np.array([v for t, v in d.items() if t <= first and math.isfinite(v)])
+    inside = [(t, v) for t, v in d.items() if first < t <= hi]
     if len(before) < 3 or not inside:  # a mean, a spread and a residual
         return None
     # a level shift at s is one step-to-step change apart from the others (a smooth trend moves them all alike):

@@ -72,3 +72,25 @@ def test_a_record_number_that_drops_to_zero_dates_its_failure():
     recs[-1]["spec"]["fail"] = [f]
     got = onset(recs, len(recs) - 1, f)
     assert got is not None and (got[0]["step"], got[1]) == (34, 30), got
+
+
+def test_a_check_failing_beside_it_that_held_in_the_gap_bounds_the_onset():
+    """The series shifts at 34, but a check that fails beside the forward check at 40 and runs every step held up to
+    38: the fault began after 38, so 34 is a natural move of the series, not the onset. Where that check held only up
+    to 33, the onset at 34 stands; a check that held beside it but did not fail at 40 bounds nothing."""
+    def beside(held_until: int, fails: bool = True) -> list[dict]:
+        recs = records(34)
+        for r in recs:
+            r["spec"]["miss"]["route"] = 0.0 if r["step"] <= held_until else 7.0
+        if fails:
+            recs[-1]["spec"]["fail"].append({"check": "route", "where": "moe1", "kind": "topk"})
+        return recs
+    f = records(34)[-1]["spec"]["fail"][0]
+    late = beside(38)
+    assert onset(late, len(late) - 1, f) is None  # the onset is 39 or 40; the series shows no shift there
+    early = beside(33)
+    got = onset(early, len(early) - 1, f)
+    assert got is not None and (got[0]["step"], got[1]) == (34, 30), got
+    unrelated = beside(38, fails=False)
+    got = onset(unrelated, len(unrelated) - 1, f)
+    assert got is not None and got[0]["step"] == 34, got
