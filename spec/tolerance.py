@@ -26,6 +26,9 @@ import math
 import torch
 
 LAMBDA = 10.0  # Higham–Mary's λ: failure probability 2·exp(−λ²/2) = 4e-22 per reduction
+# the deterministic bounds (n roundings, n·u) count every rounding ×4: room for the roundings an implementation adds
+# (a fused kernel's order)
+SAFETY = 4
 
 UNIT_ROUNDOFF = {
     torch.float64: 2.0 ** -53, torch.float32: 2.0 ** -24, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11,

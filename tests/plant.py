@@ -259,6 +259,9 @@ def plant(name: str, S: int) -> None:
                     p.grad.mul_(10.0)
         if name == "clip_threshold" and Clock.step == S and max_grad_norm:
             max_grad_norm = max_grad_norm * 0.01
+        if name == "clip_unapplied" and Clock.step == S and max_grad_norm:  # the coefficient reported, not applied
+            upd = orig_prepare(params, scaler, None, clip=clip)
+            return upd._replace(coef=(max_grad_norm / (upd.norm + 1e-6)).clamp(max=1.0))
         if name == "coef_in_tolerance" and max_grad_norm:  # every step: the applied clip coefficient off the
             # policy's by half what the clip check allows (spec/checks/clip.py), as an FP32 norm's rounding puts it
             from spec.tolerance import LAMBDA, U32

@@ -254,6 +254,17 @@ def test_a_clipped_step_within_the_clip_tolerance_passes_the_optimizer_check(tmp
         assert not rec["spec"].get("fail"), (rec["step"], rec["spec"]["fail"])
 
 
+def test_a_clip_coefficient_reported_and_not_applied_is_the_clips_fault(tmp_path):
+    """At step S the clip's coefficient is the policy's (the clip check passes) but the gradients are left unscaled:
+    the moments are their algebra for the gradient times 1/coef, one factor across the group — the clip's fault
+    (a setting), not a lost state. Every step clips (a threshold of 0.01); the steps before it pass."""
+    recs = plant(tmp_path, "clip_unapplied", "train.max_grad_norm=0.01")
+    assert not any(r["spec"].get("fail") for r in recs[:S - 1])
+    assert recs[S - 1]["clip_coef"] < 1 and recs[S - 1]["spec"]["miss"]["clip"] <= 1
+    got = first_failure(recs[S - 1])
+    assert got is not None and (got["check"], got["kind"], got["class"]) == ("optimizer", "clip", "optim.settings"), got
+
+
 def test_muon_between_reference_steps_checks_its_momentum_and_no_update(tmp_path):
     """Muon's oracle (an FP64 Newton–Schulz of the hidden matrices, one block's in turn) runs on reference steps only: with spec.every=2
     step 3 is not one; its momentum is checked, its matrices' update is not judged, and no step fails."""

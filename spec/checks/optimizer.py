@@ -20,7 +20,8 @@ the state the algorithm was given. Tolerances are the deterministic bound of n r
 n·u32 per term's magnitude (×4: SAFETY), plus what the inputs' own roundings carry into the result (the
 gradient's into m and, doubled through g², into v; and, for Muon, the Newton–Schulz iteration's, amplified by
 at most a = 3.4445 per iteration). A moment (m, v, M) or step count off its algebra is the state's fault
-(optim.state), unless every moment of the group is exactly its algebra with another β (a setting: classify); the
+(optim.state), unless every moment of the group is exactly its algebra with another β, or for the gradient times
+another factor than the clip's (a setting: classify, spec/optimizer_fits.py); the
 moments right and the parameter wrong, a setting's (optim.settings: weight decay, eps, an update multiplier). The
 probe elements of all parameters are one vector: the algebra runs once per step.
 """
@@ -36,13 +37,13 @@ from optim.groups import group_of
 from spec.check import AFTER, STEP, SYSTEM, UPDATE, Check, Kind, on_device
 from spec.checks.precision import on_coarser_grid
 from spec.muon_ref import orthogonalised, row_parts
+from spec.optimizer_fits import l2_decay, other_factor
 from spec.schedule import group_settings, lr_at
-from spec.tolerance import LAMBDA, U32, stage, u
+from spec.tolerance import LAMBDA, SAFETY, U32, stage, u
 
 K = 4       # probe elements per parameter tensor
 N_OPS = 9   # FP32 roundings on the way to θ' (decay, bias corrections, sqrt, eps add, divide, scale, subtract, clip)
 N_G = 3     # roundings in the gradient the optimizer receives: the unscale, the clip coefficient, its multiply
-SAFETY = 4  # every count of roundings ×4: room for the roundings an implementation adds (a fused kernel's order)
 STATES = ("exp_avg", "exp_avg_sq", "momentum_buffer")
 F64 = torch.float64
 
@@ -63,6 +64,9 @@ class OptimizerCheck(Check):
              "precision": Kind("numerics.precision", "the named parameter or its optimizer state is kept coarser "
                                                      "than its dtype: its values on a coarser format's grid (a cast, "
                                                      "a low-precision copy or state)"),
+             "clip": Kind("optim.settings", "the gradient the optimizer was given is the backward's times another factor "
+                                            "than the clip policy's coefficient: a clip computed and not applied, "
+                                            "applied twice, or the gradient scaled after it"),
              "rank": Kind("system.rank_divergence", "one rank's parameters or optimizer state left the algebra the "
                                                     "others followed: that rank's copy was changed", layer=SYSTEM)}
 
@@ -276,7 +280,9 @@ class OptimizerCheck(Check):
         β' for the group's probe elements, which least squares gives and the moment's own tolerance judges. A moment
         altered between the steps (a loader, a hook, a lost state) fits no single β': its elements' ratios (x' − y) /
         (x − y) spread with g²/v, far beyond FP32's rounding. Likewise AdamW's moments exactly their algebra for the
-        gradient g + λ·w, one λ for the group (l2_decay): the decay entered the gradient (Adam's L2), a setting."""
+        gradient g + λ·w, one λ for the group (l2_decay): the decay entered the gradient (Adam's L2), a setting; or
+        exactly their algebra for the gradient r·g, one r ≠ 1 (other_factor): the clip's coefficient is not what the
+        gradient was multiplied by."""
         moments, still, miscounted, state_first, w_after, w_before = self.places
         own = self.owner == i
         # NOTE: the parameter or a moment whose every probe element lies on a coarser format's grid (its low bits zero:
@@ -300,7 +306,10 @@ class OptimizerCheck(Check):
                 x, z = prev[sel] - y[sel], got[sel] - y[sel]
             beta = (x * z).sum() / x.square().sum().clamp(min=1e-300)
             if not bool(((z - beta * x).abs() <= tol[sel]).all()):
-                return "update" if k < 2 and l2_decay(moments, w_before, adamw) else "state"
+                if k < 2 and l2_decay(moments, w_before, adamw):
+                    return "update"
+                b1, b2 = (float(b) for b in self.ctx.cfg.optim.betas)
+                return "clip" if k < 2 and other_factor(moments, adamw, b1, b2) else "state"
         return "update"
 
     def qk_factor(self, qk_clip: dict, like: Tensor) -> Tensor:
@@ -334,28 +343,6 @@ class OptimizerCheck(Check):
     def load_state_dict(self, sd: dict) -> None:
         u = sd.get("updates")
         self.updates, self.start = None if u is None else torch.as_tensor(u, dtype=F64), None
-
-
-def l2_decay(moments, w: Tensor, sel: Tensor) -> bool:
-    """Whether AdamW's moments on the elements `sel` are their algebra for the gradient g + λ·w with one λ ≠ 0: Adam's
-    L2 term, the decay added to the gradient instead of applied to the weight apart. m' − g = β·(m − g) + (1 − β)·λ·w:
-    β and c = (1 − β)·λ by least squares, then v' − y = β₂·(v − y) with y = (g + λ·w)², one β₂; each judged by its
-    moment's own tolerance, widened for the gradient g' = g + λ·w: its sum is one rounding more, and the algebra's
-    roundings scale with |g'| ≤ |g| + |λ·w| (m: its 2 and the sum's 1; v: its 3 and the sum's, twice through g'²)."""
-    (m1, m0, g, tol_m), (v1, v0, _, tol_v) = moments[:2]
-    g, w = g[sel], w[sel]
-    A, z = torch.stack([m0[sel] - g, w], -1), m1[sel] - g
-    beta, c = torch.linalg.lstsq(A, z[:, None]).solution[:, 0]
-    if not bool(c != 0) or not bool(beta < 1):
-        return False
-    lam = c / (1 - beta)
-    big = g.abs() + (lam * w).abs()  # a bound on |g'|
-    if not bool(((z - A @ torch.stack([beta, c])).abs() <= tol_m[sel] + (1 - beta) * SAFETY * 3 * U32 * big).all()):
-        return False
-    y = (g + lam * w).square()
-    x, z = v0[sel] - y, v1[sel] - y
-    beta2 = (x * z).sum() / x.square().sum().clamp(min=1e-300)
-    return bool(((z - beta2 * x).abs() <= tol_v[sel] + (1 - beta2) * SAFETY * 5 * U32 * big.square()).all())
 
 
 def _full(t: Tensor) -> Tensor:
