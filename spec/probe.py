@@ -91,6 +91,8 @@ def run_probe(model, micro, routes, z_coef: float, autocast, loss_scale: float |
                      for (n, p), g in zip(params.items(), got)}
             if scale != 1.0:
                 torch._foreach_div_(list(grads.values()), scale)
+            # a parameter the config trains that the step froze gets none: 0, which the gradient check compares
+            grads.update({n: torch.zeros_like(p, dtype=F64) for n, p in model.named_parameters() if n not in grads})
     finally:
         for h in hooks:
             h.remove()

@@ -58,6 +58,8 @@ FAULTS = {
     "aux_coef": ("aux", "aux_loss", "balancing"),  # the MoE balancing coefficient ×100 in the module, not the config
     "router_z_x10": ("aux", "aux_loss", "balancing"),  # the router z-loss coefficient ×10 in the module, not the config
     "n_all_positions": ("loss_grad", "norm.weight", "scaled"),  # the step's token count counts the ignored labels too
+    "ce_half": ("forward", "loss", "mismatch"),  # the CE sum halved: off by half of itself, though z (larger) is right
+    "emb_frozen": ("reduce", "tok_emb.weight", "missing"),  # the embedding frozen (requires_grad off) from step S on
     "v_bf16": ("optimizer", None, "precision"),  # exp_avg_sq rounded to bf16 after the update: kept coarser
     "w_bf16": ("optimizer", "blocks.0.mlp.w_down.weight", "precision"),  # a weight rounded to bf16 after its update
     "router_bf16": ("forward", "block1.mlp", "precision"),  # the MoE router's logits rounded to bf16 from step S on
@@ -215,6 +217,11 @@ def plant(name: str, S: int) -> None:
             w = self.blocks[0].mlp.w_down.weight
             w.register_post_accumulate_grad_hook(lambda p: (p.grad.add_(torch.randn_like(p.grad) * p.grad.std()), None)[1]
                                                  if Clock.step == S else None)
+        if name == "emb_frozen":
+            def freeze(mod, args):
+                if Clock.step == S:
+                    self.tok_emb.weight.requires_grad_(False)
+            self.register_forward_pre_hook(freeze)
         if name == "detached_block":  # block 1 reads block 0's output cut off the graph: block 0 gets no gradient
             self.blocks[1].register_forward_pre_hook(
                 lambda mod, args: (args[0].detach(), *args[1:]) if Clock.step == S and torch.is_grad_enabled() else None)
@@ -361,6 +368,16 @@ def plant(name: str, S: int) -> None:
                 for g in self.optimizer.param_groups:
                     g["lr"] *= 3.0 if name == "lr_x3" else 2.0
         LambdaLR.step = sstep
+
+    if name == "ce_half":  # the CE sum halved from step S on, where a gradient flows (the step's and the probe's)
+        orig_losses = tr.token_losses
+
+        def token_losses(logits, labels):
+            out = orig_losses(logits, labels)
+            if Clock.step >= S and torch.is_grad_enabled():
+                out.loss_sum = out.loss_sum * 0.5
+            return out
+        tr.token_losses = token_losses
 
     if name == "n_all_positions":  # from step S on, the count the loss is divided by counts every position
         from bench.doctor_eval.step_patches import count_every_position

@@ -254,6 +254,17 @@ def test_a_clipped_step_within_the_clip_tolerance_passes_the_optimizer_check(tmp
         assert not rec["spec"].get("fail"), (rec["step"], rec["spec"]["fail"])
 
 
+def test_a_frozen_parameter_is_compared_as_a_gradient_of_zero(planted):
+    """The embedding frozen at step S: the reduce check names it (no gradient), and the gradient check, which runs
+    there too (spec.every=1), compares its probe gradient as 0 against the reference's: an erased gradient, at its
+    name — not a check that could not run."""
+    recs = planted["emb_frozen"]
+    if isinstance(recs, AssertionError):
+        raise recs
+    grad = [f for f in recs[S - 1]["spec"]["fail"] if f["check"] == "gradient"]
+    assert grad and (grad[0]["where"], grad[0]["kind"]) == ("tok_emb.weight", "mismatch"), grad
+
+
 def test_a_clip_coefficient_reported_and_not_applied_is_the_clips_fault(tmp_path):
     """At step S the clip's coefficient is the policy's (the clip check passes) but the gradients are left unscaled:
     the moments are their algebra for the gradient times 1/coef, one factor across the group — the clip's fault

@@ -18,7 +18,8 @@ only, after the step's read (spec/monitor.py calls classify):
   gates / dead_expert   (MoE) the output is a gate-weighted sum of the chosen experts' outputs with other
                gates (least squares per token on its k expert outputs), with one expert's weight zero: dead
   precision    the output is the reference rounded coarser than the recipe: relative error below 2^-3, the
-               unit roundoff of the coarsest format there is (FP8 E5M2), and the layer rerun at a perturbed
+               unit roundoff of the coarsest format there is (FP8 E5M2; the loss's CE and z sums each of itself,
+               their sizes being far apart), and the layer rerun at a perturbed
                point misses by a fresh draw (spec/rerun.py) — a rounding, not another function
   mismatch     anything else: the layer computes another function (a small miss that the rerun keeps too)
 """
@@ -85,6 +86,9 @@ class ForwardCheck(Check):
                                      or (rerun is not None and rerun.sees_ahead(extra["rel"]))):
             return "leak"
         kind = kind_of(got, want, tol, scalable="sums" not in extra)
+        if kind == "precision" and "sums" in extra and bool(((got - want).abs() / want.abs().clamp(min=1e-300)).max()
+                                                            >= ROUNDING_ONLY):
+            kind = "mismatch"  # CE and z are sums of different sizes: each is held to a rounding of itself
         if "moe" in extra and kind != "nonfinite":
             return moe_kind(got.reshape(-1, got.shape[-1]), extra["moe"], extra["rel"], self.ctx.model_cfg.moe) or kind
         if kind == "precision" and rerun is not None:  # a rounding, or another function close to the layer's?
