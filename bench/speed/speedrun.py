@@ -199,8 +199,8 @@ def main() -> None:
         c = cold_start(args.runs / "compiled")
         eager = [s["mean_ms"] for s in table["shape"].values()]
         line = (f"- nanoGPT's shape compiled (train.compile=true): cold start {c['cold_s']:.1f} s wall ({c['graphs']} "
-                f"graphs: the first step and the first telemetry step; an empty Inductor cache), then {c['cpu_ms']:.1f} ms/step CPU "
-                f"({c['wall_ms']:.1f} wall)")
+                f"graphs: the first step and the first telemetry step; an empty Inductor cache), then "
+                f"{c['cpu_ms']:.1f} ms/step CPU ({c['wall_ms']:.1f} wall)")
         if eager:
             saving = statistics.fmean(eager) - (c["cpu_ms"] if clock == "cpu" else c["wall_ms"])
             line += f" against {statistics.fmean(eager):.1f} eager"
