@@ -13,12 +13,10 @@ forward check's, every layer's output RMS; the gradient check's, every parameter
 dated within (the step it last held, the step it failed]: at the step whose change of the failing place's log
 series stands apart from the step-to-step changes of the 2·gap steps before it (a level shift is one such change;
 a smooth trend moves them all alike) — when it clears the prediction bound the false-alarm budget sets for as
-many candidate steps as the gap holds (doctor/budget.py), and the new level holds to the failing step (a fault the
-check finds there acts at every step from its onset: a swing that came back within the gap is the run's own). A
-check that failed beside it at the same step and held at a step of the gap bounds the onset after that step: a
-check fails only for a fault, so the fault had not begun there (the route check, every step, holding while the
-forward check's gates were not compared). Otherwise it stays at the step the check failed: the first step the
-records show it, as when its check runs every step, or ran at the step before on the guard's demand
+many candidate steps as the gap holds (doctor/budget.py). A check that failed beside it at the same step and held at
+a step of the gap bounds the onset after that step: it fails only for a fault, so the fault had not begun there
+(the route check, every step, holding while the forward check's gates had not yet been compared). Otherwise it stays at the step the check failed: the
+first step the records show it, as when its check runs every step, or ran at the step before on the guard's demand
 (spec/monitor.py on_demand).
 """
 from __future__ import annotations
@@ -95,10 +93,6 @@ def onset(seg: list[dict], i: int, f: dict) -> tuple[dict, int] | None:
     t, v = max(inside, key=lambda p: abs(p[1] - m))
     z = abs(v - m) / (sd * math.sqrt(1 + 1 / h)) if sd > 0 else math.inf
     if z <= t_isf(ALPHA / (2 * gap), h - 1) or t == hi:  # at the failing step itself: nothing to date
-        return None
-    # a fault the check finds at hi that began at t acts at every step from t to hi: the level must hold there (half the
-    # change at least, on its side); a swing that came back inside the gap is the run's own
-    if any(s in y and (y[s] - y[t - 1]) * math.copysign(1.0, v) < abs(v) / 2 for s in range(t, hi + 1)):
         return None
     return next(r for r in candidates if r["step"] == t), lo
 
