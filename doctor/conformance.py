@@ -13,11 +13,11 @@ forward check's, every layer's output RMS; the gradient check's, every parameter
 dated within (the step it last held, the step it failed]: at the step whose change of the failing place's log
 series stands apart from the step-to-step changes of the 2·gap steps before it (a level shift is one such change;
 a smooth trend moves them all alike) — when it clears the prediction bound the false-alarm budget sets for as
-many candidate steps as the gap holds (doctor/budget.py). A check that failed beside it at the same step and held at
-a step of the gap bounds the onset after that step: it fails only for a fault, so the fault had not begun there
-(the route check, every step, holding while the forward check's gates had not yet been compared). Otherwise it stays at the step the check failed: the
-first step the records show it, as when its check runs every step, or ran at the step before on the guard's demand
-(spec/monitor.py on_demand).
+many candidate steps as the gap holds (doctor/budget.py). A check that failed beside it at the same step and held
+at a step of the gap bounds the onset after that step: a check fails only for a fault, so the fault had not begun
+there (the route check, every step, holding while the forward check's gates were not compared). Otherwise it stays
+at the step the check failed: the first step the records show it, as when its check runs every step, or ran at the
+step before on the guard's demand (spec/monitor.py on_demand).
 """
 from __future__ import annotations
 

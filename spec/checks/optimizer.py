@@ -21,9 +21,9 @@ n·u32 per term's magnitude (×4: SAFETY), plus what the inputs' own roundings c
 gradient's into m and, doubled through g², into v; and, for Muon, the Newton–Schulz iteration's, amplified by
 at most a = 3.4445 per iteration). A moment (m, v, M) or step count off its algebra is the state's fault
 (optim.state), unless every moment of the group is exactly its algebra with another β, or for the gradient times
-another factor than the clip's (a setting: classify, spec/optimizer_fits.py); the
-moments right and the parameter wrong, a setting's (optim.settings: weight decay, eps, an update multiplier). The
-probe elements of all parameters are one vector: the algebra runs once per step.
+another factor than the clip's (a setting: classify, spec/optimizer_fits.py); the moments right and the parameter
+wrong, a setting's (optim.settings: weight decay, eps, an update multiplier). The probe elements of all parameters
+are one vector: the algebra runs once per step.
 """
 from __future__ import annotations
 
