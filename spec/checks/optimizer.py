@@ -64,9 +64,9 @@ class OptimizerCheck(Check):
              "precision": Kind("numerics.precision", "the named parameter or its optimizer state is kept coarser "
                                                      "than its dtype: its values on a coarser format's grid (a cast, "
                                                      "a low-precision copy or state)"),
-             "clip": Kind("optim.settings", "the gradient the optimizer was given is the backward's times another factor "
-                                            "than the clip policy's coefficient: a clip computed and not applied, "
-                                            "applied twice, or the gradient scaled after it"),
+             "clip": Kind("optim.settings", "the gradient the optimizer was given is the backward's times another "
+                                            "factor than the clip policy's coefficient: a clip computed and not "
+                                            "applied, applied twice, or the gradient scaled after it"),
              "rank": Kind("system.rank_divergence", "one rank's parameters or optimizer state left the algebra the "
                                                     "others followed: that rank's copy was changed", layer=SYSTEM)}
 
