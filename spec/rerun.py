@@ -65,9 +65,13 @@ class Rerun:
         """The layer's miss at a perturbed point: its input by ETA_INPUT, its matrices by ETA_WEIGHT."""
         w = {n: perturbed(p, ETA_WEIGHT, gen) if p.dim() >= 2 else p.detach()
              for n, p in self.module.named_parameters()}
-        x = perturbed(self.args[0], ETA_INPUT, gen)
-        want = self.reference(x.to(F64), {self.prefix + n: t.to(F64) for n, t in w.items()})
-        return self.output(x, w) - want
+        return self.miss(perturbed(self.args[0], ETA_INPUT, gen), w)
+
+    def miss(self, x: Tensor | None = None, w: dict[str, Tensor] | None = None) -> Tensor:
+        """The layer's output against the reference's, both on input x with weights w (default: the probe's own)."""
+        x = self.args[0] if x is None else x
+        w = w if w is not None else {n: p.detach() for n, p in self.module.named_parameters()}
+        return self.output(x, w) - self.reference(x.to(F64), {self.prefix + n: t.to(F64) for n, t in w.items()})
 
     def output(self, x: Tensor, w: dict[str, Tensor] | None = None) -> Tensor:
         """The layer's output (FP64) on input x, with its own weights or w, as the probe ran it; with fp64, in FP64

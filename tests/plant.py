@@ -59,6 +59,9 @@ FAULTS = {
     "router_z_x10": ("aux", "aux_loss", "balancing"),  # the router z-loss coefficient ×10 in the module, not the config
     "n_all_positions": ("loss_grad", "norm.weight", "scaled"),  # the step's token count counts the ignored labels too
     "ce_half": ("forward", "loss", "mismatch"),  # the CE sum halved: off by half of itself, though z (larger) is right
+    "label_smooth": ("forward", "loss", "mismatch"),  # CE with label smoothing 0.1: within 2^-3 of itself, smooth
+    "loss_bf16": ("forward", "loss", "precision"),  # the CE sum rounded to bf16: within 2^-3, a rounding
+    "loss_x105": ("forward", "loss", "mismatch"),  # the CE sum ×1.05 by the model's forward, outside the loss function
     "emb_frozen": ("reduce", "tok_emb.weight", "missing"),  # the embedding frozen (requires_grad off) from step S on
     "v_bf16": ("optimizer", None, "precision"),  # exp_avg_sq rounded to bf16 after the update: kept coarser
     "w_bf16": ("optimizer", "blocks.0.mlp.w_down.weight", "precision"),  # a weight rounded to bf16 after its update
@@ -378,6 +381,33 @@ def plant(name: str, S: int) -> None:
                 out.loss_sum = out.loss_sum * 0.5
             return out
         tr.token_losses = token_losses
+
+    if name in ("label_smooth", "loss_bf16"):  # the loss function itself, from step S on (the step's and the probe's)
+        orig_tl = tr.token_losses
+
+        def token_losses(logits, labels):
+            out = orig_tl(logits, labels)
+            if Clock.step < S:
+                return out
+            if name == "loss_bf16":
+                out.loss_sum = out.loss_sum.bfloat16().float()
+                return out
+            # (1 − ε)·CE + ε·(the mean over the vocabulary of lse − logit_v)
+            valid = labels != -100
+            uniform = torch.where(valid, logits.float().logsumexp(-1) - logits.float().mean(-1), 0.0).sum()
+            out.loss_sum = 0.9 * out.loss_sum + 0.1 * uniform
+            return out
+        tr.token_losses = token_losses
+
+    if name == "loss_x105":
+        orig_fwd = tr.Transformer.forward
+
+        def forward(self, *a, **k):
+            out = orig_fwd(self, *a, **k)
+            if Clock.step >= S and hasattr(out, "loss_sum"):
+                out.loss_sum = out.loss_sum * 1.05
+            return out
+        tr.Transformer.forward = forward
 
     if name == "n_all_positions":  # from step S on, the count the loss is divided by counts every position
         from bench.doctor_eval.step_patches import count_every_position

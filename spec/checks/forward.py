@@ -19,8 +19,8 @@ only, after the step's read (spec/monitor.py calls classify):
                gates (least squares per token on its k expert outputs), with one expert's weight zero: dead
   precision    the output is the reference rounded coarser than the recipe: relative error below 2^-3, the
                unit roundoff of the coarsest format there is (FP8 E5M2; the loss's CE and z sums each of itself,
-               their sizes being far apart), and the layer rerun at a perturbed
-               point misses by a fresh draw (spec/rerun.py) — a rounding, not another function
+               their sizes being far apart), and the layer rerun at a perturbed point misses by a fresh draw
+               (spec/rerun.py; the loss, which is no module, spec/loss_rerun.py) — a rounding, not another function
   mismatch     anything else: the layer computes another function (a small miss that the rerun keeps too)
 """
 from __future__ import annotations
@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from spec.check import AFTER, FORWARD, REFERENCE, Check, Kind, on_device
+from spec.loss_rerun import HeadLoss, loss_kind, per_position
 from spec.reference import F64, IGNORE, Reference, losses, rms_norm, rope_tables
 from spec.rerun import Rerun
 from spec.tolerance import LAMBDA, U32, matmul_dtype, stage, u
@@ -89,6 +90,8 @@ class ForwardCheck(Check):
         if kind == "precision" and "sums" in extra and bool(((got - want).abs() / want.abs().clamp(min=1e-300)).max()
                                                             >= ROUNDING_ONLY):
             kind = "mismatch"  # CE and z are sums of different sizes: each is held to a rounding of itself
+        if kind == "precision" and "sums" in extra and rerun is not None:  # a rounding, or another loss close to it?
+            return loss_kind(rerun, want, tol, extra["mag"])
         if "moe" in extra and kind != "nonfinite":
             return moe_kind(got.reshape(-1, got.shape[-1]), extra["moe"], extra["rel"], self.ctx.model_cfg.moe) or kind
         if kind == "precision" and rerun is not None:  # a rounding, or another function close to the layer's?
@@ -224,7 +227,9 @@ class ForwardCheck(Check):
         tol = self.head_tolerance(logits.shape[-1]) * mag + 1e-300
         err = torch.maximum((run.loss["ce"] - ce).abs(), (run.loss["z"] - z).abs() * mag / (2 * z).clamp(min=1e-300))
         got, want = torch.stack([run.loss["ce"], run.loss["z"]]), torch.stack([ce, z])
-        yield ("loss", err, tol, ce.abs(), (got, want, tol, {"sums": True}))
+        rerun = self.rerun(run, "norm", HeadLoss(self.ctx.model, run.labels), "",
+                           lambda x, w: per_position(with_w(w), x, run.labels))
+        yield ("loss", err, tol, ce.abs(), (got, want, tol, {"sums": True, "rerun": rerun, "mag": mag}))
 
     @staticmethod
     def block_composition(x_in, a_in, a_out, m_in, m_out, x_out, n1, n2, rel_norm: Tensor, reruns: list):
