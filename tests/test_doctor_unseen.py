@@ -27,9 +27,9 @@ SAMPLE = ["noise_half", "act_x4_attn", "adam_v_div16", "resume_lost_moments"]
 S = JOBS["drill"].transition[0]  # the drill job's fault step
 
 
-def plan(k: int, name: str | None, seed: int = 0) -> Plan:
-    """A short run of the tiny drill job: the fault at S, stopped 8 steps after it (the unit tests' budget)."""
-    return Plan(f"run{k:02d}" if name else f"clean_seed{seed}", "drill", seed, None, 1, name, S, "transition", S + 8)
+def plan(k: int, name: str | None, seed: int = 0, job: str = "drill") -> Plan:
+    """A short run of a tiny drill job: the fault at S, stopped 8 steps after it (the unit tests' budget)."""
+    return Plan(f"run{k:02d}" if name else f"clean_seed{seed}", job, seed, None, 1, name, S, "transition", S + 8)
 
 
 @pytest.fixture(scope="module")
@@ -75,13 +75,21 @@ def test_read_watch_catches_a_file_naming_the_fault(tmp_path):
 
 @pytest.mark.sweep
 def test_unseen_fault_set_and_clean_seeds(tmp_path):
-    """The whole set on the tiny drill job: all but 2 right in class, layer and step ±1; ten clean seeds: no false
-    fault (a natural incident of a clean run is listed, judged natural, and leaves the headline healthy)."""
+    """The whole set on the four-layer drill job (some patches reach blocks 2 and 3): all but 2 right in class, layer
+    and step ±1; ten clean seeds: no false fault (a natural incident of a clean run is listed, judged natural, and
+    leaves the headline healthy)."""
     from concurrent.futures import ThreadPoolExecutor
-    plans = [plan(k, f.name) for k, f in enumerate(FAULTS)] + [plan(0, None, seed=s) for s in range(10)]
+    plans = ([plan(k, f.name, job="drill_deep") for k, f in enumerate(FAULTS)]
+             + [plan(0, None, seed=s, job="drill_deep") for s in range(10)])
+    # NOTE: a run of several processes, or one whose fault is its time, trains alone: a neighbour's load on the
+    # two cores is what a step time's detector is there to see
+    alone = {p.name for f, p in zip(FAULTS, plans) if f.nproc > 1 or f.family == "system"}
     with ThreadPoolExecutor(2) as pool:
-        list(pool.map(lambda p: train(p, tmp_path), plans))
-    rows = [score_fault(f, diagnose(tmp_path / plan(k, f.name).name, f.name), S) for k, f in enumerate(FAULTS)]
+        list(pool.map(lambda p: train(p, tmp_path), [p for p in plans if p.name not in alone]))
+    for p in plans:
+        if p.name in alone:
+            train(p, tmp_path)
+    rows = [score_fault(f, diagnose(tmp_path / p.name, f.name), S) for f, p in zip(FAULTS, plans)]
     assert sum(r["ok"] for r in rows) >= len(rows) - 2, [r for r in rows if not r["ok"]]
     # NOTE: scored on the headline: a natural incident (the guard may have fired on it) is judged natural and
     # leaves the run healthy; any other headline on a clean run is a false fault

@@ -276,7 +276,7 @@ def main(argv=None) -> int:
     ap.add_argument("--draw-seed", type=int, default=0, help="the seed of the fault steps' draw")
     ap.add_argument("--seeds", nargs="*", type=int, default=list(range(10)), help="the default job's clean seeds")
     ap.add_argument("--clean-jobs", nargs="*", default=["default", "dense_tiny", "moe_tiny", "shakespeare_char"],
-                    choices=sorted(set(JOBS) - {"drill"}))
+                    choices=sorted(set(JOBS) - {"drill", "drill_deep"}))
     ap.add_argument("--lengths", nargs="*", type=int, default=[120, 150, 400, 1000], help="dense_tiny's lengths")
     ap.add_argument("--long", action="store_true", help="also the default job at 1000 steps")
     ap.add_argument("--prefixes", nargs="*", type=int, default=[120, 200],
