@@ -10,10 +10,10 @@ one incident, at its onset.
 A check that runs on reference steps only (the FP64 reference's: every spec.every steps) finds a fault up to
 spec.every − 1 steps after it began. Where the check declares a per-step series of its places (its "series": the
 forward check's, every layer's output RMS; the gradient check's, every parameter's gradient norm), the failure is
-dated within (the step it last held, the step it failed]: at the step whose change of the failing place's log
-series stands apart from the step-to-step changes of the 2·gap steps before it (a level shift is one such change;
-a smooth trend moves them all alike) — when it clears the prediction bound the false-alarm budget sets for as
-many candidate steps as the gap holds (doctor/budget.py). A check that failed beside it at the same step and held
+dated within (the step it last held, the step it failed]: at the step from which the failing place's log series
+stands off its course by a step that lasts to the failure (a parabola fitted with the step over the 2·gap steps
+before the gap and the gap's own: a smooth trend is the parabola, `level_shift`) — when it clears the prediction bound the false-alarm budget sets for as many candidate steps
+as the gap holds (doctor/budget.py). A check that failed beside it at the same step and held
 at a step of the gap bounds the onset after that step: a check fails only for a fault, so the fault had not begun
 there (the route check, every step, holding while the forward check's gates were not compared). Otherwise it stays
 at the step the check failed: the first step the records show it, as when its check runs every step, or ran at the
@@ -74,27 +74,51 @@ def onset(seg: list[dict], i: int, f: dict) -> tuple[dict, int] | None:
     gap = len(candidates)
     if gap <= 1:
         return None
-    # the place's log series over 2·gap steps before the candidates and the candidates, step to step; a series may be
-    # a number of the record itself (the step's aux_loss); a positive value that became exactly 0 changed without bound
+    # the place's log series over 2·gap steps before the candidates and the candidates; a series may be a number of
+    # the record itself (the step's aux_loss)
     window = seg[max(0, clean - 2 * gap):i + 1]
     y = {r["step"]: _value(r, series, where) for r in window}
     y = {t: math.log(v) if v > 0 else -math.inf for t, v in y.items()
          if isinstance(v, (int, float)) and math.isfinite(v) and v >= 0}
-    d = {t: y[t] - y[t - 1] for t in y if t - 1 in y and math.isfinite(y[t - 1])}
     first = seg[clean]["step"]
-    before = np.array([v for t, v in d.items() if t <= first and math.isfinite(v)])
-    inside = [(t, v) for t, v in d.items() if first < t <= hi]
-    if len(before) < 3 or not inside:  # a mean, a spread and a residual
+    # a positive value that became exactly 0 changed without bound: dated there
+    zero = next((t for t in sorted(y) if first < t <= hi and y[t] == -math.inf and math.isfinite(y.get(t - 1, -math.inf))),
+                None)
+    if zero is not None:
+        return (next(r for r in candidates if r["step"] == zero), lo) if zero != hi else None
+    shift = level_shift({t: v for t, v in y.items() if t <= first and math.isfinite(v)},
+                        {t: v for t, v in y.items() if first < t <= hi and math.isfinite(v)}, gap)
+    if shift is None or shift == hi:  # at the failing step itself: nothing to date
         return None
-    # a level shift at s is one step-to-step change apart from the others (a smooth trend moves them all alike):
-    # the largest change in the gap against a prediction interval from the changes before it, Bonferroni over the
-    # gap's candidate steps, two-sided, at the run's budget
-    m, sd, h = before.mean(), before.std(ddof=1), len(before)
-    t, v = max(inside, key=lambda p: abs(p[1] - m))
-    z = abs(v - m) / (sd * math.sqrt(1 + 1 / h)) if sd > 0 else math.inf
-    if z <= t_isf(ALPHA / (2 * gap), h - 1) or t == hi:  # at the failing step itself: nothing to date
+    return next(r for r in candidates if r["step"] == shift), lo
+
+
+def level_shift(before: dict[int, float], inside: dict[int, float], gap: int) -> int | None:
+    """The step s of the gap from which the series stands off its course by a step, when it does beyond the budget's
+    bound; None otherwise.
+
+    The model, over the window (the steps before the gap and the gap's): y_t = a + b·t + c·t² + δ·[t ≥ s] + ε, ε
+    independent with one spread. The smooth course is a parabola, fitted with the shift: a trend and its bending (the
+    warm-up's fast rise levelling off) are not a shift, and every step from s to the failure counts, not one
+    step-to-step change. For each candidate s, least squares; the change point is the s of the least residual sum;
+    it is dated when its δ's t statistic clears t(α/(2·gap), n − 4): two-sided, Bonferroni over the gap's
+    candidates, at the run's false-alarm budget (doctor/budget.py)."""
+    if len(before) < 4 or not inside:  # the course and a spread from the steps before the gap
         return None
-    return next(r for r in candidates if r["step"] == t), lo
+    t = np.array([*before, *inside], dtype=float)
+    y = np.array([*before.values(), *inside.values()])
+    n, u = len(t), (t - t.mean()) / max(t.std(), 1.0)
+    best = None
+    for s in sorted(inside):
+        X = np.stack([np.ones(n), u, u * u, (t >= s).astype(float)], axis=1)
+        coef, *_ = np.linalg.lstsq(X, y, rcond=None)
+        rss = float(((y - X @ coef) ** 2).sum())
+        if best is None or rss < best[1]:
+            best = (s, rss, coef[3], X)
+    s, rss, delta, X = best
+    var = rss / (n - 4) * np.linalg.pinv(X.T @ X)[3, 3]
+    z = abs(delta) / math.sqrt(var) if var > 0 else (math.inf if delta != 0 else 0.0)
+    return s if z > t_isf(ALPHA / (2 * gap), n - 4) else None
 
 
 def _value(rec: dict, series: str, where: str):
