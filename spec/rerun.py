@@ -91,6 +91,7 @@ class Rerun:
         finally:
             if probe is not None:
                 self.module.probe_logits = probe
+        y = y[0] if isinstance(y, tuple) else y  # an MoE layer's MoEOutput: its y
         return y.detach().to(F64)
 
     def sees_ahead(self, rel_tol: Tensor) -> bool:

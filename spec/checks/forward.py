@@ -20,7 +20,8 @@ only, after the step's read (spec/monitor.py calls classify):
   precision    the output is the reference rounded coarser than the recipe: relative error below 2^-3, the
                unit roundoff of the coarsest format there is (FP8 E5M2; the loss's CE and z sums each of itself,
                their sizes being far apart), and the layer rerun at a perturbed point misses by a fresh draw
-               (spec/rerun.py; the loss, which is no module, spec/loss_rerun.py) — a rounding, not another function
+               (spec/rerun.py; the loss, which is no module, spec/loss_rerun.py; an MoE layer with its tokens'
+               experts kept) — a rounding, not another function
   mismatch     anything else: the layer computes another function (a small miss that the rerun keeps too)
 """
 from __future__ import annotations
@@ -93,7 +94,9 @@ class ForwardCheck(Check):
         if kind == "precision" and "sums" in extra and rerun is not None:  # a rounding, or another loss close to it?
             return loss_kind(rerun, want, tol, extra["mag"])
         if "moe" in extra and kind != "nonfinite":
-            return moe_kind(got.reshape(-1, got.shape[-1]), extra["moe"], extra["rel"], self.ctx.model_cfg.moe) or kind
+            moe = moe_kind(got.reshape(-1, got.shape[-1]), extra["moe"], extra["rel"], self.ctx.model_cfg.moe)
+            if moe is not None:
+                return moe
         if kind == "precision" and rerun is not None:  # a rounding, or another function close to the layer's?
             return rerun.kind(got - want)
         return kind
@@ -196,7 +199,13 @@ class ForwardCheck(Check):
                     B, T, D = m_in.shape
                     parts = ref.moe(i, through(m_in, n2).reshape(B * T, D), run.ids.get(i), valid)
                     mlp, aux = parts.y.reshape(B, T, D), aux + parts.aux
-                    yield (f"block{i}.mlp", *self.compare(m_out, mlp, tol["mlp"], moe=parts, rel=tol["mlp"]))
+                    rerun = self.rerun(run, f"block{i}.mlp", blocks[i].mlp, pre + "mlp.",
+                                       lambda x, w, i=i: with_w(w).moe(i, x.reshape(-1, x.shape[-1]), run.ids.get(i),
+                                                                       valid).y.reshape(x.shape))
+                    if rerun is not None:  # the experts the probe's tokens went to, kept: a perturbed input re-routes
+                        rerun.args = (rerun.args[0], run.ids.get(i), *rerun.args[2:])
+                    yield (f"block{i}.mlp", *self.compare(m_out, mlp, tol["mlp"], moe=parts, rel=tol["mlp"],
+                                                          rerun=rerun))
                 else:
                     mlp = ref.dense_mlp(i, through(m_in, n2))
                     rerun = self.rerun(run, f"block{i}.mlp", blocks[i].mlp, pre + "mlp.",
