@@ -38,6 +38,7 @@ FAULTS = {
     "attn_temp_small": ("exact", "block1.attn", "mismatch"),  # the scores ×1.001: within it too
     "adam_l2": ("optimizer", None, "update"),  # the decay added to the gradient (Adam's L2), not decoupled
     "expert_dead": ("forward", "block1.mlp", "dead_expert"),
+    "rope_rebuilt": ("tables", "rope_sin", "mismatch"),  # the RoPE tables rebuilt with θ ×1.01 inside the forward
     "expert_clamp_tight": ("forward", "block1.mlp", "mismatch"),  # the experts' SwiGLU clamp at 0.3, the config's 10
     "expert_out_bf16": ("forward", "block1.mlp", "precision"),  # the experts' outputs rounded to bf16
     "grad_hook": ("gradient", "blocks.0.attn.qkv.weight", "scaled"),
@@ -189,6 +190,15 @@ def plant(name: str, S: int) -> None:
             self.blocks[0].mlp.register_forward_hook(lambda m, a_, out: out.bfloat16().float() if at() else None)
         if name == "logits_bf16":
             self.head.register_forward_hook(lambda m, a_, out: out.bfloat16().float() if at() else None)
+        if name == "rope_rebuilt":
+            from model.rope import rope_tables
+            cos, sin = rope_tables(self.rope_cos.shape[0], self.cfg.head_dim, self.cfg.rope_theta * 1.01)
+
+            def rebuild(m, a_):
+                if at():
+                    m.rope_cos.copy_(cos)
+                    m.rope_sin.copy_(sin)
+            self.register_forward_pre_hook(rebuild)
         if name == "expert_clamp_tight":
             experts, limit = self.blocks[1].mlp.experts, self.blocks[1].mlp.experts.limit
             experts.register_forward_pre_hook(lambda m, a_: setattr(m, "limit", 0.3 if at() else limit))
