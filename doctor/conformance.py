@@ -12,12 +12,12 @@ spec.every − 1 steps after it began. Where the check declares a per-step serie
 forward check's, every layer's output RMS; the gradient check's, every parameter's gradient norm), the failure is
 dated within (the step it last held, the step it failed]: at the step from which the failing place's log series
 stands off its course by a step that lasts to the failure (a parabola fitted with the step over the 2·gap steps
-before the gap and the gap's own: a smooth trend is the parabola, `level_shift`) — when it clears the prediction bound the false-alarm budget sets for as many candidate steps
-as the gap holds (doctor/budget.py). A check that failed beside it at the same step and held
-at a step of the gap bounds the onset after that step: a check fails only for a fault, so the fault had not begun
-there (the route check, every step, holding while the forward check's gates were not compared). Otherwise it stays
-at the step the check failed: the first step the records show it, as when its check runs every step, or ran at the
-step before on the guard's demand (spec/monitor.py on_demand).
+before the gap and the gap's own: a smooth trend is the parabola, `level_shift`) — when it clears the prediction
+bound the false-alarm budget sets for as many candidate steps as the gap holds (doctor/budget.py). A check that
+failed beside it at the same step and held at a step of the gap bounds the onset after that step: a check fails
+only for a fault, so the fault had not begun there (the route check, every step, holding while the forward check's
+gates were not compared). Otherwise it stays at the step the check failed: the first step the records show it, as
+when its check runs every step, or ran at the step before on the guard's demand (spec/monitor.py on_demand).
 """
 from __future__ import annotations
 
@@ -82,8 +82,8 @@ def onset(seg: list[dict], i: int, f: dict) -> tuple[dict, int] | None:
          if isinstance(v, (int, float)) and math.isfinite(v) and v >= 0}
     first = seg[clean]["step"]
     # a positive value that became exactly 0 changed without bound: dated there
-    zero = next((t for t in sorted(y) if first < t <= hi and y[t] == -math.inf and math.isfinite(y.get(t - 1, -math.inf))),
-                None)
+    zero = next((t for t in sorted(y)
+                 if first < t <= hi and y[t] == -math.inf and math.isfinite(y.get(t - 1, -math.inf))), None)
     if zero is not None:
         return (next(r for r in candidates if r["step"] == zero), lo) if zero != hi else None
     shift = level_shift({t: v for t, v in y.items() if t <= first and math.isfinite(v)},

@@ -4,8 +4,8 @@ The rotary tables are buffers of the model (model/transformer.py), built once fr
 size and never trained, not saved (persistent=False: the continuity check's state leaves them out) and read by
 every attention. A table rewritten or built from another θ rotates every query and key by other angles: each
 attention computes another function from that step on, which the forward check sees only on its next reference
-step and the layers' output RMS barely shows. So every step, after the forward (a write made inside it is seen at
-its step), each table is held to the definition in FP64 (spec/reference.py rope_tables): one rounding of a
+step and the layers' output RMS barely shows. So every step, after the forward (a write made inside it is seen
+at its step), each table is held to the definition in FP64 (spec/reference.py rope_tables): one rounding of a
 value in [−1, 1] to the buffer's format, u·|v| ≤ u, plus FP64's error in the angle t·θ^(−2i/d) (≤ λ·u64·t at
 position t, a cosine moving by no more than its angle).
 """
