@@ -27,7 +27,9 @@ class HeadLoss(nn.Module):
         super().__init__()
         self.norm, self.head = model.norm, model.head
         self.labels = labels
-        self.home = sys.modules[type(model).__module__]  # where Transformer.forward finds token_losses
+        # where the model's forward finds token_losses: the module of its class, or of the first base that has one
+        self.home = next((sys.modules[c.__module__] for c in type(model).__mro__
+                          if hasattr(sys.modules.get(c.__module__), "token_losses")), None)
 
     def forward(self, x: Tensor) -> Tensor:
         logits = rearrange(self.head(self.norm(x)), "b t v -> (b t) 1 v")
@@ -51,7 +53,8 @@ def loss_kind(rerun, want: Tensor, tol: Tensor, mag: Tensor) -> str:
     "precision" when its miss is a rounding (spec/rerun.py Rerun.kind)."""
     try:
         e0 = rerun.miss()
-    except (RuntimeError, TypeError, ValueError):  # a loss function that runs only inside the model's forward
+    except (AttributeError, RuntimeError, TypeError, ValueError):  # no token_losses there, or one that runs only
+        # inside the model's forward
         return "precision"
     ce, z = e0.sum(0)
     again = torch.maximum(ce.abs(), z.abs() * mag / (2 * want[1]).clamp(min=1e-300))
