@@ -17,7 +17,7 @@ import torch
 from einops import rearrange
 from torch import Tensor, nn
 
-from spec.reference import IGNORE, Reference
+from spec.reference import Reference, token_terms
 
 
 class HeadLoss(nn.Module):
@@ -40,11 +40,13 @@ class HeadLoss(nn.Module):
 
 def per_position(ref: Reference, x: Tensor, labels: Tensor) -> Tensor:
     """The reference's (P, 2): each position's CE and lse² from the final norm's input x (1, P, D), 0 where ignored."""
-    logits = ref.head(x)[0]
-    lse = torch.logsumexp(logits, -1)
-    at = logits.gather(-1, labels[0].clamp(min=0)[:, None])[:, 0]
-    valid = labels[0] != IGNORE
-    return torch.stack([torch.where(valid, lse - at, 0.0), torch.where(valid, lse.square(), 0.0)], -1)
+    return torch.stack(token_terms(ref.head(x)[0], labels[0]), -1)
+
+
+def loss_miss(d_ce: Tensor, d_z: Tensor, z: Tensor, mag: Tensor) -> Tensor:
+    """The loss row's miss from its CE and z errors: the z error in the CE's units (δ(lse²) = 2·lse·δlse, so
+    δz·mag/(2z) is a δlse summed as the CE's terms are), whichever is the larger."""
+    return torch.maximum(d_ce.abs(), d_z.abs() * mag / (2 * z).clamp(min=1e-300))
 
 
 def loss_kind(rerun, want: Tensor, tol: Tensor, mag: Tensor) -> str:
@@ -56,9 +58,6 @@ def loss_kind(rerun, want: Tensor, tol: Tensor, mag: Tensor) -> str:
     except (AttributeError, RuntimeError, TypeError, ValueError):  # no token_losses there, or one that runs only
         # inside the model's forward
         return "precision"
-    ce, z = e0.sum(0)
-    again = torch.maximum(ce.abs(), z.abs() * mag / (2 * want[1]).clamp(min=1e-300))
-    if not bool(again > tol):
+    if not bool(loss_miss(*e0.sum(0), want[1], mag) > tol):
         return "mismatch"
     return rerun.kind(e0)
-

@@ -197,12 +197,18 @@ class Reference:
         return {"ce": ce, "z": z, "aux": aux, "n": valid.sum(), "blocks": outs, "moe": moes}
 
 
-def losses(logits_BTV: Tensor, labels_BT: Tensor) -> tuple[Tensor, Tensor]:
-    """(Σ cross-entropy, Σ lse²) over the valid labels."""
+def token_terms(logits_BTV: Tensor, labels_BT: Tensor) -> tuple[Tensor, Tensor]:
+    """Each position's (cross-entropy, lse²), 0 where its label is ignored."""
     valid = labels_BT != IGNORE
     lse = torch.logsumexp(logits_BTV, -1)
     at = logits_BTV.gather(-1, labels_BT.clamp(min=0)[..., None])[..., 0]
-    return torch.where(valid, lse - at, 0.0).sum(), torch.where(valid, lse.square(), 0.0).sum()
+    return torch.where(valid, lse - at, 0.0), torch.where(valid, lse.square(), 0.0)
+
+
+def losses(logits_BTV: Tensor, labels_BT: Tensor) -> tuple[Tensor, Tensor]:
+    """(Σ cross-entropy, Σ lse²) over the valid labels."""
+    ce, z = token_terms(logits_BTV, labels_BT)
+    return ce.sum(), z.sum()
 
 
 def weights_f64(model: torch.nn.Module, requires_grad: bool = False) -> dict[str, Tensor]:

@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from spec.check import AFTER, FORWARD, REFERENCE, Check, Kind, on_device
-from spec.loss_rerun import HeadLoss, loss_kind, per_position
+from spec.loss_rerun import HeadLoss, loss_kind, loss_miss, per_position
 from spec.reference import F64, IGNORE, Reference, losses, rms_norm, rope_tables
 from spec.rerun import Rerun
 from spec.tolerance import LAMBDA, U32, matmul_dtype, stage, u
@@ -234,7 +234,7 @@ class ForwardCheck(Check):
         at = logits.gather(-1, run.labels.clamp(min=0)[..., None])[..., 0]
         mag = torch.where(run.labels != IGNORE, lse.abs() + at.abs(), 0.0).sum()  # the CE sum's terms, unsigned
         tol = self.head_tolerance(logits.shape[-1]) * mag + 1e-300
-        err = torch.maximum((run.loss["ce"] - ce).abs(), (run.loss["z"] - z).abs() * mag / (2 * z).clamp(min=1e-300))
+        err = loss_miss(run.loss["ce"] - ce, run.loss["z"] - z, z, mag)
         got, want = torch.stack([run.loss["ce"], run.loss["z"]]), torch.stack([ce, z])
         rerun = self.rerun(run, "norm", HeadLoss(self.ctx.model, run.labels), "",
                            lambda x, w: per_position(with_w(w), x, run.labels))
