@@ -37,18 +37,28 @@ def spec_incidents(run: Run) -> list[Diagnosis]:
     """Every onset of a failed specification check, in execution order (segment, step)."""
     out: list[Diagnosis] = []
     for k, seg in enumerate(run.segments):
-        last: tuple | None = None
+        last: dict | None = None
         for i, rec in enumerate(seg):
             fails = (rec.get("spec") or {}).get("fail") or []
             if not fails:
                 last = None
                 continue
             f = fails[0]
-            key = (f["check"], f.get("where"), f.get("kind"))
-            if key != last:
+            if last is None or not same_incident(last, f):
                 out.append(incident(rec, f, k, len(fails), onset(seg, i, f)))
-            last = key
+            last = f
     return out
+
+
+def same_incident(a: dict, b: dict) -> bool:
+    """Whether failure b, the step after failure a, goes on with a's incident: the same check failing the same way at
+    the same place, or a check of its family at that place (spec/checks/prefix.py checks the forward check's layers
+    on the steps between: how the layer missed is the forward check's to class, on its own steps)."""
+    if a.get("where") != b.get("where"):
+        return False
+    if a["check"] == b["check"]:
+        return a.get("kind") == b.get("kind")
+    return (a.get("family") or a["check"]) == (b.get("family") or b["check"])
 
 
 def onset(seg: list[dict], i: int, f: dict) -> tuple[dict, int] | None:
@@ -66,7 +76,8 @@ def onset(seg: list[dict], i: int, f: dict) -> tuple[dict, int] | None:
     lo, hi = seg[held]["step"], seg[i]["step"]
     # the checks that failed beside it at its step and ran within the gap: where one of them held, the fault had not
     # begun yet (a check is exact: it fails only for a fault), so the onset is after the last such step
-    beside = {g["check"] for g in (seg[i].get("spec") or {}).get("fail") or []} - {check}
+    # so do the checks of its family that check its places on the steps it does not run (`between`)
+    beside = ({g["check"] for g in (seg[i].get("spec") or {}).get("fail") or []} | set(f.get("between") or [])) - {check}
     clean = next((j for j in range(i - 1, held, -1)
                   if any(isinstance(m, (int, float)) and m <= 1
                          for m in (((seg[j].get("spec") or {}).get("miss") or {}).get(c) for c in beside))), held)

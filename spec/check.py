@@ -195,6 +195,9 @@ class Check:
     # began: the record's per-step series (StepRecord.spec.<name>, by place) whose jump at the failing place dates
     # it within that gap (doctor/conformance.py); None: the failure is dated at its step
     onset_series: ClassVar[str | None] = None
+    # the check whose places this one checks on the other steps (spec/checks/prefix.py: the forward check's layers
+    # between its reference steps): the doctor reads a failure of either at a place as one incident
+    family: ClassVar[str | None] = None
 
     def __init_subclass__(cls, **kw) -> None:
         super().__init_subclass__(**kw)

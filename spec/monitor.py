@@ -225,7 +225,8 @@ class Conformance(Callback):
             k = c.kinds[kname]
             fails.append({"check": c.name, "kind": kname, "class": k.cls, "layer": TIMELINE[k.layer or c.layer],
                           "where": c.where[int(where)] if int(where) < len(c.where) else None, "rank": rank,
-                          "err": err, "tol": tol, "miss": miss, "fix": k.fix, "series": c.onset_series})
+                          "err": err, "tol": tol, "miss": miss, "fix": k.fix, "series": c.onset_series,
+                          **self._family(c)})
         # in the registry's order across both reads: the first failure listed is the one that broke first
         s.spec["fail"] = sorted(s.spec.get("fail", []) + fails, key=lambda f: self.rank[f["check"]])
         if phase == AFTER:  # the step's outcome is on the host now: the checks that count updates go on from it
@@ -237,6 +238,12 @@ class Conformance(Callback):
                 if f"spec/{k}" in host:
                     s.spec[k] = dict(zip(names, host[f"spec/{k}"]))
         return fails
+
+    def _family(self, c) -> dict:
+        """A failure's family fields: `family`, the check whose places it checks on other steps; `between`, the checks
+        that check its places on the steps it does not run (doctor/conformance.py reads both)."""
+        between = [d.name for d in self.checks if d.family == c.name]
+        return {**({"family": c.family} if c.family else {}), **({"between": between} if between else {})}
 
     def rolled_back(self, cursor: int) -> None:
         """The guard restored an earlier state (its snapshot brought the checks' state back with it) and put the

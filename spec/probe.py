@@ -67,16 +67,21 @@ class ProbeRun:
 PROBE_TOKENS = 32
 
 
+def kept_layers(model) -> dict[str, torch.nn.Module]:
+    """The modules whose input and output a probe run keeps, by the forward check's names."""
+    kept = {"emb": model.tok_emb, "norm": model.norm}
+    for i, block in enumerate(model.blocks):
+        kept.update({f"block{i}": block, f"block{i}.attn": block.attn, f"block{i}.mlp": block.mlp})
+    return kept
+
+
 def run_probe(model, micro, routes, z_coef: float, autocast, loss_scale: float | None, want_grads: bool) -> ProbeRun:
     """The training path on the first PROBE_TOKENS positions of row 0 of micro-batch 0 (causal: a prefix is a
     sequence of its own), with its layers' inputs and outputs kept."""
     mb = micro[0]
     tokens, labels = mb.tokens[:1, :PROBE_TOKENS], mb.labels[:1, :PROBE_TOKENS]
     taken = Taken()
-    kept = {"emb": model.tok_emb, "norm": model.norm}
-    for i, block in enumerate(model.blocks):
-        kept.update({f"block{i}": block, f"block{i}.attn": block.attn, f"block{i}.mlp": block.mlp})
-    hooks = [m.register_forward_hook(taken.hook(key), with_kwargs=True) for key, m in kept.items()]
+    hooks = [m.register_forward_hook(taken.hook(key), with_kwargs=True) for key, m in kept_layers(model).items()]
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     probe_routes = None if routes is None else {l: r[:1, :PROBE_TOKENS] for l, r in routes[0].items()}
     try:

@@ -88,6 +88,7 @@ BETWEEN = {"route_flip": FAULTS["route_flip"], "mlp_bf16": ("precision", "block0
            "logits_bf16": ("precision", "head", "coarse")}
 # from STEP on, for a check that runs every few steps: tests/test_spec.py dates it
 SUSTAINED = {"attn_x3_on": ("forward", "block1.attn", "scaled"),
+             "attn_bf16_on": ("forward", "block1.attn", "precision"),  # q, k, v in bf16: the output RMS as it was
              "grad_hook_on": ("gradient", "blocks.0.attn.qkv.weight", "scaled")}
 
 
@@ -157,12 +158,13 @@ def plant(name: str, S: int) -> None:
                     return out * float("nan")
                 return None
             self.blocks[0].mlp.register_forward_hook(nan)
-        if name in ("attn_bf16", "attn_temp", "attn_qk_fp16", "attn_temp_small"):  # block1's q, k, v, then changed
+        if name in ("attn_bf16", "attn_bf16_on", "attn_temp", "attn_qk_fp16", "attn_temp_small"):  # block1's q, k, v
             attn, qk = self.blocks[1].attn, self.blocks[1].attn.qk
+            on = (lambda: torch.is_grad_enabled() and Clock.step >= S) if name.endswith("_on") else at
 
             def changed(*a, **k):
                 q, k_, v = qk(*a, **k)
-                if not at():
+                if not on():
                     return q, k_, v
                 if name in ("attn_temp", "attn_temp_small"):
                     return q * (1.1 if name == "attn_temp" else 1.001), k_, v

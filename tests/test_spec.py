@@ -103,19 +103,30 @@ def test_a_step_that_fails_an_every_step_check_gets_its_reference_checks(tmp_pat
 
 
 @pytest.mark.parametrize("fault", list(SUSTAINED))
-def test_a_fault_between_reference_steps_is_dated_at_its_onset(tmp_path, fault):
-    """The forward and gradient checks run on reference steps only (spec.every=5: steps 1, 5, 10, 15): a fault from
-    step 13 on fails its check at 15, and the doctor dates it at 13, where the place's every-step series shifted (a
-    layer's output RMS, a parameter's gradient norm; the check held at 10)."""
+def test_a_fault_between_reference_steps_is_found_or_dated_at_its_onset(tmp_path, fault):
+    """The forward and gradient checks run on reference steps only (spec.every=5: steps 1, 5, 10, 15); a fault from
+    step 13 on. A layer's fault fails the prefix check at 13 (the forward's layers on the step's own first positions,
+    every step between), whether or not it moves the layer's output RMS (q, k and v rounded to bf16 do not), and the
+    reference checks run there on demand: the forward check names and classes it at 13, the prefix check carries it
+    at 14 and 16, and the doctor reads one incident, from 13. A gradient's fault fails the gradient check at 15, and
+    the doctor dates it at 13, where the parameter's gradient norm shifted (the check held at 10)."""
     base = [o for o in PLANTED if not o.startswith(("spec.every=", "train.steps="))]
     recs = plant(tmp_path, fault, base=[*base, "spec.every=5", "train.steps=16"], step=13)
     failed = {r["step"]: first_failure(r) for r in recs if first_failure(r)}
     check, where, kind = SUSTAINED[fault]
-    assert list(failed) == [15]
-    assert (failed[15]["check"], failed[15]["where"], failed[15]["kind"]) == (check, where, kind)
+    if check == "forward":
+        assert [(t, f["check"], f["where"]) for t, f in failed.items()] == \
+            [(13, "forward", where), (14, "prefix", where), (15, "forward", where), (16, "prefix", where)], failed
+        assert "prefix" in {f["check"] for f in recs[12]["spec"]["fail"]} and recs[11]["spec"]["miss"]["prefix"] <= 1
+    else:
+        assert list(failed) == [15]
+    found = min(failed)
+    assert (failed[found]["check"], failed[found]["where"], failed[found]["kind"]) == (check, where, kind)
     from doctor.rules import diagnose
     _, diag, _ = diagnose(tmp_path / fault)
-    assert (diag.fault_class, diag.step, diag.model_layer) == (failed[15]["class"], 13, where), diag.summary
+    assert (diag.fault_class, diag.step, diag.model_layer) == (failed[found]["class"], 13, where), diag.summary
+    spec = [d for d in diag.incidents if d.judgement and d.judgement.evidence.get("check") in ("forward", "prefix", check)]
+    assert len(spec) == 1, [d.summary for d in spec]
 
 
 @pytest.mark.parametrize("fault", SINGLE)
@@ -225,22 +236,27 @@ CLEAN = {  # configuration -> overrides: every step of a short run passes every 
 SLOW_CLEAN = {"bf16", "fp8_block", "zscore_clip", "qk_clip"}
 
 
+# reference steps 1, 2 and 4; step 3 between them, where the prefix check runs
+EVERY_OTHER = [*(o for o in PLANTED if not o.startswith("spec.every=")), "spec.every=2"]
+
+
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_CLEAN else n for n in CLEAN])
 def test_clean_steps_pass_every_check(tmp_path, name):
-    recs = plant(tmp_path, "none", *CLEAN[name])
+    recs = plant(tmp_path, "none", *CLEAN[name], base=EVERY_OTHER)
     assert len(recs) == S + 1
     for rec in recs:
         assert rec["spec"]["miss"] and not rec["spec"].get("fail"), (name, rec["step"], rec["spec"].get("fail"))
     ran = set().union(*(r["spec"]["miss"] for r in recs))
     assert {"continuity", "data", "forward", "gradient", "clip", "lr", "optimizer"} <= ran
+    assert [r["step"] for r in recs if "prefix" in r["spec"]["miss"]] == [S], name
     # every check's host time, the monitor's beside them, adds up to the step's time_s.spec
     for rec in recs:
         took = {k[len("spec."):]: v for k, v in rec["time_s"].items() if k.startswith("spec.")}
         assert set(rec["spec"]["miss"]) | {"monitor"} <= set(took) and min(took.values()) >= 0, (name, rec["step"])
         assert sum(took.values()) == pytest.approx(rec["time_s"]["spec"], rel=1e-9), (name, rec["step"])
-    # the overhead bench's per-check table (spec.every=1: every step is a reference step, none is another)
+    # the overhead bench's per-check table: the prefix check on the step between, the forward check on the others
     table = {row[0]: row[1:] for row in by_check(recs)}
-    assert table["forward"][1] > 0 and table["data"][2] > 0 and math.isnan(table["data"][0]), table
+    assert table["forward"][1] > 0 and table["prefix"][0] > table["prefix"][1], table
 
 
 def test_a_clipped_step_within_the_clip_tolerance_passes_the_optimizer_check(tmp_path):
@@ -312,9 +328,10 @@ def test_muons_oracle_checks_one_blocks_matrices_a_reference_step_in_turn(tmp_pa
 @pytest.mark.distributed
 @pytest.mark.parametrize("parallel", ["auto", "fsdp"])
 def test_clean_steps_pass_under_ddp_and_fsdp(tmp_path, parallel):
-    recs = plant(tmp_path, "none", f"parallel={parallel}", nproc=2)
+    recs = plant(tmp_path, "none", f"parallel={parallel}", nproc=2, base=EVERY_OTHER)
     for rec in recs:
         assert not rec["spec"].get("fail"), (parallel, rec["step"], rec["spec"].get("fail"))
+    assert ("prefix" in recs[S - 1]["spec"]["miss"]) == (parallel != "fsdp")  # FSDP2's weights are shards
     assert {"reduce", "replicas"} <= set(recs[-1]["spec"]["miss"]) or parallel == "fsdp"
 
 

@@ -103,8 +103,9 @@ class ForwardCheck(Check):
 
     def rerun(self, run, key: str, module, prefix: str, reference, x: Tensor | None = None) -> Rerun | None:
         """The training path's `module` (the probe's call `key`, or on input x) to rerun against `reference(x, w)`;
-        None under FSDP2 (a module's weights are shards there, gathered only inside the model's forward)."""
-        if self.ctx.sharded:
+        None under FSDP2 (a module's weights are shards there, gathered only inside the model's forward), and where
+        the run kept no call to repeat (spec/checks/prefix.py's, from the step's own forward)."""
+        if self.ctx.sharded or key not in run.taken.calls:
             return None
         args, kwargs = run.taken.calls[key]
         return Rerun(module, prefix, args if x is None else (x,), kwargs if x is None else {}, reference,
