@@ -5,7 +5,9 @@ the run did afterwards, so no threshold of the doctor's is involved — the chec
 against the tolerance its precision recipe allows, and declared the class its way of failing implies. Within a
 step the first failure in the registry's order (the state the step started from, its data, forward, gradient,
 update, system) is the one that broke first. A check that keeps failing step after step at the same place is
-one incident, at its onset.
+one incident, at its onset; so are two checks of one family failing in turn at a place (a failure's `family`:
+the prefix check, every step between the reference steps, checks the forward check's layers on the step's own
+first positions).
 
 A check that runs on reference steps only (the FP64 reference's: every spec.every steps) finds a fault up to
 spec.every − 1 steps after it began. Where the check declares a per-step series of its places (its "series": the
@@ -16,7 +18,9 @@ before the gap and the gap's own: a smooth trend is the parabola, `level_shift`)
 bound the false-alarm budget sets for as many candidate steps as the gap holds (doctor/budget.py). A check that
 failed beside it at the same step and held at a step of the gap bounds the onset after that step: a check fails
 only for a fault, so the fault had not begun there (the route check, every step, holding while the forward check's
-gates were not compared). Otherwise it stays at the step the check failed: the first step the records show it, as
+gates were not compared); and so does a check of its family that held in the gap (its `between`: the prefix
+check, which fails at the fault's own step where it sees it). Otherwise it stays at the step the check failed: the
+first step the records show it, as
 when its check runs every step, or ran at the step before on the guard's demand (spec/monitor.py on_demand).
 """
 from __future__ import annotations
