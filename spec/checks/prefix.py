@@ -55,16 +55,19 @@ class PrefixCheck(ForwardCheck):
         self._hooks = []
         if self.ctx.reference_step(s.step):  # the forward check's step: its probe checks the same positions
             return
-        self.taken = Taken()
+        self.taken, self._unread = Taken(), None
         self._hooks = [m.register_forward_hook(self._keep(key)) for key, m in kept_layers(self.ctx.model).items()
                        if key != "norm"]
 
     def _keep(self, key: str):
         def keep(module, args, out):
-            if key in self.taken.io or not torch.is_grad_enabled():  # the first training call: not a recompute
+            if key in self.taken.io or not args or not torch.is_grad_enabled():  # the first training call only
                 return
             t0 = time.perf_counter()
-            self.taken.io[key] = (_rows(args[0]), _rows(out))
+            try:
+                self.taken.io[key] = (_rows(args[0]), _rows(out))
+            except (IndexError, TypeError, AttributeError) as e:  # the step's forward goes on: the check fails
+                self._unread = f"{key}: {type(e).__name__}: {e}"
             self.seconds += time.perf_counter() - t0  # the step's time_s.spec counts it (spec/monitor.py took)
         return keep
 
@@ -74,6 +77,8 @@ class PrefixCheck(ForwardCheck):
         if not self._hooks:
             return
         self._hooks, taken, self.taken = [], self.taken, None
+        if self._unread:  # a layer gave what no layer of the model's gives: a failure of this check (spec/monitor.py)
+            raise ValueError(f"a layer's input or output is not the model's: {self._unread}")
         model, c = self.ctx.model, self.ctx.model_cfg
         if len(taken.io) != 1 + 3 * c.n_layers:  # a forward these hooks did not see (a wrapper bypassing a module)
             return
