@@ -169,7 +169,8 @@ def _natural(f: Facts) -> str:
            f"{held[0]} held a new level (the model's internals moving as it learns)" if held else
            "no return can be seen before the run's end")
     checked = (f"every check that ran conformed to its specification ({', '.join(f.unchecked)} did not run at step "
-               f"{f.step}: a reference check runs every spec.every steps and on a step the guard flags)"
+               f"{f.step}: they run on some steps only — the reference checks every spec.every steps and where the "
+               f"guard flags one, the prefix between them, docs/spec.md)"
                if f.conforming and f.unchecked else
                "every step conformed to its specification" if f.conforming else
                "the records carry no specification check" if f.conforming is None else
