@@ -43,7 +43,7 @@ class PrefixCheck(ForwardCheck):
     rank = 23  # after the forward check's own (20, on demand at the same step), which classes the layer's miss
     family = "forward"
     onset_series = None
-    doc = "each layer's output on the step's own probe positions against the FP64 reference, between reference steps"
+    doc = "each layer's output on the step's own first positions against the FP64 reference, between reference steps"
 
     @classmethod
     def applies(cls, ctx) -> bool:
