@@ -75,6 +75,12 @@ def kept_layers(model) -> dict[str, torch.nn.Module]:
     return kept
 
 
+def routing(model, taken: Taken) -> tuple[dict[int, Tensor], dict[int, Tensor]]:
+    """Each MoE layer's expert ids on the kept rows (what its call gave) and its selection bias in float64."""
+    ids = {i: taken.io[f"block{i}.mlp"][1].route_ids_Nk for i, _ in model.moe_layers()}
+    return ids, {i: m.bias_E.detach().to(F64) for i, m in model.moe_layers()}
+
+
 def run_probe(model, micro, routes, z_coef: float, autocast, loss_scale: float | None, want_grads: bool) -> ProbeRun:
     """The training path on the first PROBE_TOKENS positions of row 0 of micro-batch 0 (causal: a prefix is a
     sequence of its own), with its layers' inputs and outputs kept."""
@@ -101,8 +107,7 @@ def run_probe(model, micro, routes, z_coef: float, autocast, loss_scale: float |
     finally:
         for h in hooks:
             h.remove()
-    ids = {i: taken.io[f"block{i}.mlp"][1].route_ids_Nk for i, _ in model.moe_layers()}
-    bias = {i: m.bias_E.detach().to(F64) for i, m in model.moe_layers()}
+    ids, bias = routing(model, taken)
     loss = {"ce": out.loss_sum.detach().to(F64), "z": out.z_sum.detach().to(F64), "aux": out.aux_loss.detach().to(F64)}
     return ProbeRun(tokens, labels, taken, loss, grads, ids, weights_f64(model, requires_grad=want_grads), bias,
                     autocast=autocast)

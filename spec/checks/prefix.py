@@ -27,7 +27,7 @@ import torch
 
 from spec.check import BEFORE, STEP
 from spec.checks.forward import ForwardCheck
-from spec.probe import ProbeRun, Taken, kept_layers
+from spec.probe import ProbeRun, Taken, kept_layers, routing
 from spec.reference import F64, Reference
 
 
@@ -83,9 +83,8 @@ class PrefixCheck(ForwardCheck):
         if len(taken.io) != 1 + 3 * c.n_layers:  # a forward these hooks did not see (a wrapper bypassing a module)
             return
         mb = s.micro[0]
-        ids = {i: taken.io[f"block{i}.mlp"][1].route_ids_Nk for i, _ in model.moe_layers()}
+        ids, bias = routing(model, taken)
         w = self._weights()
-        bias = {i: m.bias_E.detach().to(F64) for i, m in model.moe_layers()}
         run = ProbeRun(mb.tokens[:1, :PREFIX_TOKENS], mb.labels[:1, :PREFIX_TOKENS], taken, {}, None, ids, w, bias)
         # every layer's row; the loss's (the generator's last) is the probe's alone
         rows = list(itertools.islice(self.layers(Reference(c, w, bias), run), 1 + 3 * c.n_layers))
