@@ -57,6 +57,17 @@ def _angles(T: int, d: int, theta: float, device) -> tuple[Tensor, Tensor]:
     return _ANGLES[key]
 
 
+_FUTURE: dict[tuple, Tensor] = {}
+
+
+def _future(T: int, device) -> Tensor:
+    """(T, T) True where the key comes after the query: the causal mask (cached per length, as the angles)."""
+    key = (T, str(device))
+    if key not in _FUTURE:
+        _FUTURE[key] = torch.ones(T, T, dtype=torch.bool, device=device).triu(1)
+    return _FUTURE[key]
+
+
 def rope_tables(T: int, d: int, theta: float, device) -> tuple[Tensor, Tensor]:
     """(cos, sin) of t·θ^(−2i/d) as (T, d/2) in float64: the tables a model's attention is given, exact."""
     cos, sin = _angles(T, d, theta, device)
@@ -102,8 +113,9 @@ class Reference:
     def embed(self, tokens_BT: Tensor) -> Tensor:
         return self.p("tok_emb.weight")[tokens_BT]
 
-    def attention(self, i: int, x_BTD: Tensor, causal: bool = True) -> Tensor:
-        """Attn of block i on its (already normed) input."""
+    def qk_v(self, i: int, x_BTD: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Block i's queries, keys and values on its (already normed) input, (B, T, heads, d): q and k QK-normed,
+        before RoPE."""
         c, pre = self.cfg, f"blocks.{i}.attn."
         H, K, d = c.n_heads, c.kv_heads, c.head_dim
         B, T, _ = x_BTD.shape
@@ -112,15 +124,24 @@ class Reference:
         if c.qk_norm:
             q = rms_norm(q, self.p(pre + "q_norm.weight"), c.norm_eps)
             k = rms_norm(k, self.p(pre + "k_norm.weight"), c.norm_eps)
+        return q, k, v
+
+    def attention(self, i: int, x_BTD: Tensor, causal: bool = True, keep: dict | None = None) -> Tensor:
+        """Attn of block i on its (already normed) input; keep: given, the q and k before RoPE are left in it."""
+        c = self.cfg
+        H, K, d = c.n_heads, c.kv_heads, c.head_dim
+        B, T, _ = x_BTD.shape
+        q, k, v = self.qk_v(i, x_BTD)
+        if keep is not None:
+            keep["q"], keep["k"] = q.detach(), k.detach()
         q, k = rotate(q, c.rope_theta), rotate(k, c.rope_theta)
-        kv_of = torch.arange(H, device=x_BTD.device) // (H // K)  # query head h reads kv head h // (H/K)
-        k, v = k[:, :, kv_of], v[:, :, kv_of]
+        # query head h reads kv head h // (H/K)
+        k, v = k.repeat_interleave(H // K, dim=2), v.repeat_interleave(H // K, dim=2)
         s_BHTS = torch.einsum("bthd,bshd->bhts", q, k) / math.sqrt(d)
         if causal:
-            future = torch.ones(T, T, dtype=torch.bool, device=x_BTD.device).triu(1)
-            s_BHTS = s_BHTS.masked_fill(future, -math.inf)
+            s_BHTS = s_BHTS.masked_fill(_future(T, x_BTD.device), -math.inf)
         y = torch.einsum("bhts,bshd->bthd", s_BHTS.softmax(-1), v).reshape(B, T, H * d)
-        return y @ self.p(pre + "proj_out.weight").T
+        return y @ self.p(f"blocks.{i}.attn.proj_out.weight").T
 
     def dense_mlp(self, i: int, x: Tensor) -> Tensor:
         pre = f"blocks.{i}.mlp."
@@ -130,8 +151,9 @@ class Reference:
         logits = x_ND @ self.p(f"blocks.{i}.mlp.router.weight").T
         return logits.softmax(-1) if self.cfg.moe.score == "softmax" else torch.sigmoid(logits)
 
-    def moe(self, i: int, x_ND: Tensor, ids_Nk: Tensor | None, valid_N: Tensor | None) -> MoEParts:
-        """The MoE layer of block i on rows x_ND. ids_Nk None: the router's own top-k (with the bias)."""
+    def moe(self, i: int, x_ND: Tensor, ids_Nk: Tensor | None, valid_N: Tensor | None, aux: bool = True) -> MoEParts:
+        """The MoE layer of block i on rows x_ND. ids_Nk None: the router's own top-k (with the bias). aux False: its
+        balance and router z-loss are not computed (MoEParts.aux 0), where no loss is compared."""
         mc, pre = self.cfg.moe, f"blocks.{i}.mlp."
         # NOTE: given ids, their k (the route check holds it to the config's top_k): this is the definition applied to
         # the experts the training path chose
@@ -152,17 +174,23 @@ class Reference:
         shared = (swiglu(x_ND, self.p(pre + "shared.w_gate_up.weight"), self.p(pre + "shared.w_down.weight"),
                          self.cfg.swiglu_clamp) if mc.shared_expert else torch.zeros_like(x_ND))
         y = (outs_NkD * gates[..., None]).sum(1) + shared
-        valid = torch.ones(N, dtype=torch.bool, device=x_ND.device) if valid_N is None else valid_N
+        terms = self.aux(logits, scores, ids_Nk, valid_N) if aux else torch.zeros((), dtype=F64, device=x_ND.device)
+        return MoEParts(y, ids_Nk, gates, scores, terms, outs_NkD, shared, logits)
+
+    def aux(self, logits_NE: Tensor, scores_NE: Tensor, ids_Nk: Tensor, valid_N: Tensor | None) -> Tensor:
+        """An MoE layer's auxiliary loss on its rows: balance_coef·balance + router_z_coef·router z-loss."""
+        mc = self.cfg.moe
+        N, E, k = scores_NE.shape[0], mc.n_experts, ids_Nk.shape[-1]  # E the config's: a model built with more fails
+        valid = torch.ones(N, dtype=torch.bool, device=scores_NE.device) if valid_N is None else valid_N
         n = valid.sum().clamp(min=1).to(F64)
         # Switch balance E·Σ_e f_e·P_e (f: the share of valid assignments, no gradient; P: the mean probability)
-        f_E = torch.zeros(E, dtype=F64, device=x_ND.device).index_add(
+        f_E = torch.zeros(E, dtype=F64, device=scores_NE.device).index_add(
             0, ids_Nk.flatten(), valid.repeat_interleave(k).to(F64)) / (n * k)
-        probs = scores if mc.score == "softmax" else scores / scores.sum(-1, keepdim=True)
+        probs = scores_NE if mc.score == "softmax" else scores_NE / scores_NE.sum(-1, keepdim=True)
         P_E = torch.where(valid[:, None], probs, 0.0).sum(0) / n
         balance = E * (f_E * P_E).sum()
-        router_z = torch.where(valid, torch.logsumexp(logits, -1).square(), 0.0).sum() / n
-        return MoEParts(y, ids_Nk, gates, scores, mc.balance_coef * balance + mc.router_z_coef * router_z, outs_NkD,
-                        shared, logits)
+        router_z = torch.where(valid, torch.logsumexp(logits_NE, -1).square(), 0.0).sum() / n
+        return mc.balance_coef * balance + mc.router_z_coef * router_z
 
     def block(self, i: int, x_BTD: Tensor, ids_Nk: Tensor | None = None, valid_BT: Tensor | None = None):
         """(block output, its MoEParts or None)."""

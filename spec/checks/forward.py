@@ -142,7 +142,9 @@ class ForwardCheck(Check):
         c, u_in, io = self.ctx.model_cfg, self.u_in(), run.taken.io
         T = run.tokens.shape[1]
         ew = 4 * U32  # the elementwise ops of a layer (norm scale, RoPE, SwiGLU, residual add), once each
-        s_max = run.cache[("s_max", i)] = logit_bound(ref, i, io[f"block{i}.attn"][0].to(F64))
+        if ("s_max", i) not in run.cache:  # the layers' attention leaves it (its own q and k); a reader before them
+            run.cache[("s_max", i)] = logit_bound(*ref.qk_v(i, io[f"block{i}.attn"][0].to(F64))[:2])
+        s_max = run.cache[("s_max", i)]
         attn = LAMBDA * (stage(c.d_model, u_in) + stage(c.head_dim, u_in) + stage(T, u_in)
                          + stage(c.n_heads * c.head_dim, u_in) + ew) * (1 + s_max)
         if ref.is_moe(i):
@@ -180,7 +182,6 @@ class ForwardCheck(Check):
             valid = (run.labels != IGNORE).reshape(-1)
             aux = torch.zeros((), dtype=F64, device=carry.device)
             for i in range(c.n_layers):
-                tol = self.layer_tolerances(ref, run, i)
                 pre = f"blocks.{i}."
                 x_in, x_out = io[f"block{i}"][0].to(F64), io[f"block{i}"][1][0].to(F64)
                 a_in, a_out = io[f"block{i}.attn"][0].to(F64), io[f"block{i}.attn"][1].to(F64)
@@ -188,7 +189,10 @@ class ForwardCheck(Check):
                 m_in, m_out = m_in.to(F64), (m_raw.y if hasattr(m_raw, "y") else m_raw).to(F64)
                 x = through(x_in, carry)
                 n1 = rms_norm(x, ref.p(pre + "attn_norm.weight"), c.norm_eps)
-                attn = ref.attention(i, through(a_in, n1))
+                qk = {}
+                attn = ref.attention(i, through(a_in, n1), keep=qk)  # through: a_in's value, so its q and k bound
+                run.cache[("s_max", i)] = logit_bound(qk["q"], qk["k"])
+                tol = self.layer_tolerances(ref, run, i)
                 rerun = self.rerun(run, f"block{i}.attn", blocks[i].attn, pre + "attn.",
                                    lambda x, w, i=i: with_w(w).attention(i, x))
                 self.exact(run, f"block{i}.attn", "attn", rerun, attn, i)
@@ -198,7 +202,8 @@ class ForwardCheck(Check):
                 n2 = rms_norm(mid, ref.p(pre + "mlp_norm.weight"), c.norm_eps)
                 if ref.is_moe(i):
                     B, T, D = m_in.shape
-                    parts = ref.moe(i, through(m_in, n2).reshape(B * T, D), run.ids.get(i), valid)
+                    # the auxiliary terms where a loss is compared (the probe's; spec/checks/prefix.py compares none)
+                    parts = ref.moe(i, through(m_in, n2).reshape(B * T, D), run.ids.get(i), valid, aux=bool(run.loss))
                     mlp, aux = parts.y.reshape(B, T, D), aux + parts.aux
                     rerun = self.rerun(run, f"block{i}.mlp", blocks[i].mlp, pre + "mlp.",
                                        lambda x, w, i=i: with_w(w).moe(i, x.reshape(-1, x.shape[-1]), run.ids.get(i),
@@ -314,12 +319,7 @@ def moe_kind(y: Tensor, parts, rel_tol: Tensor, mc) -> str | None:
     return "gates"
 
 
-def logit_bound(ref: Reference, i: int, a_in: Tensor) -> Tensor:
-    """max |q·k|/√d over the probe's (already normed) attention input: ≤ max‖q‖·max‖k‖/√d, no score computed."""
-    c, pre = ref.cfg, f"blocks.{i}.attn."
-    B, T, _ = a_in.shape
-    qkv = (a_in @ ref.p(pre + "qkv.weight").T).reshape(B, T, c.n_heads + 2 * c.kv_heads, c.head_dim)
-    q, k, _ = qkv.split([c.n_heads, c.kv_heads, c.kv_heads], dim=2)
-    if c.qk_norm:
-        q, k = rms_norm(q, ref.p(pre + "q_norm.weight"), c.norm_eps), rms_norm(k, ref.p(pre + "k_norm.weight"), c.norm_eps)
-    return q.norm(dim=-1).max() * k.norm(dim=-1).max() / math.sqrt(c.head_dim)
+def logit_bound(q: Tensor, k: Tensor) -> Tensor:
+    """max |q·k|/√d over an attention's queries and keys (B, T, heads, d), QK-normed and before RoPE (a rotation: the
+    same norms): ≤ max‖q‖·max‖k‖/√d, no score computed."""
+    return q.norm(dim=-1).max() * k.norm(dim=-1).max() / math.sqrt(q.shape[-1])
