@@ -180,7 +180,8 @@ class Reference:
     def aux(self, logits_NE: Tensor, scores_NE: Tensor, ids_Nk: Tensor, valid_N: Tensor | None) -> Tensor:
         """An MoE layer's auxiliary loss on its rows: balance_coef·balance + router_z_coef·router z-loss."""
         mc = self.cfg.moe
-        N, E, k = scores_NE.shape[0], mc.n_experts, ids_Nk.shape[-1]  # E the config's: a model built with more fails
+        # NOTE: E the config's: an expert id past it (a model built with more experts) fails the check here
+        N, E, k = scores_NE.shape[0], mc.n_experts, ids_Nk.shape[-1]
         valid = torch.ones(N, dtype=torch.bool, device=scores_NE.device) if valid_N is None else valid_N
         n = valid.sum().clamp(min=1).to(F64)
         # Switch balance E·Σ_e f_e·P_e (f: the share of valid assignments, no gradient; P: the mean probability)
