@@ -19,9 +19,9 @@ is mostly smooth: ⟨e, e'⟩ > ‖e − e'‖²/2, each side averaged over K = 
 
 Why several: for a rounding, ⟨r, r'⟩ is 0 only on average. Its spread is ‖r‖·‖r'‖/√n, n the number of comparable
 draws the miss is made of — few where a few elements dominate it (a loss row's positions with the largest lse²), and
-one draw passes the test when the correlation of r and r' exceeds about ½: about 1 in 17 at n = 10. The mean of
-K independent draws' (given e) has spread 1/√(K·n); K = 8 puts ½ three spreads away from 0 from n = 5 on (about 1
-in 1000), and a smooth miss, the same in every draw, is unchanged.
+one draw passes the test when the correlation of r and r' exceeds about ½: about 1 in 17 at n = 10. Over K draws,
+independent given e, the mean correlation has spread 1/√(K·n); K = 8 puts ½ three spreads away from 0 from n = 5 on
+(about 1 in 1000), and a smooth miss, the same in every draw, is unchanged.
 
 The perturbation: the layer's input by 2^-3 relative, the unit roundoff of FP8 E5M2, the coarsest format (every
 rounding of an activation redrawn); the matrices its matmuls read by 2^-8, bfloat16's (a weight cast to a 16-bit
