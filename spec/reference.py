@@ -98,13 +98,31 @@ class MoEParts:
 class Reference:
     """The model of `cfg` from weights `w` (parameter name -> tensor, any dtype; taken in float64)."""
 
-    def __init__(self, cfg: ModelConfig, w: dict[str, Tensor], bias: dict[int, Tensor] | None = None):
+    def __init__(self, cfg: ModelConfig, w: dict[str, Tensor], bias: dict[int, Tensor] | None = None,
+                 stacks: dict[tuple, Tensor] | None = None):
         self.cfg = cfg
         self.w = w
         self.bias = bias or {}  # MoE layer -> (E,) the aux-loss-free selection bias (a buffer, not a weight)
+        self.stacks = stacks or {}  # (layers, name in a block) -> their weights stacked (a layer group's, below)
 
     def p(self, name: str) -> Tensor:
         return self.w[name]
+
+    def layer(self, i: int | tuple[int, ...], name: str) -> Tensor:
+        """Block i's weight `name` (its name inside the block); for a group of blocks (a tuple), the group's weights
+        stacked along a first dimension, which a group's input carries as its batch dimension: row b of the input
+        goes through block i[b]. The blocks are independent where each is fed its own input (spec/checks/prefix.py),
+        so a group is one op where its blocks would be one each."""
+        if isinstance(i, int):
+            return self.w[f"blocks.{i}.{name}"]
+        if (i, name) not in self.stacks:
+            self.stacks[(i, name)] = torch.stack([self.w[f"blocks.{j}.{name}"] for j in i])
+        return self.stacks[(i, name)]
+
+    def gain(self, i: int | tuple[int, ...], name: str, x: Tensor) -> Tensor:
+        """Block i's (or a group's) norm gain `name`, broadcast against x (batch first, features last)."""
+        g = self.layer(i, name)
+        return g if isinstance(i, int) else g.reshape(g.shape[0], *[1] * (x.dim() - 2), g.shape[-1])
 
     def is_moe(self, i: int) -> bool:
         return f"blocks.{i}.mlp.router.weight" in self.w
@@ -113,20 +131,20 @@ class Reference:
     def embed(self, tokens_BT: Tensor) -> Tensor:
         return self.p("tok_emb.weight")[tokens_BT]
 
-    def qk_v(self, i: int, x_BTD: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def qk_v(self, i: int | tuple[int, ...], x_BTD: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Block i's queries, keys and values on its (already normed) input, (B, T, heads, d): q and k QK-normed,
         before RoPE."""
-        c, pre = self.cfg, f"blocks.{i}.attn."
+        c = self.cfg
         H, K, d = c.n_heads, c.kv_heads, c.head_dim
         B, T, _ = x_BTD.shape
-        qkv = (x_BTD @ self.p(pre + "qkv.weight").T).reshape(B, T, H + 2 * K, d)
+        qkv = (x_BTD @ self.layer(i, "attn.qkv.weight").mT).reshape(B, T, H + 2 * K, d)
         q, k, v = qkv.split([H, K, K], dim=2)
         if c.qk_norm:
-            q = rms_norm(q, self.p(pre + "q_norm.weight"), c.norm_eps)
-            k = rms_norm(k, self.p(pre + "k_norm.weight"), c.norm_eps)
+            q = rms_norm(q, self.gain(i, "attn.q_norm.weight", q), c.norm_eps)
+            k = rms_norm(k, self.gain(i, "attn.k_norm.weight", k), c.norm_eps)
         return q, k, v
 
-    def attention(self, i: int, x_BTD: Tensor, causal: bool = True, keep: dict | None = None) -> Tensor:
+    def attention(self, i: int | tuple[int, ...], x_BTD: Tensor, causal: bool = True, keep: dict | None = None) -> Tensor:
         """Attn of block i on its (already normed) input; keep: given, the q and k before RoPE are left in it."""
         c = self.cfg
         H, K, d = c.n_heads, c.kv_heads, c.head_dim
@@ -141,11 +159,11 @@ class Reference:
         if causal:
             s_BHTS = s_BHTS.masked_fill(_future(T, x_BTD.device), -math.inf)
         y = torch.einsum("bhts,bshd->bthd", s_BHTS.softmax(-1), v).reshape(B, T, H * d)
-        return y @ self.p(f"blocks.{i}.attn.proj_out.weight").T
+        return y @ self.layer(i, "attn.proj_out.weight").mT
 
-    def dense_mlp(self, i: int, x: Tensor) -> Tensor:
-        pre = f"blocks.{i}.mlp."
-        return swiglu(x, self.p(pre + "w_gate_up.weight"), self.p(pre + "w_down.weight"), self.cfg.swiglu_clamp)
+    def dense_mlp(self, i: int | tuple[int, ...], x: Tensor) -> Tensor:
+        return swiglu(x, self.layer(i, "mlp.w_gate_up.weight"), self.layer(i, "mlp.w_down.weight"),
+                      self.cfg.swiglu_clamp)
 
     def router_scores(self, i: int, x_ND: Tensor) -> Tensor:
         logits = x_ND @ self.p(f"blocks.{i}.mlp.router.weight").T

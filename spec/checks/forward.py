@@ -40,6 +40,7 @@ from spec.tolerance import LAMBDA, U32, matmul_dtype, stage, u
 ROUNDING_ONLY = 2.0 ** -3  # unit roundoff of FP8 E5M2, the coarsest float format: below it, an error is a rounding
 # the 16-bit formats a router's logits can be rounded to where the recipe keeps them in FP32 (model/moe.py router_logits)
 ROUTER_FORMATS = (torch.float16, torch.bfloat16)
+EW = 4 * U32  # the elementwise ops of a layer (norm scale, RoPE, SwiGLU, residual add), once each
 
 
 def router_scores(logits: Tensor, score: str, dim: int) -> Tensor:
@@ -139,23 +140,35 @@ class ForwardCheck(Check):
 
     @torch.no_grad()
     def _layer_tolerances(self, ref: Reference, run, i: int) -> dict[str, Tensor]:
-        c, u_in, io = self.ctx.model_cfg, self.u_in(), run.taken.io
-        T = run.tokens.shape[1]
-        ew = 4 * U32  # the elementwise ops of a layer (norm scale, RoPE, SwiGLU, residual add), once each
+        io = run.taken.io
         if ("s_max", i) not in run.cache:  # the layers' attention leaves it (its own q and k); a reader before them
             run.cache[("s_max", i)] = logit_bound(*ref.qk_v(i, io[f"block{i}.attn"][0].to(F64))[:2])
-        s_max = run.cache[("s_max", i)]
-        attn = LAMBDA * (stage(c.d_model, u_in) + stage(c.head_dim, u_in) + stage(T, u_in)
-                         + stage(c.n_heads * c.head_dim, u_in) + ew) * (1 + s_max)
+        attn = self.attn_tolerance(run.tokens.shape[1], run.cache[("s_max", i)])
         if ref.is_moe(i):
-            x = io[f"block{i}.mlp"][0].to(F64)
-            router_max = (x @ ref.p(f"blocks.{i}.mlp.router.weight").T).abs().max()
-            hidden = c.moe.expert_hidden
-            mlp = LAMBDA * (stage(c.d_model, U32) * (1 + router_max) + stage(c.d_model, u_in) + stage(hidden, u_in)
-                            + ew)
+            mlp = self.moe_tolerance(ref, i, io[f"block{i}.mlp"][0].to(F64))
         else:
-            mlp = on_device(LAMBDA * (stage(c.d_model, u_in) + stage(c.ffn_hidden, u_in) + ew), attn.device, F64)
-        return {"attn": attn, "mlp": mlp, "norm": torch.full_like(attn, LAMBDA * stage(c.d_model, U32))}
+            mlp = on_device(self.dense_tolerance(), attn.device, F64)
+        return {"attn": attn, "mlp": mlp, "norm": torch.full_like(attn, self.norm_tolerance())}
+
+    def attn_tolerance(self, T: int, s_max: Tensor) -> Tensor:
+        """An attention's relative tolerance on T positions whose logits are at most s_max (one a layer, any shape)."""
+        c, u_in = self.ctx.model_cfg, self.u_in()
+        return LAMBDA * (stage(c.d_model, u_in) + stage(c.head_dim, u_in) + stage(T, u_in)
+                         + stage(c.n_heads * c.head_dim, u_in) + EW) * (1 + s_max)
+
+    def dense_tolerance(self) -> float:
+        c, u_in = self.ctx.model_cfg, self.u_in()
+        return LAMBDA * (stage(c.d_model, u_in) + stage(c.ffn_hidden, u_in) + EW)
+
+    def moe_tolerance(self, ref: Reference, i: int, x: Tensor) -> Tensor:
+        """MoE layer i's relative tolerance on its input rows x (FP64): the router's logits set its softmax's."""
+        c, u_in = self.ctx.model_cfg, self.u_in()
+        router_max = (x @ ref.p(f"blocks.{i}.mlp.router.weight").T).abs().max()
+        return LAMBDA * (stage(c.d_model, U32) * (1 + router_max) + stage(c.d_model, u_in)
+                         + stage(c.moe.expert_hidden, u_in) + EW)
+
+    def norm_tolerance(self) -> float:
+        return LAMBDA * stage(self.ctx.model_cfg.d_model, U32)
 
     def head_tolerance(self, vocab: int) -> float:
         return LAMBDA * (stage(self.ctx.model_cfg.d_model, self.u_in()) + stage(vocab, U32)
@@ -247,28 +260,36 @@ class ForwardCheck(Check):
         yield ("loss", err, tol, ce.abs(), (got, want, tol, {"sums": True, "rerun": rerun, "mag": mag}))
 
     @staticmethod
-    def block_composition(x_in, a_in, a_out, m_in, m_out, x_out, n1, n2, rel_norm: Tensor, reruns: list):
+    def block_composition(x_in, a_in, a_out, m_in, m_out, x_out, n1, n2, rel_norm: Tensor, reruns: list,
+                          rows: bool = False):
         """A block's own work around its two layers, from what the training path's layers took and gave: the norm
         before each (n1, n2: the reference's RMSNorm of the residual stream, x_in and x_out − m_out), and the
         residual adds x + attn + mlp. (err, tol, scale, place) of the worst of the three, as a share of its
-        tolerance times the output's norm. reruns: the two norms' (spec/rerun.py), and None for the adds."""
+        tolerance times the output's norm. reruns: the two norms' (spec/rerun.py), and None for the adds. rows: a
+        group of blocks, one a row (spec/checks/prefix.py): every figure one a row, `ratios` (3, rows)."""
         # NOTE: the residual after the attention is one rounding of x_out away from the path's own: 2·u32 more
         pairs = [(a_in, n1.detach(), rel_norm), (m_in, n2.detach(), rel_norm + LAMBDA * 2 * U32),
                  (x_out, x_in + a_out + m_out, torch.full_like(rel_norm, LAMBDA * 2 * U32))]
-        tols = [rel * want.norm() + 1e-300 for _, want, rel in pairs]
-        ratios = torch.stack([(got - want).norm() / t for (got, want, _), t in zip(pairs, tols)])
-        scale = x_out.norm()
+        tols = [rel * norm(want, rows) + 1e-300 for _, want, rel in pairs]
+        ratios = torch.stack([norm(got - want, rows) / t for (got, want, _), t in zip(pairs, tols)])
+        scale = norm(x_out, rows)
         # every pair is kept: classify() picks the worst, on a failure only
-        return ratios.max() * scale, scale + 1e-300, scale, (None, None, None, {"pairs": pairs, "tols": tols,
-                                                                                "ratios": ratios, "reruns": reruns})
+        return ratios.amax(0) * scale, scale + 1e-300, scale, (None, None, None, {"pairs": pairs, "tols": tols,
+                                                                                  "ratios": ratios, "reruns": reruns})
 
     @staticmethod
-    def compare(got: Tensor, want: Tensor, rel_tol: Tensor, **extra):
-        """(err, tol, scale, place) of one layer's output against its reference, normwise, on the device."""
+    def compare(got: Tensor, want: Tensor, rel_tol: Tensor, rows: bool = False, **extra):
+        """(err, tol, scale, place) of one layer's output against its reference, normwise, on the device; rows: a
+        group of layers, one a row (spec/checks/prefix.py), every figure one a row."""
         want = want.detach()
-        scale = want.norm()
+        scale = norm(want, rows)
         tol = on_device(rel_tol, scale.device, scale.dtype) * scale + 1e-300
-        return (got - want).norm(), tol, scale, (got, want, tol, extra)
+        return norm(got - want, rows), tol, scale, (got, want, tol, extra)
+
+
+def norm(t: Tensor, rows: bool = False) -> Tensor:
+    """‖t‖ (Frobenius); rows: one for each row along the first dimension."""
+    return t.flatten(1).norm(dim=1) if rows else t.norm()
 
 
 def through(value: Tensor, graph: Tensor) -> Tensor:
@@ -319,7 +340,9 @@ def moe_kind(y: Tensor, parts, rel_tol: Tensor, mc) -> str | None:
     return "gates"
 
 
-def logit_bound(q: Tensor, k: Tensor) -> Tensor:
+def logit_bound(q: Tensor, k: Tensor, rows: bool = False) -> Tensor:
     """max |q·k|/√d over an attention's queries and keys (B, T, heads, d), QK-normed and before RoPE (a rotation: the
-    same norms): ≤ max‖q‖·max‖k‖/√d, no score computed."""
-    return q.norm(dim=-1).max() * k.norm(dim=-1).max() / math.sqrt(q.shape[-1])
+    same norms): ≤ max‖q‖·max‖k‖/√d, no score computed. rows: one bound a row (a group of layers, one a row)."""
+    def most(t: Tensor) -> Tensor:
+        return t.norm(dim=-1).flatten(int(rows)).amax(-1)
+    return most(q) * most(k) / math.sqrt(q.shape[-1])

@@ -8,8 +8,10 @@ another activation) cannot be dated back from any per-step series. Yet the step'
 positions the probe runs: causal attention makes a prefix of a sequence a sequence of its own, so what each layer
 took and gave on them is a probe run — without the probe's second forward. Forward hooks keep those rows (a copy of
 PREFIX_TOKENS rows a layer, the first call: not the recompute of activation checkpointing) and, before the update,
-the forward check's own layers — the same reference, tolerances and wiring — compare them: every layer is checked
-every step, the first failing step is the fault's, and the guard can refuse it.
+the forward check's own comparisons — the same reference, tolerances and names — judge them: every layer is checked
+every step, the first failing step is the fault's, and the guard can refuse it. Each layer is fed what it took, so
+the blocks are independent here: the reference runs them as one group (rows), an op for all where the reference
+steps' wired layers run one a block.
 
 What the probe adds and this leaves to the reference steps: the loss (the step's loss sums the whole batch), the
 gradient, the layer reruns that tell a rounding from another function, the exact FP64 reruns. A failure here is
@@ -20,15 +22,17 @@ again), nor under train.compile (a hook breaks the graph).
 """
 from __future__ import annotations
 
-import itertools
+import re
 import time
 
 import torch
+from torch import Tensor
 
 from spec.check import BEFORE, STEP
-from spec.checks.forward import ForwardCheck
+from spec.checks.forward import ForwardCheck, logit_bound
 from spec.probe import ProbeRun, Taken, kept_layers, routing
-from spec.reference import F64, Reference
+from spec.reference import F64, IGNORE, Reference, rms_norm
+from spec.tolerance import LAMBDA, u
 
 
 # the first positions of row 0: every layer, head and expert's math on 8 tokens, RoPE's rotations by 0..7 positions
@@ -84,24 +88,101 @@ class PrefixCheck(ForwardCheck):
             return
         mb = s.micro[0]
         ids, bias = routing(model, taken)
-        w = self._weights()
+        w, stacks = self._weights()
         run = ProbeRun(mb.tokens[:1, :PREFIX_TOKENS], mb.labels[:1, :PREFIX_TOKENS], taken, {}, None, ids, w, bias)
-        # every layer's row; the loss's (the generator's last) is the probe's alone
-        rows = list(itertools.islice(self.layers(Reference(c, w, bias), run), 1 + 3 * c.n_layers))
-        err, tol = (torch.stack([r[i] for r in rows]) for i in (1, 2))
-        self.places = [r[4] for r in rows]
-        self.measure(err, tol, where=[r[0] for r in rows])
+        names, err, tol, self.places = self.rows(Reference(c, w, bias, stacks), run)
+        self.measure(err, tol, where=names)
+
+    @torch.no_grad()
+    def rows(self, ref: Reference, run: ProbeRun) -> tuple[list[str], Tensor, Tensor, "Places"]:
+        """The forward check's layers (its names, misses and tolerances, spec/checks/forward.py) on the kept rows,
+        every block at once: each is fed its own input here (no gradient wires them), so the blocks' attentions are
+        one group of the reference (row i of the group, block i on its input: spec/reference.py Reference.layer),
+        and so are the dense MLPs, the norms and the comparisons — an op a group where the forward check's layers
+        run one a block. The MoE layers run one by one (their cost is their experts' FLOPs, not their ops')."""
+        c, io = self.ctx.model_cfg, run.taken.io
+        every = tuple(range(c.n_layers))
+        dense = tuple(i for i in every if not ref.is_moe(i))
+
+        def stacked(key: str, side: int, part=lambda v: v) -> Tensor:  # every block's (L, T, D), in FP64
+            return torch.cat([part(io[f"block{i}{key}"][side]) for i in every]).to(F64)
+        x_in, x_out = stacked("", 0), stacked("", 1, lambda v: v[0])
+        a_in, a_out = stacked(".attn", 0), stacked(".attn", 1)
+        m_in, m_out = stacked(".mlp", 0), stacked(".mlp", 1, lambda v: v.y if hasattr(v, "y") else v)
+        u_p = u(getattr(torch, self.ctx.cfg.parallel.param_dtype, torch.float32))
+        emb = self.compare(io["emb"][1].to(F64), ref.embed(run.tokens), torch.full((), LAMBDA * u_p, dtype=F64))
+
+        qk = {}
+        attn = ref.attention(every, a_in, keep=qk)
+        rel_attn = self.attn_tolerance(run.tokens.shape[1], logit_bound(qk["q"], qk["k"], rows=True))
+        mlp, rel_mlp, moe = torch.empty_like(m_out), torch.empty(len(every), dtype=F64, device=m_out.device), {}
+        if dense:
+            mlp[list(dense)] = ref.dense_mlp(dense, m_in[list(dense)])
+            rel_mlp[list(dense)] = self.dense_tolerance()
+        valid = (run.labels != IGNORE).reshape(-1)
+        for i in every:
+            if i not in dense:
+                moe[i] = ref.moe(i, m_in[i], run.ids.get(i), valid, aux=False)
+                mlp[i], rel_mlp[i] = moe[i].y, self.moe_tolerance(ref, i, m_in[i])
+        n1 = rms_norm(x_in, ref.gain(every, "attn_norm.weight", x_in), c.norm_eps)
+        n2 = rms_norm(x_out - m_out, ref.gain(every, "mlp_norm.weight", x_out), c.norm_eps)
+
+        attns = self.compare(a_out, attn, rel_attn, rows=True)
+        mlps = self.compare(m_out, mlp, rel_mlp, rows=True)
+        rel_norm = torch.full_like(rel_attn, self.norm_tolerance())
+        blocks = self.block_composition(x_in, a_in, a_out, m_in, m_out, x_out, n1, n2, rel_norm, [], rows=True)
+        err, tol = (torch.cat([emb[j].reshape(1), torch.stack([attns[j], mlps[j], blocks[j]], 1).reshape(-1)])
+                    for j in (0, 1))
+        names = ["emb", *(f"block{i}{part}" for i in every for part in (".attn", ".mlp", ""))]
+
+        def place(j: int) -> tuple:  # row j's (got, want, tol, extra), as the forward check's layers give it
+            if j == 0:
+                return emb[3]
+            i, part = divmod(j - 1, 3)
+            one = slice(i, i + 1)
+            if part == 0:
+                return (a_out[one], attn[one], attns[1][i], {"rerun": None, "rel": rel_attn[i],
+                        "attention": lambda causal: ref.attention(i, a_in[one], causal)})
+            if part == 1:
+                extra = {"rerun": None} if i in dense else {"rerun": None, "moe": moe[i], "rel": rel_mlp[i]}
+                return m_out[one], mlp[one], mlps[1][i], extra
+            box = blocks[3][3]
+            return None, None, None, {"pairs": [(g[one], w[one], rel[i]) for g, w, rel in box["pairs"]],
+                                      "tols": [t[i] for t in box["tols"]], "ratios": box["ratios"][:, i],
+                                      "reruns": [None] * 3}
+        return names, err, tol, Places(place)
 
     def after_update(self, s) -> None: ...
 
-    def _weights(self) -> dict[str, torch.Tensor]:
+    def _weights(self) -> tuple[dict[str, Tensor], dict[tuple, Tensor]]:
         """Every parameter by name in FP64, copied into buffers kept from step to step (one foreach copy, nothing
-        allocated: the step's weights are a few MB of FP64 each step)."""
+        allocated: the step's weights are a few MB of FP64 each step); and the blocks' weights of one name and shape
+        stacked (the groups of Reference.layer: each block's buffer a view of its group's, so one copy fills both)."""
         params = dict(self.ctx.model.named_parameters())
-        if getattr(self, "_w", None) is None or any(self._w[n].shape != p.shape for n, p in params.items()):
-            self._w = {n: torch.empty_like(p, dtype=F64) for n, p in params.items()}
-        torch._foreach_copy_(list(self._w.values()), [p.detach() for p in params.values()])
-        return self._w
+        shapes = [(n, p.shape, p.device) for n, p in params.items()]
+        if getattr(self, "_shapes", None) != shapes:
+            self._shapes, self._w, self._stacks = shapes, {}, {}
+            groups: dict[tuple, list[int]] = {}
+            for n, p in params.items():
+                if (m := re.fullmatch(r"blocks\.(\d+)\.(.+)", n)) is not None:
+                    groups.setdefault((m[2], tuple(p.shape), p.device), []).append(int(m[1]))
+            for (name, shape, device), layers in groups.items():
+                stack = torch.empty(len(layers), *shape, dtype=F64, device=device)
+                self._stacks[(tuple(layers), name)] = stack
+                self._w.update({f"blocks.{i}.{name}": stack[j] for j, i in enumerate(layers)})
+            self._w.update({n: torch.empty_like(p, dtype=F64) for n, p in params.items() if n not in self._w})
+        torch._foreach_copy_([self._w[n] for n in params], [p.detach() for p in params.values()])
+        return self._w, self._stacks
+
+
+class Places:
+    """A check's places by row, (got, want, tol, extra) as ForwardCheck.classify reads them: built on a failure only."""
+
+    def __init__(self, place):
+        self.place = place
+
+    def __getitem__(self, j: int) -> tuple:
+        return self.place(j)
 
 
 def _rows(x):
