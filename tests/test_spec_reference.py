@@ -11,8 +11,9 @@ from model.config import ModelConfig, MoEConfig
 from model.transformer import Transformer
 from spec.check import SpecContext
 from spec.checks.forward import ForwardCheck
+from spec.checks.prefix import PrefixCheck
 from spec.probe import run_probe
-from spec.reference import Reference
+from spec.reference import Reference, weights_f64
 
 Z = 1e-3
 
@@ -77,3 +78,44 @@ def test_a_miswired_reference_is_not_the_chain_rules_gradient(cut, monkeypatch):
     list(fwd.layers(Reference(cfg, run.ref_w, run.bias), run))
     linearised = _grads(run.cache["objective"], run)
     assert max(_rel(g, run.grads[n]) for n, g in linearised.items()) > 1e-2
+
+
+def test_the_prefix_check_runs_the_blocks_as_one_group_with_the_forward_checks_figures():
+    """spec/checks/prefix.py feeds every block the input it took and runs them as one group of the reference (a
+    stacked op for all blocks): on an FP32 model's taken rows (GQA, a dense and two MoE blocks) its names, misses,
+    tolerances and the places classify() reads are the forward check's layers' — the same reference, one block at a
+    time — up to FP64's rounding of another order of sums."""
+    torch.manual_seed(1)
+    cfg = ModelConfig(vocab_size=37, seq_len=16, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, init_std=0.2,
+                      moe=MoEConfig(n_experts=4, top_k=2, expert_hidden=16, first_dense=1, every=1))
+    model = Transformer(cfg)
+    with torch.no_grad():  # every block's own gains (not the init's ones): a block fed another's weights differs
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    tokens, labels = torch.randint(1, 37, (1, 16)), torch.randint(0, 37, (1, 16))
+    run = run_probe(model, [SimpleNamespace(tokens=tokens, labels=labels)], None, Z, None, None, want_grads=False)
+    ctx = SpecContext(cfg=SimpleNamespace(parallel=SimpleNamespace(param_dtype="float32"),
+                                          train=SimpleNamespace(z_loss=Z)),
+                      model=model, model_cfg=cfg, wrapped=model, optimizer=None, loader=None, dataset=None, dist=None,
+                      recipe=SimpleNamespace(name="fp32"), scaler=None, evals=[])
+    prefix = PrefixCheck(ctx)
+    w, stacks = prefix._weights()
+    names, err, tol, places = prefix.rows(Reference(cfg, w, run.bias, stacks), run)
+    wired = list(ForwardCheck(ctx).layers(Reference(cfg, weights_f64(model), run.bias), run))[:-1]  # not the loss
+    assert names == [r[0] for r in wired]
+    want_err, want_tol = (torch.stack([r[i] for r in wired]) for i in (1, 2))
+    assert float(want_err[1:].min()) > 0 and float((err / tol).max()) < 1  # FP32's rounding, within the recipe's
+    assert bool(((err - want_err).abs() <= 1e-8 * want_err).all())  # the embedding's a gather: 0 on both sides
+    assert float(((tol - want_tol) / want_tol).abs().max()) < 1e-12
+    for j, (name, *_, (got, want, t, extra)) in enumerate(wired):
+        g_got, g_want, g_t, g_extra = places[j]
+        if "pairs" in extra:
+            assert torch.allclose(g_extra["ratios"], extra["ratios"], rtol=1e-8, atol=0), name
+            continue
+        assert torch.equal(g_got.to(want.dtype), got.to(want.dtype)), name
+        assert _rel(g_want, want) < 1e-14 and _rel(g_t, t) < 1e-12, name
+        if "attention" in extra:  # the leak rule's unmasked attention
+            assert _rel(g_extra["attention"](False), extra["attention"](False)) < 1e-14, name
+        if "moe" in extra:
+            assert torch.equal(g_extra["moe"].ids, extra["moe"].ids) and _rel(g_extra["moe"].y, extra["moe"].y) < 1e-14
