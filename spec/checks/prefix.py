@@ -30,6 +30,7 @@ from torch import Tensor
 
 from spec.check import BEFORE, STEP
 from spec.checks.forward import ForwardCheck, logit_bound
+from spec.checks.state import module_state
 from spec.probe import ProbeRun, Taken, kept_layers, routing
 from spec.reference import F64, IGNORE, Reference, rms_norm
 from spec.tolerance import LAMBDA, u
@@ -158,7 +159,7 @@ class PrefixCheck(ForwardCheck):
         """Every parameter by name in FP64, copied into buffers kept from step to step (one foreach copy, nothing
         allocated: the step's weights are a few MB of FP64 each step); and the blocks' weights of one name and shape
         stacked (the groups of Reference.layer: each block's buffer a view of its group's, so one copy fills both)."""
-        params = dict(self.ctx.model.named_parameters())
+        params = dict(module_state(self.ctx.model)[0])  # named_parameters(), from a plain walk (spec/checks/state.py)
         shapes = [(n, p.shape, p.device) for n, p in params.items()]
         if getattr(self, "_shapes", None) != shapes:
             self._shapes, self._w, self._stacks = shapes, {}, {}
