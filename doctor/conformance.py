@@ -11,7 +11,8 @@ first positions).
 
 A check that runs on reference steps only (the FP64 reference's: every spec.every steps) finds a fault up to
 spec.every − 1 steps after it began. Where the check declares a per-step series of its places (its "series": the
-forward check's, every layer's output RMS; the gradient check's, every parameter's gradient norm), the failure is
+forward check's, every layer's output RMS; the exact check's, every layer's miss on the steps between, which the
+prefix check records; the gradient check's, every parameter's gradient norm), the failure is
 dated within (the step it last held, the step it failed]: at the step from which the failing place's log series
 stands off its course by a step that lasts to the failure (a parabola fitted with the step over the 2·gap steps
 before the gap and the gap's own: a smooth trend is the parabola, `level_shift`) — when it clears the prediction

@@ -89,7 +89,9 @@ BETWEEN = {"route_flip": FAULTS["route_flip"], "mlp_bf16": ("precision", "block0
 # from STEP on, for a check that runs every few steps: tests/test_spec.py dates it
 SUSTAINED = {"attn_x3_on": ("forward", "block1.attn", "scaled"),
              "attn_bf16_on": ("forward", "block1.attn", "precision"),  # q, k, v in bf16: the output RMS as it was
-             "grad_hook_on": ("gradient", "blocks.0.attn.qkv.weight", "scaled")}
+             "grad_hook_on": ("gradient", "blocks.0.attn.qkv.weight", "scaled"),
+             # q and k in bf16: within the FP32 recipe's bound (only the exact check fails), the output RMS as it was
+             "attn_qk_bf16_on": ("exact", "block1.attn", "precision")}
 
 
 class Clock:
@@ -158,7 +160,8 @@ def plant(name: str, S: int) -> None:
                     return out * float("nan")
                 return None
             self.blocks[0].mlp.register_forward_hook(nan)
-        if name in ("attn_bf16", "attn_bf16_on", "attn_temp", "attn_qk_fp16", "attn_temp_small"):  # block1's q, k, v
+        if name in ("attn_bf16", "attn_bf16_on", "attn_temp", "attn_qk_fp16", "attn_qk_bf16_on",
+                    "attn_temp_small"):  # block1's q, k, v
             attn, qk = self.blocks[1].attn, self.blocks[1].attn.qk
             on = (lambda: torch.is_grad_enabled() and Clock.step >= S) if name.endswith("_on") else at
 
@@ -170,6 +173,8 @@ def plant(name: str, S: int) -> None:
                     return q * (1.1 if name == "attn_temp" else 1.001), k_, v
                 if name == "attn_qk_fp16":
                     return q.half().to(q.dtype), k_.half().to(k_.dtype), v
+                if name == "attn_qk_bf16_on":
+                    return q.bfloat16().to(q.dtype), k_.bfloat16().to(k_.dtype), v
                 return q.bfloat16().float(), k_.bfloat16().float(), v.bfloat16().float()
             attn.qk = changed
         if name == "attn_next":

@@ -109,7 +109,9 @@ def test_a_fault_between_reference_steps_is_found_or_dated_at_its_onset(tmp_path
     every step between), whether or not it moves the layer's output RMS (q, k and v rounded to bf16 do not), and the
     reference checks run there on demand: the forward check names and classes it at 13, the prefix check carries it
     at 14 and 16, and the doctor reads one incident, from 13. A gradient's fault fails the gradient check at 15, and
-    the doctor dates it at 13, where the parameter's gradient norm shifted (the check held at 10)."""
+    the doctor dates it at 13, where the parameter's gradient norm shifted (the check held at 10); a rounding within
+    the recipe's bound (q and k in bf16) fails the exact check at 15, and the doctor dates it at 13, where the layer's
+    miss on the prefix's positions left FP32's level."""
     base = [o for o in PLANTED if not o.startswith(("spec.every=", "train.steps="))]
     recs = plant(tmp_path, fault, base=[*base, "spec.every=5", "train.steps=16"], step=13)
     failed = {r["step"]: first_failure(r) for r in recs if first_failure(r)}

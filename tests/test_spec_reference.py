@@ -101,7 +101,7 @@ def test_the_prefix_check_runs_the_blocks_as_one_group_with_the_forward_checks_f
                       recipe=SimpleNamespace(name="fp32"), scaler=None, evals=[])
     prefix = PrefixCheck(ctx)
     w, stacks = prefix._weights()
-    names, err, tol, places = prefix.rows(Reference(cfg, w, run.bias, stacks), run)
+    names, err, tol, _, places = prefix.rows(Reference(cfg, w, run.bias, stacks), run)
     wired = list(ForwardCheck(ctx).layers(Reference(cfg, weights_f64(model), run.bias), run))[:-1]  # not the loss
     assert names == [r[0] for r in wired]
     want_err, want_tol = (torch.stack([r[i] for r in wired]) for i in (1, 2))

@@ -28,7 +28,9 @@ U64 = u(torch.float64)
 class ExactCheck(Check):
     name, layer, cadence, phase = "exact", FORWARD, REFERENCE, AFTER
     rank = 21  # after the forward check, whose reference outputs it reads
-    onset_series = "out_rms"
+    # its failures between reference steps leave the layers' output RMS as it was: dated by each layer's miss on the
+    # steps between (spec/checks/prefix.py), which such a rounding moves from FP32's to its own
+    onset_series = "prefix_err"
     doc = "each layer's module rerun in FP64 on the training path's input against the FP64 reference at that input"
     kinds = {
         "mismatch": Kind("numerics.mismatch", "the named layer's module computes another function than its math, "

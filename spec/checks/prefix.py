@@ -91,12 +91,16 @@ class PrefixCheck(ForwardCheck):
         ids, bias = routing(model, taken)
         w, stacks = self._weights()
         run = ProbeRun(mb.tokens[:1, :PREFIX_TOKENS], mb.labels[:1, :PREFIX_TOKENS], taken, {}, None, ids, w, bias)
-        names, err, tol, self.places = self.rows(Reference(c, w, bias, stacks), run)
+        names, err, tol, scale, self.places = self.rows(Reference(c, w, bias, stacks), run)
         self.measure(err, tol, where=names)
+        # every layer's miss relative to its output, every step between the reference steps: the series that dates a
+        # failure of the exact check (a rounding inside a module that stays within the recipe's bound, which no
+        # check between the reference steps fails, moves it by orders of magnitude: doctor/conformance.py)
+        self.extra["prefix_err"] = (names, err / scale.clamp(min=1e-300))
 
     @torch.no_grad()
-    def rows(self, ref: Reference, run: ProbeRun) -> tuple[list[str], Tensor, Tensor, "Places"]:
-        """The forward check's layers (its names, misses and tolerances, spec/checks/forward.py) on the kept rows,
+    def rows(self, ref: Reference, run: ProbeRun) -> tuple[list[str], Tensor, Tensor, Tensor, "Places"]:
+        """The forward check's layers (its names, misses, tolerances and scales, spec/checks/forward.py) on the kept rows,
         every block at once: each is fed its own input here (no gradient wires them), so the blocks' attentions are
         one group of the reference (row i of the group, block i on its input: spec/reference.py Reference.layer),
         and so are the dense MLPs, the norms and the comparisons — an op a group where the forward check's layers
@@ -132,8 +136,8 @@ class PrefixCheck(ForwardCheck):
         mlps = self.compare(m_out, mlp, rel_mlp, rows=True)
         rel_norm = torch.full_like(rel_attn, self.norm_tolerance())
         blocks = self.block_composition(x_in, a_in, a_out, m_in, m_out, x_out, n1, n2, rel_norm, [], rows=True)
-        err, tol = (torch.cat([emb[j].reshape(1), torch.stack([attns[j], mlps[j], blocks[j]], 1).reshape(-1)])
-                    for j in (0, 1))
+        err, tol, scale = (torch.cat([emb[j].reshape(1), torch.stack([attns[j], mlps[j], blocks[j]], 1).reshape(-1)])
+                           for j in (0, 1, 2))
         names = ["emb", *(f"block{i}{part}" for i in every for part in (".attn", ".mlp", ""))]
 
         def place(j: int) -> tuple:  # row j's (got, want, tol, extra), as the forward check's layers give it
@@ -151,7 +155,7 @@ class PrefixCheck(ForwardCheck):
             return None, None, None, {"pairs": [(g[one], w[one], rel[i]) for g, w, rel in box["pairs"]],
                                       "tols": [t[i] for t in box["tols"]], "ratios": box["ratios"][:, i],
                                       "reruns": [None] * 3}
-        return names, err, tol, Places(place)
+        return names, err, tol, scale, Places(place)
 
     def after_update(self, s) -> None: ...
 
