@@ -144,7 +144,8 @@ class Reference:
             k = rms_norm(k, self.gain(i, "attn.k_norm.weight", k), c.norm_eps)
         return q, k, v
 
-    def attention(self, i: int | tuple[int, ...], x_BTD: Tensor, causal: bool = True, keep: dict | None = None) -> Tensor:
+    def attention(self, i: int | tuple[int, ...], x_BTD: Tensor, causal: bool = True,
+                  keep: dict | None = None) -> Tensor:
         """Attn of block i on its (already normed) input; keep: given, the q and k before RoPE are left in it."""
         c = self.cfg
         H, K, d = c.n_heads, c.kv_heads, c.head_dim
