@@ -23,6 +23,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+from einops import rearrange
 from torch import Tensor
 
 from model.config import ModelConfig
@@ -36,12 +37,14 @@ def rms_norm(x: Tensor, gain: Tensor, eps: float) -> Tensor:
     return x / torch.sqrt(x.square().mean(-1, keepdim=True) + eps) * gain
 
 
-def rotate(x_BTHd: Tensor, theta: float) -> Tensor:
-    """RoPE: each pair (x[2i], x[2i+1]) at position t turned by the angle t·θ^(−2i/d)."""
-    T, d = x_BTHd.shape[1], x_BTHd.shape[-1]
-    cos, sin = _angles(T, d, theta, x_BTHd.device)
-    a, b = x_BTHd[..., 0::2], x_BTHd[..., 1::2]
-    return torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
+def rotate(x_BTHd: Tensor, theta: float, at: Tensor | None = None, T: int | None = None) -> Tensor:
+    """RoPE: each pair (x[2i], x[2i+1]) at position t turned by the angle t·θ^(−2i/d) — the pair as the complex
+    number x[2i] + i·x[2i+1], times e^(i·t·θ^(−2i/d)); at: the positions of x's rows (ascending, of a sequence of T),
+    where they are not 0, 1, ..."""
+    d = x_BTHd.shape[-1]
+    turn = _turns(x_BTHd.shape[1] if at is None else T, d, theta, x_BTHd.device)
+    pairs = torch.view_as_complex(rearrange(x_BTHd, "... (f two) -> ... f two", two=2).contiguous())
+    return rearrange(torch.view_as_real(pairs * (turn if at is None else turn[at])), "... f two -> ... (f two)")
 
 
 _ANGLES: dict[tuple, tuple[Tensor, Tensor]] = {}
@@ -55,6 +58,17 @@ def _angles(T: int, d: int, theta: float, device) -> tuple[Tensor, Tensor]:
         angle_TF = torch.arange(T, dtype=F64, device=device)[:, None] * freq[None, :]
         _ANGLES[key] = (angle_TF.cos()[:, None, :], angle_TF.sin()[:, None, :])
     return _ANGLES[key]
+
+
+_TURNS: dict[tuple, Tensor] = {}
+
+
+def _turns(T: int, d: int, theta: float, device) -> Tensor:
+    """e^(i·t·θ^(−2i/d)), (T, 1, d/2), complex128 (cached as the angles)."""
+    key = (T, d, theta, str(device))
+    if key not in _TURNS:
+        _TURNS[key] = torch.complex(*_angles(T, d, theta, device))
+    return _TURNS[key]
 
 
 _FUTURE: dict[tuple, Tensor] = {}
@@ -131,35 +145,41 @@ class Reference:
     def embed(self, tokens_BT: Tensor) -> Tensor:
         return self.p("tok_emb.weight")[tokens_BT]
 
-    def qk_v(self, i: int | tuple[int, ...], x_BTD: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def qk_v(self, i: int | tuple[int, ...], x_BTD: Tensor, at: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """Block i's queries, keys and values on its (already normed) input, (B, T, heads, d): q and k QK-normed,
-        before RoPE."""
+        before RoPE; at: the queries at those positions only (every position's keys and values)."""
         c = self.cfg
         H, K, d = c.n_heads, c.kv_heads, c.head_dim
-        B, T, _ = x_BTD.shape
-        qkv = (x_BTD @ self.layer(i, "attn.qkv.weight").mT).reshape(B, T, H + 2 * K, d)
-        q, k, v = qkv.split([H, K, K], dim=2)
+        w = self.layer(i, "attn.qkv.weight")
+        if at is None:
+            q, k, v = rearrange(x_BTD @ w.mT, "b t (h d) -> b t h d", d=d).split([H, K, K], dim=2)
+        else:  # the rows of the fused product apart: a query row's FLOPs on the queried positions alone
+            q = rearrange(x_BTD[:, at] @ w[..., :H * d, :].mT, "b t (h d) -> b t h d", d=d)
+            k, v = rearrange(x_BTD @ w[..., H * d:, :].mT, "b t (h d) -> b t h d", d=d).split([K, K], dim=2)
         if c.qk_norm:
             q = rms_norm(q, self.gain(i, "attn.q_norm.weight", q), c.norm_eps)
             k = rms_norm(k, self.gain(i, "attn.k_norm.weight", k), c.norm_eps)
         return q, k, v
 
     def attention(self, i: int | tuple[int, ...], x_BTD: Tensor, causal: bool = True,
-                  keep: dict | None = None) -> Tensor:
-        """Attn of block i on its (already normed) input; keep: given, the q and k before RoPE are left in it."""
+                  keep: dict | None = None, at: Tensor | None = None) -> Tensor:
+        """Attn of block i on its (already normed) input, a sequence from position 0; at: the output at those positions
+        only (ascending), each over every key the mask lets it read; keep: given, the q and k before RoPE are left in
+        it."""
         c = self.cfg
-        H, K, d = c.n_heads, c.kv_heads, c.head_dim
-        B, T, _ = x_BTD.shape
-        q, k, v = self.qk_v(i, x_BTD)
+        H, K = c.n_heads, c.kv_heads
+        T = x_BTD.shape[1]
+        q, k, v = self.qk_v(i, x_BTD, at)
         if keep is not None:
             keep["q"], keep["k"] = q.detach(), k.detach()
-        q, k = rotate(q, c.rope_theta), rotate(k, c.rope_theta)
+        q, k = rotate(q, c.rope_theta, at, T), rotate(k, c.rope_theta)
         # query head h reads kv head h // (H/K)
         k, v = k.repeat_interleave(H // K, dim=2), v.repeat_interleave(H // K, dim=2)
-        s_BHTS = torch.einsum("bthd,bshd->bhts", q, k) / math.sqrt(d)
+        s_BHTS = torch.einsum("bthd,bshd->bhts", q, k) / math.sqrt(c.head_dim)
         if causal:
-            s_BHTS = s_BHTS.masked_fill(_future(T, x_BTD.device), -math.inf)
-        y = torch.einsum("bhts,bshd->bthd", s_BHTS.softmax(-1), v).reshape(B, T, H * d)
+            future = _future(T, x_BTD.device)
+            s_BHTS = s_BHTS.masked_fill(future if at is None else future[at], -math.inf)
+        y = rearrange(torch.einsum("bhts,bshd->bthd", s_BHTS.softmax(-1), v), "b t h d -> b t (h d)")
         return y @ self.layer(i, "attn.proj_out.weight").mT
 
     def dense_mlp(self, i: int | tuple[int, ...], x: Tensor) -> Tensor:

@@ -121,3 +121,19 @@ def test_the_prefix_check_runs_the_blocks_as_one_group_with_the_forward_checks_f
             assert _rel(g_extra["attention"](False), extra["attention"](False)) < 1e-14, name
         if "moe" in extra:
             assert torch.equal(g_extra["moe"].ids, extra["moe"].ids) and _rel(g_extra["moe"].y, extra["moe"].y) < 1e-14
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_an_attention_at_some_positions_is_the_whole_rows_at_them(causal):
+    """The prefix check's attention (spec/checks/prefix.py) gives its output at a few positions of a row, every query
+    reading the keys of the whole row: equal, for a block and for a group of blocks, to the whole row's attention at
+    those positions (RoPE's angles and the mask's rows taken at them, not at 0, 1, ...)."""
+    torch.manual_seed(2)
+    cfg = ModelConfig(vocab_size=37, seq_len=16, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, init_std=0.2)
+    w = {n: p.detach().double() for n, p in Transformer(cfg).named_parameters()}
+    ref, at = Reference(cfg, w), torch.tensor([0, 1, 13, 15])
+    x = torch.randn(3, 16, 32, dtype=torch.float64)
+    for i, rows in ((1, x[1:2]), ((0, 1, 2), x)):
+        whole = ref.attention(i, rows, causal)
+        assert _rel(ref.attention(i, rows, causal, at=at), whole[:, at]) < 1e-14
+        assert _rel(ref.attention(i, rows, causal, at=at), whole[:, :4]) > 1e-3  # not the first positions'
