@@ -39,8 +39,8 @@ def rms_norm(x: Tensor, gain: Tensor, eps: float) -> Tensor:
 
 def rotate(x_BTHd: Tensor, theta: float, at: Tensor | None = None, T: int | None = None) -> Tensor:
     """RoPE: each pair (x[2i], x[2i+1]) at position t turned by the angle t·θ^(−2i/d) — the pair as the complex
-    number x[2i] + i·x[2i+1], times e^(i·t·θ^(−2i/d)); at: the positions of x's rows (ascending, of a sequence of T),
-    where they are not 0, 1, ..."""
+    number x[2i] + i·x[2i+1], times e^(i·t·θ^(−2i/d)); at: the positions of x's rows (ascending, of a sequence of
+    T), where they are not 0, 1, ..."""
     d = x_BTHd.shape[-1]
     turn = _turns(x_BTHd.shape[1] if at is None else T, d, theta, x_BTHd.device)
     pairs = torch.view_as_complex(rearrange(x_BTHd, "... (f two) -> ... f two", two=2).contiguous())
