@@ -91,7 +91,9 @@ SUSTAINED = {"attn_x3_on": ("forward", "block1.attn", "scaled"),
              "attn_bf16_on": ("forward", "block1.attn", "precision"),  # q, k, v in bf16: the output RMS as it was
              "grad_hook_on": ("gradient", "blocks.0.attn.qkv.weight", "scaled"),
              # q and k in bf16: within the FP32 recipe's bound (only the exact check fails), the output RMS as it was
-             "attn_qk_bf16_on": ("exact", "block1.attn", "precision")}
+             "attn_qk_bf16_on": ("exact", "block1.attn", "precision"),
+             # block1's attention reads the last 8 positions only: no output among the first 8 changes
+             "attn_window_on": ("forward", "block1.attn", "mismatch")}
 
 
 class Clock:
@@ -177,15 +179,18 @@ def plant(name: str, S: int) -> None:
                     return q.bfloat16().to(q.dtype), k_.bfloat16().to(k_.dtype), v
                 return q.bfloat16().float(), k_.bfloat16().float(), v.bfloat16().float()
             attn.qk = changed
-        if name == "attn_next":
+        if name in ("attn_next", "attn_window_on"):
             attn1, forward1 = self.blocks[1].attn, self.blocks[1].attn.forward
+            on = (lambda: torch.is_grad_enabled() and Clock.step >= S) if name.endswith("_on") else at
 
             def ahead(x, cos, sin, kv=None):
-                if not at():
+                if not on():
                     return forward1(x, cos, sin, kv=kv)
                 q, k_, v = attn1.qk(x, cos, sin)
                 T = q.shape[-2]
-                mask = torch.arange(T)[None, :] <= torch.arange(T)[:, None] + 1
+                s_, t_ = torch.arange(T)[None, :], torch.arange(T)[:, None]
+                # the next position too (a mask off by one), or the last 8 only (a sliding window in the kernel call)
+                mask = s_ <= t_ + 1 if name == "attn_next" else (s_ <= t_) & (s_ > t_ - 8)
                 y = torch.nn.functional.scaled_dot_product_attention(q, k_, v, attn_mask=mask,
                                                                      enable_gqa=attn1.n_kv_heads != attn1.n_heads)
                 return attn1.proj_out(y.transpose(1, 2).flatten(2))

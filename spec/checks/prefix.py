@@ -1,16 +1,18 @@
 """prefix: every layer of the step's own forward computes its math — on the steps between the reference steps, on
-the first PREFIX_TOKENS positions of row 0 of micro-batch 0 (the first of the probe's, spec/probe.py).
+HEAD + TAIL positions of row 0 of micro-batch 0: its first (the first of the probe's, spec/probe.py) and its last.
 
 The forward check (spec/checks/forward.py) holds every layer to the FP64 reference on reference steps only, every
-spec.every steps: a fault that begins between two of them shows at the next one, up to spec.every − 1 steps late,
-and a fault that leaves the layers' output RMS where it was (a rounding inside an attention, another ε in a norm,
-another activation) cannot be dated back from any per-step series. Yet the step's forward has already run the very
-positions the probe runs: causal attention makes a prefix of a sequence a sequence of its own, so what each layer
-took and gave on them is a probe run — without the probe's second forward. Forward hooks keep those rows (a copy of
-PREFIX_TOKENS rows a layer, the first call: not the recompute of activation checkpointing) and, before the update,
-the forward check's own comparisons — the same reference, tolerances and names — judge them: every layer is checked
-every step, the first failing step is the fault's, and the guard can refuse it. Each layer is fed what it took, so
-the blocks are independent here: the reference runs them as one group (rows), an op for all where the reference
+spec.every steps: a fault that begins between two of them shows at the next one, up to spec.every − 1 steps late, and a
+fault that leaves the layers' output RMS where it was (a rounding inside an attention, another ε in a norm, another
+activation) cannot be dated back from any per-step series. Yet the step's forward has already run the very positions the
+probe runs, and more: causal attention makes a prefix of a sequence a sequence of its own, and every layer but the
+attention is position by position, so what each layer took and gave on a few positions is a probe run — without the
+probe's second forward. The last positions read every key of the row, which the probe's 32 do not reach: a fault in how
+far an attention reads (a window) shows there. Forward hooks keep those rows (a copy of HEAD + TAIL rows a layer, and of
+an attention's whole input row, its keys'; the first call: not the recompute of activation checkpointing) and, before
+the update, the forward check's own comparisons — the same reference, tolerances and names — judge them: every layer is
+checked every step, the first failing step is the fault's, and the guard can refuse it. Each layer is fed what it took,
+so the blocks are independent here: the reference runs them as one group (rows), an op for all where the reference
 steps' wired layers run one a block.
 
 What the probe adds and this leaves to the reference steps: the loss (the step's loss sums the whole batch), the
@@ -36,11 +38,13 @@ from spec.reference import F64, IGNORE, Reference, rms_norm
 from spec.tolerance import LAMBDA, u
 
 
-# the first positions of row 0: every layer, head and expert's math on 8 tokens, RoPE's rotations by 0..7 positions
-# and the causal mask among them. NOTE: fewer than the probe's 32: every step, the FP64 matmuls (an MoE layer's every
-# expert on every row, spec/reference.py) cost as many times less; which positions a fault at a layer shows at is the
-# reference steps' to see, with the probe's
-PREFIX_TOKENS = 8
+# the positions of row 0 checked: the first HEAD and the last TAIL. Every layer, head and expert's math on 8 tokens;
+# RoPE's rotations by the smallest and the largest angles; the causal mask among the first, and each of the last
+# reading every key before it, so a fault in the attention's reach (a window, a mask that drops far keys) shows.
+# NOTE: 8 tokens, fewer than the probe's 32: every step, the FP64 matmuls (an MoE layer's every expert on every row,
+# spec/reference.py) cost as many times less; the last positions' keys and values are the one product over the
+# whole row
+HEAD, TAIL = 4, 4
 
 
 class PrefixCheck(ForwardCheck):
@@ -48,7 +52,8 @@ class PrefixCheck(ForwardCheck):
     rank = 23  # after the forward check's own (20, on demand at the same step), which classes the layer's miss
     family = "forward"
     onset_series = None
-    doc = "each layer's output on the step's own first positions against the FP64 reference, between reference steps"
+    doc = ("each layer's output on the step's own first and last positions against the FP64 reference, between "
+           "reference steps")
 
     @classmethod
     def applies(cls, ctx) -> bool:
@@ -65,12 +70,15 @@ class PrefixCheck(ForwardCheck):
                        if key != "norm"]
 
     def _keep(self, key: str):
+        whole = key.endswith(".attn")  # its every key: the whole row of its input
+
         def keep(module, args, out):
             if key in self.taken.io or not args or not torch.is_grad_enabled():  # the first training call only
                 return
             t0 = time.perf_counter()
             try:
-                self.taken.io[key] = (_rows(args[0]), _rows(out))
+                at = self.at(args[0].shape[1], args[0].device)
+                self.taken.io[key] = (args[0].detach()[:1].clone() if whole else _rows(args[0], at), _rows(out, at))
             except (IndexError, TypeError, AttributeError) as e:  # the step's forward goes on: the check fails
                 self._unread = f"{key}: {type(e).__name__}: {e}"
             self.seconds += time.perf_counter() - t0  # the step's time_s.spec counts it (spec/monitor.py took)
@@ -90,21 +98,30 @@ class PrefixCheck(ForwardCheck):
         mb = s.micro[0]
         ids, bias = routing(model, taken)
         w, stacks = self._weights()
-        run = ProbeRun(mb.tokens[:1, :PREFIX_TOKENS], mb.labels[:1, :PREFIX_TOKENS], taken, {}, None, ids, w, bias)
-        names, err, tol, scale, self.places = self.rows(Reference(c, w, bias, stacks), run)
+        at = self.at(mb.tokens.shape[1], mb.tokens.device)
+        run = ProbeRun(mb.tokens[:1, at], mb.labels[:1, at], taken, {}, None, ids, w, bias)
+        names, err, tol, scale, self.places = self.rows(Reference(c, w, bias, stacks), run, at)
         self.measure(err, tol, where=names)
         # every layer's miss relative to its output, every step between the reference steps: the series that dates a
         # failure of the exact check (a rounding inside a module that stays within the recipe's bound, which no
         # check between the reference steps fails, moves it by orders of magnitude: doctor/conformance.py)
         self.extra["prefix_err"] = (names, err / scale.clamp(min=1e-300))
 
+    def at(self, T: int, device) -> Tensor:
+        """The positions checked in a row of T (all of them where T ≤ HEAD + TAIL), ascending."""
+        if getattr(self, "_at", (None,))[0] != (T, device):
+            self._at = ((T, device), torch.tensor(sorted({*range(min(HEAD, T)), *range(max(T - TAIL, 0), T)}),
+                                                  device=device))
+        return self._at[1]
+
     @torch.no_grad()
-    def rows(self, ref: Reference, run: ProbeRun) -> tuple[list[str], Tensor, Tensor, Tensor, "Places"]:
+    def rows(self, ref: Reference, run: ProbeRun, at: Tensor) -> tuple[list[str], Tensor, Tensor, Tensor, "Places"]:
         """The forward check's layers (its names, misses, tolerances and scales, spec/checks/forward.py) on the kept rows,
         every block at once: each is fed its own input here (no gradient wires them), so the blocks' attentions are
         one group of the reference (row i of the group, block i on its input: spec/reference.py Reference.layer),
         and so are the dense MLPs, the norms and the comparisons — an op a group where the forward check's layers
-        run one a block. The MoE layers run one by one (their cost is their experts' FLOPs, not their ops')."""
+        run one a block. The MoE layers run one by one (their cost is their experts' FLOPs, not their ops'). The
+        rows are at positions `at` of the sequence; an attention's input, its whole row from position 0."""
         c, io = self.ctx.model_cfg, run.taken.io
         every = tuple(range(c.n_layers))
         dense = tuple(i for i in every if not ref.is_moe(i))
@@ -112,14 +129,15 @@ class PrefixCheck(ForwardCheck):
         def stacked(key: str, side: int, part=lambda v: v) -> Tensor:  # every block's (L, T, D), in FP64
             return torch.cat([part(io[f"block{i}{key}"][side]) for i in every]).to(F64)
         x_in, x_out = stacked("", 0), stacked("", 1, lambda v: v[0])
-        a_in, a_out = stacked(".attn", 0), stacked(".attn", 1)
+        a_row, a_out = stacked(".attn", 0), stacked(".attn", 1)
+        a_in = a_row[:, at]
         m_in, m_out = stacked(".mlp", 0), stacked(".mlp", 1, lambda v: v.y if hasattr(v, "y") else v)
         u_p = u(getattr(torch, self.ctx.cfg.parallel.param_dtype, torch.float32))
         emb = self.compare(io["emb"][1].to(F64), ref.embed(run.tokens), torch.full((), LAMBDA * u_p, dtype=F64))
 
         qk = {}
-        attn = ref.attention(every, a_in, keep=qk)
-        rel_attn = self.attn_tolerance(run.tokens.shape[1], logit_bound(qk["q"], qk["k"], rows=True))
+        attn = ref.attention(every, a_row, keep=qk, at=at)
+        rel_attn = self.attn_tolerance(a_row.shape[1], logit_bound(qk["q"], qk["k"], rows=True))
         mlp, rel_mlp, moe = torch.empty_like(m_out), torch.empty(len(every), dtype=F64, device=m_out.device), {}
         if dense:
             mlp[list(dense)] = ref.dense_mlp(dense, m_in[list(dense)])
@@ -147,7 +165,7 @@ class PrefixCheck(ForwardCheck):
             one = slice(i, i + 1)
             if part == 0:
                 return (a_out[one], attn[one], attns[1][i], {"rerun": None, "rel": rel_attn[i],
-                        "attention": lambda causal: ref.attention(i, a_in[one], causal)})
+                        "attention": lambda causal: ref.attention(i, a_row[one], causal, at=at)})
             if part == 1:
                 extra = {"rerun": None} if i in dense else {"rerun": None, "moe": moe[i], "rel": rel_mlp[i]}
                 return m_out[one], mlp[one], mlps[1][i], extra
@@ -190,14 +208,14 @@ class Places:
         return self.place(j)
 
 
-def _rows(x):
-    """The probe's rows of a layer's input or output (a block's (x, MoEOutput), an MoE layer's MoEOutput: its output
-    and its tokens' experts), copied: the step may write over its activations, and keeps no view of them alive."""
+def _rows(x, at: Tensor):
+    """The checked rows, row 0 at positions `at`, of a layer's input or output (a block's (x, MoEOutput), an MoE
+    layer's MoEOutput: its output and its tokens' experts), copied (an index is a gather): the step may write over its
+    activations, and keeps no view of them alive."""
     if torch.is_tensor(x):
-        return x.detach()[:1, :PREFIX_TOKENS].clone()
+        return x.detach()[:1, at]
     if isinstance(x, tuple) and hasattr(x, "route_ids_Nk"):
-        y = _rows(x.y)
-        return x._replace(y=y, route_ids_Nk=x.route_ids_Nk[:y.shape[1]].clone())  # (B·T, k): row 0's tokens first
+        return x._replace(y=_rows(x.y, at), route_ids_Nk=x.route_ids_Nk[at])  # (B·T, k): row 0's tokens first
     if isinstance(x, tuple):
-        return tuple(_rows(v) for v in x)
+        return tuple(_rows(v, at) for v in x)
     return x
