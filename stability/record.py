@@ -26,8 +26,9 @@ Record versions (`version`; a record without one is version 1):
        "ref_err" {layer: relative error of the training path against the FP64 reference} on reference steps,
        "out_rms" {layer: RMS of its output over the step's batch} every step (the series that dates a failure of a
        check that runs on reference steps only: its "series"), "prefix_err" {layer: ref_err's figure on the step's
-       first positions} on the steps between reference steps (the exact check's series); time_s["spec.<check>"]:
-       each check's host seconds this step, the monitor's own as "spec.monitor" (Σ = time_s["spec"]).
+       first and last positions} on the steps between reference steps (the exact check's series);
+       time_s["spec.<check>"]: each check's host seconds this step, the monitor's own as "spec.monitor"
+       (Σ = time_s["spec"]).
 """
 from __future__ import annotations
 

@@ -105,10 +105,10 @@ def test_a_step_that_fails_an_every_step_check_gets_its_reference_checks(tmp_pat
 @pytest.mark.parametrize("fault", list(SUSTAINED))
 def test_a_fault_between_reference_steps_is_found_or_dated_at_its_onset(tmp_path, fault):
     """The forward and gradient checks run on reference steps only (spec.every=5: steps 1, 5, 10, 15); a fault from
-    step 13 on. A layer's fault fails the prefix check at 13 (the forward's layers on the step's own first positions,
-    every step between), whether or not it moves the layer's output RMS (q, k and v rounded to bf16 do not), and the
-    reference checks run there on demand: the forward check names and classes it at 13, the prefix check carries it
-    at 14 and 16, and the doctor reads one incident, from 13. A gradient's fault fails the gradient check at 15, and
+    step 13 on. A layer's fault fails the prefix check at 13 (the forward's layers on the step's own first and last
+    positions, every step between), whether or not it moves the layer's output RMS (q, k and v rounded to bf16 do
+    not) or changes its first positions (a window), and the reference checks run there on demand: the forward check
+    names and classes it at 13, the prefix check carries it at 14 and 16, and the doctor reads one incident, from 13. A gradient's fault fails the gradient check at 15, and
     the doctor dates it at 13, where the parameter's gradient norm shifted (the check held at 10); a rounding within
     the recipe's bound (q and k in bf16) fails the exact check at 15, and the doctor dates it at 13, where the layer's
     miss on the prefix's positions left FP32's level."""
