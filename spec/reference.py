@@ -97,6 +97,16 @@ def swiglu(x: Tensor, w_gate_up: Tensor, w_down: Tensor, limit: float | None) ->
 
 
 @dataclass
+class Keys:
+    """The keys and values of a sequence an attention's rows are some positions of (Reference.attention): `at` the
+    rows' positions (ascending); k and v (B, S, kv heads, d) every position's, as the projection gives them (before
+    QK-norm and RoPE), the rows' own replaced by the reference's."""
+    at: Tensor
+    k: Tensor
+    v: Tensor
+
+
+@dataclass
 class MoEParts:
     """What a reference MoE layer computed on its rows (N = B·T), beside its output."""
     y: Tensor          # (N, D)
@@ -145,39 +155,38 @@ class Reference:
     def embed(self, tokens_BT: Tensor) -> Tensor:
         return self.p("tok_emb.weight")[tokens_BT]
 
-    def qk_v(self, i: int | tuple[int, ...], x_BTD: Tensor, at: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    def qk_v(self, i: int | tuple[int, ...], x_BTD: Tensor, keys: Keys | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """Block i's queries, keys and values on its (already normed) input, (B, T, heads, d): q and k QK-normed,
-        before RoPE; at: the queries at those positions only (every position's keys and values)."""
+        before RoPE; keys: x's rows are at positions keys.at of a longer sequence, whose other positions' keys and
+        values are keys.k and keys.v."""
         c = self.cfg
         H, K, d = c.n_heads, c.kv_heads, c.head_dim
-        w = self.layer(i, "attn.qkv.weight")
-        if at is None:
-            q, k, v = rearrange(x_BTD @ w.mT, "b t (h d) -> b t h d", d=d).split([H, K, K], dim=2)
-        else:  # the rows of the fused product apart: a query row's FLOPs on the queried positions alone
-            q = rearrange(x_BTD[:, at] @ w[..., :H * d, :].mT, "b t (h d) -> b t h d", d=d)
-            k, v = rearrange(x_BTD @ w[..., H * d:, :].mT, "b t (h d) -> b t h d", d=d).split([K, K], dim=2)
+        qkv = rearrange(x_BTD @ self.layer(i, "attn.qkv.weight").mT, "b t (h d) -> b t h d", d=d)
+        q, k, v = qkv.split([H, K, K], dim=2)
+        if keys is not None:
+            k, v = keys.k.index_copy(1, keys.at, k), keys.v.index_copy(1, keys.at, v)
         if c.qk_norm:
             q = rms_norm(q, self.gain(i, "attn.q_norm.weight", q), c.norm_eps)
             k = rms_norm(k, self.gain(i, "attn.k_norm.weight", k), c.norm_eps)
         return q, k, v
 
     def attention(self, i: int | tuple[int, ...], x_BTD: Tensor, causal: bool = True,
-                  keep: dict | None = None, at: Tensor | None = None) -> Tensor:
-        """Attn of block i on its (already normed) input, a sequence from position 0; at: the output at those positions
-        only (ascending), each over every key the mask lets it read; keep: given, the q and k before RoPE are left in
-        it."""
+                  keep: dict | None = None, keys: Keys | None = None) -> Tensor:
+        """Attn of block i on its (already normed) input, a sequence from position 0; keys: x's rows are at positions
+        keys.at (ascending) of a longer sequence, whose other keys and values are given, and each reads every key the
+        mask lets it; keep: given, the q and k before RoPE are left in it."""
         c = self.cfg
         H, K = c.n_heads, c.kv_heads
-        T = x_BTD.shape[1]
-        q, k, v = self.qk_v(i, x_BTD, at)
+        q, k, v = self.qk_v(i, x_BTD, keys)
         if keep is not None:
             keep["q"], keep["k"] = q.detach(), k.detach()
-        q, k = rotate(q, c.rope_theta, at, T), rotate(k, c.rope_theta)
+        at, S = (None, None) if keys is None else (keys.at, k.shape[1])
+        q, k = rotate(q, c.rope_theta, at, S), rotate(k, c.rope_theta)
         # query head h reads kv head h // (H/K)
         k, v = k.repeat_interleave(H // K, dim=2), v.repeat_interleave(H // K, dim=2)
         s_BHTS = torch.einsum("bthd,bshd->bhts", q, k) / math.sqrt(c.head_dim)
         if causal:
-            future = _future(T, x_BTD.device)
+            future = _future(k.shape[1], x_BTD.device)
             s_BHTS = s_BHTS.masked_fill(future if at is None else future[at], -math.inf)
         y = rearrange(torch.einsum("bhts,bshd->bthd", s_BHTS.softmax(-1), v), "b t h d -> b t (h d)")
         return y @ self.layer(i, "attn.proj_out.weight").mT

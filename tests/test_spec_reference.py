@@ -13,7 +13,7 @@ from spec.check import SpecContext
 from spec.checks.forward import ForwardCheck
 from spec.checks.prefix import PrefixCheck
 from spec.probe import run_probe
-from spec.reference import Reference, weights_f64
+from spec.reference import Keys, Reference, weights_f64
 
 Z = 1e-3
 
@@ -126,14 +126,19 @@ def test_the_prefix_check_runs_the_blocks_as_one_group_with_the_forward_checks_f
 @pytest.mark.parametrize("causal", [True, False])
 def test_an_attention_at_some_positions_is_the_whole_rows_at_them(causal):
     """The prefix check's attention (spec/checks/prefix.py) gives its output at a few positions of a row, every query
-    reading the keys of the whole row: equal, for a block and for a group of blocks, to the whole row's attention at
-    those positions (RoPE's angles and the mask's rows taken at them, not at 0, 1, ...)."""
+    reading the keys and values of the whole row (given): equal, for a block and for a group of blocks, to the whole
+    row's attention at those positions (RoPE's angles and the mask's rows taken at them, not at 0, 1, ...)."""
     torch.manual_seed(2)
     cfg = ModelConfig(vocab_size=37, seq_len=16, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, init_std=0.2)
     w = {n: p.detach().double() for n, p in Transformer(cfg).named_parameters()}
     ref, at = Reference(cfg, w), torch.tensor([0, 1, 13, 15])
     x = torch.randn(3, 16, 32, dtype=torch.float64)
     for i, rows in ((1, x[1:2]), ((0, 1, 2), x)):
+        kv = (rows @ ref.layer(i, "attn.qkv.weight")[..., 32:, :].mT).reshape(*rows.shape[:2], 4, 8)  # after q's 4·8
+        keys = Keys(at, *kv.split([2, 2], dim=2))
         whole = ref.attention(i, rows, causal)
-        assert _rel(ref.attention(i, rows, causal, at=at), whole[:, at]) < 1e-14
-        assert _rel(ref.attention(i, rows, causal, at=at), whole[:, :4]) > 1e-3  # not the first positions'
+        assert _rel(ref.attention(i, rows[:, at], causal, keys=keys), whole[:, at]) < 1e-14
+        assert _rel(ref.attention(i, rows[:, at], causal, keys=keys), whole[:, :4]) > 1e-3  # not the first positions'
+        # the keys between the rows are read: others there move the output
+        wrong = Keys(at, keys.k.roll(1, dims=1), keys.v)
+        assert _rel(ref.attention(i, rows[:, at], causal, keys=wrong), whole[:, at]) > 1e-3

@@ -9,11 +9,11 @@ probe runs, and more: causal attention makes a prefix of a sequence a sequence o
 attention is position by position, so what each layer took and gave on a few positions is a probe run — without the
 probe's second forward. The last positions read every key of the row, which the probe's 32 do not reach: a fault in how
 far an attention reads (a window) shows there. Forward hooks keep those rows (a copy of HEAD + TAIL rows a layer, and of
-an attention's whole input row, its keys'; the first call: not the recompute of activation checkpointing) and, before
-the update, the forward check's own comparisons — the same reference, tolerances and names — judge them: every layer is
-checked every step, the first failing step is the fault's, and the guard can refuse it. Each layer is fed what it took,
-so the blocks are independent here: the reference runs them as one group (rows), an op for all where the reference
-steps' wired layers run one a block.
+each attention's projection over the whole row, the keys and values its last positions read; the first call: not the
+recompute of activation checkpointing) and, before the update, the forward check's own comparisons — the same reference,
+tolerances and names — judge them: every layer is checked every step, the first failing step is the fault's, and the
+guard can refuse it. Each layer is fed what it took, so the blocks are independent here: the reference runs them as one
+group (rows), an op for all where the reference steps' wired layers run one a block.
 
 What the probe adds and this leaves to the reference steps: the loss (the step's loss sums the whole batch), the
 gradient, the layer reruns that tell a rounding from another function, the exact FP64 reruns. A failure here is
@@ -28,13 +28,14 @@ import re
 import time
 
 import torch
+from einops import rearrange
 from torch import Tensor
 
 from spec.check import BEFORE, STEP
 from spec.checks.forward import ForwardCheck, logit_bound
 from spec.checks.state import module_state
 from spec.probe import ProbeRun, Taken, kept_layers, routing
-from spec.reference import F64, IGNORE, Reference, rms_norm
+from spec.reference import F64, IGNORE, Keys, Reference, rms_norm
 from spec.tolerance import LAMBDA, u
 
 
@@ -42,8 +43,9 @@ from spec.tolerance import LAMBDA, u
 # RoPE's rotations by the smallest and the largest angles; the causal mask among the first, and each of the last
 # reading every key before it, so a fault in the attention's reach (a window, a mask that drops far keys) shows.
 # NOTE: 8 tokens, fewer than the probe's 32: every step, the FP64 matmuls (an MoE layer's every expert on every row,
-# spec/reference.py) cost as many times less; the last positions' keys and values are the one product over the
-# whole row
+# spec/reference.py) cost as many times less; the keys and values the last positions read between them are the
+# training path's own projection (PrefixCheck.keys): an FP64 one of the whole row costs T·D·2·K·d a block, more than
+# the rest of the check at nanoGPT's shape
 HEAD, TAIL = 4, 4
 
 
@@ -66,19 +68,23 @@ class PrefixCheck(ForwardCheck):
         if self.ctx.reference_step(s.step):  # the forward check's step: its probe checks the same positions
             return
         self.taken, self._unread = Taken(), None
-        self._hooks = [m.register_forward_hook(self._keep(key)) for key, m in kept_layers(self.ctx.model).items()
-                       if key != "norm"]
+        kept = {k: m for k, m in kept_layers(self.ctx.model).items() if k != "norm"}
+        kept.update({f"block{i}.attn.qkv": b.attn.qkv for i, b in enumerate(self.ctx.model.blocks)})
+        self._hooks = [m.register_forward_hook(self._keep(key)) for key, m in kept.items()]
 
     def _keep(self, key: str):
-        whole = key.endswith(".attn")  # its every key: the whole row of its input
-
         def keep(module, args, out):
             if key in self.taken.io or not args or not torch.is_grad_enabled():  # the first training call only
                 return
             t0 = time.perf_counter()
             try:
                 at = self.at(args[0].shape[1], args[0].device)
-                self.taken.io[key] = (args[0].detach()[:1].clone() if whole else _rows(args[0], at), _rows(out, at))
+                if key.endswith(".qkv"):  # its output over the whole row: the keys and values the last positions read
+                    self.taken.io[key] = (None, out.detach()[:1].clone())
+                elif key.endswith(".attn"):  # its input over the whole row, where a forward did not call the qkv (keys)
+                    self.taken.io[key] = (args[0].detach()[:1].clone(), _rows(out, at))
+                else:
+                    self.taken.io[key] = (_rows(args[0], at), _rows(out, at))
             except (IndexError, TypeError, AttributeError) as e:  # the step's forward goes on: the check fails
                 self._unread = f"{key}: {type(e).__name__}: {e}"
             self.seconds += time.perf_counter() - t0  # the step's time_s.spec counts it (spec/monitor.py took)
@@ -93,8 +99,8 @@ class PrefixCheck(ForwardCheck):
         if self._unread:  # a layer gave what no layer of the model's gives: a failure of this check (spec/monitor.py)
             raise ValueError(f"a layer's input or output is not the model's: {self._unread}")
         model, c = self.ctx.model, self.ctx.model_cfg
-        if len(taken.io) != 1 + 3 * c.n_layers:  # a forward these hooks did not see (a wrapper bypassing a module)
-            return
+        if len([k for k in taken.io if not k.endswith(".qkv")]) != 1 + 3 * c.n_layers:  # a forward these hooks did
+            return  # not see (a wrapper bypassing a module)
         mb = s.micro[0]
         ids, bias = routing(model, taken)
         w, stacks = self._weights()
@@ -130,13 +136,13 @@ class PrefixCheck(ForwardCheck):
             return torch.cat([part(io[f"block{i}{key}"][side]) for i in every]).to(F64)
         x_in, x_out = stacked("", 0), stacked("", 1, lambda v: v[0])
         a_row, a_out = stacked(".attn", 0), stacked(".attn", 1)
-        a_in = a_row[:, at]
+        a_in, keys = a_row[:, at], self.keys(ref, io, a_row, at)
         m_in, m_out = stacked(".mlp", 0), stacked(".mlp", 1, lambda v: v.y if hasattr(v, "y") else v)
         u_p = u(getattr(torch, self.ctx.cfg.parallel.param_dtype, torch.float32))
         emb = self.compare(io["emb"][1].to(F64), ref.embed(run.tokens), torch.full((), LAMBDA * u_p, dtype=F64))
 
         qk = {}
-        attn = ref.attention(every, a_row, keep=qk, at=at)
+        attn = ref.attention(every, a_in, keep=qk, keys=keys)
         rel_attn = self.attn_tolerance(a_row.shape[1], logit_bound(qk["q"], qk["k"], rows=True))
         mlp, rel_mlp, moe = torch.empty_like(m_out), torch.empty(len(every), dtype=F64, device=m_out.device), {}
         if dense:
@@ -165,7 +171,8 @@ class PrefixCheck(ForwardCheck):
             one = slice(i, i + 1)
             if part == 0:
                 return (a_out[one], attn[one], attns[1][i], {"rerun": None, "rel": rel_attn[i],
-                        "attention": lambda causal: ref.attention(i, a_row[one], causal, at=at)})
+                        "attention": lambda causal: ref.attention(i, a_in[one], causal,
+                                                                  keys=Keys(at, keys.k[one], keys.v[one]))})
             if part == 1:
                 extra = {"rerun": None} if i in dense else {"rerun": None, "moe": moe[i], "rel": rel_mlp[i]}
                 return m_out[one], mlp[one], mlps[1][i], extra
@@ -174,6 +181,21 @@ class PrefixCheck(ForwardCheck):
                                       "tols": [t[i] for t in box["tols"]], "ratios": box["ratios"][:, i],
                                       "reruns": [None] * 3}
         return names, err, tol, scale, Places(place)
+
+    def keys(self, ref: Reference, io: dict, a_row: Tensor, at: Tensor) -> Keys:
+        """Every block's keys and values over row 0, (L, T, K, d) before QK-norm and RoPE: the projection the step's
+        forward made (the qkv module's output), whose rows at `at` the reference's attention makes again itself. The
+        rows in between are the training path's own, as each layer's input is: what the last positions' attention is
+        held to is how it reads them (a window, a mask); the projection is held on the rows at `at`. An FP64 product
+        of the whole row only where a forward did not call the module."""
+        c = self.ctx.model_cfg
+        every, skip = range(c.n_layers), c.n_heads * c.head_dim
+        if all(f"block{i}.attn.qkv" in io for i in every):
+            kv = torch.cat([io[f"block{i}.attn.qkv"][1][..., skip:] for i in every]).to(F64)
+        else:
+            kv = a_row @ ref.layer(tuple(every), "attn.qkv.weight")[:, skip:].mT
+        k, v = rearrange(kv, "l t (h d) -> l t h d", d=c.head_dim).split([c.kv_heads, c.kv_heads], dim=2)
+        return Keys(at, k, v)
 
     def after_update(self, s) -> None: ...
 
