@@ -127,7 +127,7 @@ class PrefixCheck(ForwardCheck):
         one group of the reference (row i of the group, block i on its input: spec/reference.py Reference.layer),
         and so are the dense MLPs, the norms and the comparisons — an op a group where the forward check's layers
         run one a block. The MoE layers run one by one (their cost is their experts' FLOPs, not their ops'). The
-        rows are at positions `at` of the sequence; an attention's input, its whole row from position 0."""
+        rows are at positions `at` of the sequence (an attention's input kept whole: PrefixCheck.keys)."""
         c, io = self.ctx.model_cfg, run.taken.io
         every = tuple(range(c.n_layers))
         dense = tuple(i for i in every if not ref.is_moe(i))
@@ -135,15 +135,15 @@ class PrefixCheck(ForwardCheck):
         def stacked(key: str, side: int, part=lambda v: v) -> Tensor:  # every block's (L, T, D), in FP64
             return torch.cat([part(io[f"block{i}{key}"][side]) for i in every]).to(F64)
         x_in, x_out = stacked("", 0), stacked("", 1, lambda v: v[0])
-        a_row, a_out = stacked(".attn", 0), stacked(".attn", 1)
-        a_in, keys = a_row[:, at], self.keys(ref, io, a_row, at)
+        a_in, a_out = stacked(".attn", 0, lambda v: v[:, at]), stacked(".attn", 1)
+        keys = self.keys(ref, io, at)
         m_in, m_out = stacked(".mlp", 0), stacked(".mlp", 1, lambda v: v.y if hasattr(v, "y") else v)
         u_p = u(getattr(torch, self.ctx.cfg.parallel.param_dtype, torch.float32))
         emb = self.compare(io["emb"][1].to(F64), ref.embed(run.tokens), torch.full((), LAMBDA * u_p, dtype=F64))
 
         qk = {}
         attn = ref.attention(every, a_in, keep=qk, keys=keys)
-        rel_attn = self.attn_tolerance(a_row.shape[1], logit_bound(qk["q"], qk["k"], rows=True))
+        rel_attn = self.attn_tolerance(keys.k.shape[1], logit_bound(qk["q"], qk["k"], rows=True))
         mlp, rel_mlp, moe = torch.empty_like(m_out), torch.empty(len(every), dtype=F64, device=m_out.device), {}
         if dense:
             mlp[list(dense)] = ref.dense_mlp(dense, m_in[list(dense)])
@@ -182,17 +182,18 @@ class PrefixCheck(ForwardCheck):
                                       "reruns": [None] * 3}
         return names, err, tol, scale, Places(place)
 
-    def keys(self, ref: Reference, io: dict, a_row: Tensor, at: Tensor) -> Keys:
+    def keys(self, ref: Reference, io: dict, at: Tensor) -> Keys:
         """Every block's keys and values over row 0, (L, T, K, d) before QK-norm and RoPE: the projection the step's
         forward made (the qkv module's output), whose rows at `at` the reference's attention makes again itself. The
         rows in between are the training path's own, as each layer's input is: what the last positions' attention is
         held to is how it reads them (a window, a mask); the projection is held on the rows at `at`. An FP64 product
-        of the whole row only where a forward did not call the module."""
+        of the whole row (the attention's input, kept whole) only where a forward did not call the module."""
         c = self.ctx.model_cfg
         every, skip = range(c.n_layers), c.n_heads * c.head_dim
         if all(f"block{i}.attn.qkv" in io for i in every):
             kv = torch.cat([io[f"block{i}.attn.qkv"][1][..., skip:] for i in every]).to(F64)
         else:
+            a_row = torch.cat([io[f"block{i}.attn"][0] for i in every]).to(F64)
             kv = a_row @ ref.layer(tuple(every), "attn.qkv.weight")[:, skip:].mT
         k, v = rearrange(kv, "l t (h d) -> l t h d", d=c.head_dim).split([c.kv_heads, c.kv_heads], dim=2)
         return Keys(at, k, v)
