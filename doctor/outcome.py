@@ -1,5 +1,5 @@
 """The run's outcome, after each incident is judged (doctor/judge.py): on a segment whose steps ran their
-specification checks, `outcome` turns a natural incident into a **recipe instability** where
+specification checks, up to the first that failed (what follows is the fault's), `outcome` turns a natural incident into a **recipe instability** where
   damage       a source's loss against its floor (or the loss, without one) ends the run above the best level it
                held, beyond its noise: lasting damage, or divergence;
   recurrence   the loss spikes more often than the run has sources — each source's circuit forms once (a phase
@@ -93,6 +93,13 @@ def outcome(ctx: Context, incidents: list) -> list[tuple[object, str, str, dict]
     if not series or not checked or not all((r.get("spec") or {}).get("miss") for r in checked):
         return found
     dyn = [i for i in incidents if i.judgement.verdict != FAULT]
+    # the steps from a failed check on are the fault's (doctor/conformance.py names it): the spikes after it and the
+    # level it leaves are its consequences, not the recipe's, so the outcome is judged on the steps before it
+    broke = next((r["step"] for r in checked if (r.get("spec") or {}).get("fail")), None)
+    if broke is not None:
+        last = broke - 1
+        series = {q: {t: v for t, v in g.items() if t < broke} for q, g in series.items()}
+        dyn = [i for i in dyn if i.step < broke]
     # damage: the end level above the best level held before, over every candidate level (~ scored steps / w
     # independent ones) of every objective series
     tests = max(len(series) * max((last - start) // max(w, 1), 1), 1)
@@ -131,10 +138,10 @@ def outcome(ctx: Context, incidents: list) -> list[tuple[object, str, str, dict]
                       f"{', '.join(str(i.step) for i in spikes)}), more than the run's {len(series)} source(s) can "
                       f"each spike once as its circuit forms: the recipe spikes again and again",
                       {"steps": [i.step for i in spikes]}))
-    return found + stall(ctx, series, dyn)
+    return found + stall(ctx, series, dyn, last)
 
 
-def stall(ctx: Context, series: dict, dyn: list) -> list:
+def stall(ctx: Context, series: dict, dyn: list, last: int) -> list:
     """A source held far above its floor after an incident, on a recipe moved to its unstable side of its default
     (doctor/levers.py): the default learns this data; this recipe stopped. "Held far": its gap to the floor stayed
     above half what it was at the incident — half beyond its noise — for as long after the incident as the run had
@@ -149,7 +156,7 @@ def stall(ctx: Context, series: dict, dyn: list) -> list:
     moved = [lv.name for lv in LEVERS.values() if lv.unstable(ctx.run.config, default)]
     if not moved:
         return []
-    w, last = ctx.window, ctx.seg[-1]["step"]
+    w = ctx.window
     tests = max(len(series) * len(dyn), 1)
     for inc in dyn:
         if last - inc.step < inc.step:
@@ -175,16 +182,16 @@ def stall(ctx: Context, series: dict, dyn: list) -> list:
                          f"had trained before it; {end:+.3f} at the end), on a recipe moved to its unstable side of "
                          f"its default ({', '.join(moved)}): a stall the default recipe does not have",
                          {"series": q, "before": before, "end": end, "reached": reached, "levers": moved})]
-    return held_from_start(ctx, series, moved, default)
+    return held_from_start(ctx, series, moved, default, last)
 
 
-def held_from_start(ctx: Context, series: dict, moved: list[str], default: dict) -> list:
+def held_from_start(ctx: Context, series: dict, moved: list[str], default: dict, last: int) -> list:
     """A recipe that breaks the model before any detector has a baseline leaves no incident: the run's start stands
     in for it. A source that never gets down to half the gap of its first window, in a run at least as long as its
     default recipe's (the length in which the default learns this data), is held: a stall with an incident of its
     own at the end of that first window."""
     from doctor.levers import get
-    w, last = ctx.window, ctx.seg[-1]["step"]
+    w = ctx.window
     length = get(default, "train.steps")
     if not isinstance(length, int) or last < length:
         return []

@@ -89,19 +89,28 @@ def test_a_natural_spike_says_which_checks_did_not_look_at_its_step(tmp_path, fl
     assert named != flagged and ("every step conformed" in inc[0]["reason"]) == flagged, inc[0]["reason"]
 
 
-@pytest.mark.parametrize("recurring", [False, True])
+@pytest.mark.parametrize("recurring", [False, True, "after a fault"])
 def test_a_loss_that_spikes_again_and_again_is_a_recipe_instability(tmp_path, recurring):
     """Conforming steps, two sources: one loss spike that returns is natural; four of them (more than the run's
-    sources can each spike once as its circuit forms) are the recipe spiking again and again."""
+    sources can each spike once as its circuit forms) are the recipe spiking again and again — unless the three
+    after the first come after a check failed (one rank's LR off from step 90 on): those are the fault's, and the
+    first spike stays natural beside the fault's headline."""
     at = (70, 100, 130, 160) if recurring else (70,)
 
     def tweak(t, r):
         conforming(r)
+        if recurring == "after a fault" and t >= 90:
+            r["spec"]["fail"] = [{"check": "lr", "kind": "rank", "class": "system.rank_divergence", "layer": "system",
+                                  "where": "no_decay", "rank": 1, "err": 2e-3, "tol": 2e-15, "miss": 1e12,
+                                  "fix": "every rank's optimizer on the schedule", "series": None}]
         for a in at:
             spike(t, r, at=a)
     rep = doctor(fake_run(tmp_path, n=200, tweak=tweak), plots=False)
     got = [(i["step"], i["judgement"]) for i in rep["incidents"]]
-    if recurring:
+    if recurring == "after a fault":
+        assert rep["class"] == "system.rank_divergence" and rep["earliest"]["step"] == 90, (rep["summary"], got)
+        assert (70, "natural") in got and "instability" not in {j for _, j in got}, got
+    elif recurring:
         assert rep["class"] == "recipe.instability" and rep["earliest"]["step"] == 70, (rep["summary"], got)
         assert "again and again" in rep["summary"]
     else:
