@@ -1,5 +1,6 @@
 """The run's outcome, after each incident is judged (doctor/judge.py): on a segment whose steps ran their
-specification checks, up to the first that failed (what follows is the fault's), `outcome` turns a natural incident into a **recipe instability** where
+specification checks, up to the first that failed (what follows is the fault's), `outcome` turns a natural incident
+into a **recipe instability** where
   damage       a source's loss against its floor (or the loss, without one) ends the run above the best level it
                held, beyond its noise: lasting damage, or divergence;
   recurrence   the loss spikes more often than the run has sources — each source's circuit forms once (a phase
