@@ -79,9 +79,12 @@ class PrefixCheck(ForwardCheck):
             t0 = time.perf_counter()
             try:
                 at = self.at(args[0].shape[1], args[0].device)
-                if key.endswith(".qkv"):  # its output over the whole row: the keys and values the last positions read
-                    self.taken.io[key] = (None, out.detach()[:1].clone())
-                elif key.endswith(".attn"):  # its input over the whole row, where a forward did not call the qkv (keys)
+                # a qkv projection: its keys and values (past q's columns) over the whole row, which the last positions
+                # read; an attention that did not call it: its input over the whole row instead (PrefixCheck.keys)
+                if key.endswith(".qkv"):
+                    skip = self.ctx.model_cfg.n_heads * self.ctx.model_cfg.head_dim
+                    self.taken.io[key] = (None, out.detach()[:1, :, skip:].clone())
+                elif key.endswith(".attn") and key + ".qkv" not in self.taken.io:
                     self.taken.io[key] = (args[0].detach()[:1].clone(), _rows(out, at))
                 else:
                     self.taken.io[key] = (_rows(args[0], at), _rows(out, at))
@@ -135,7 +138,7 @@ class PrefixCheck(ForwardCheck):
         def stacked(key: str, side: int, part=lambda v: v) -> Tensor:  # every block's (L, T, D), in FP64
             return torch.cat([part(io[f"block{i}{key}"][side]) for i in every]).to(F64)
         x_in, x_out = stacked("", 0), stacked("", 1, lambda v: v[0])
-        a_in, a_out = stacked(".attn", 0, lambda v: v[:, at]), stacked(".attn", 1)
+        a_in, a_out = stacked(".attn", 0, lambda v: v if v.shape[1] == len(at) else v[:, at]), stacked(".attn", 1)
         keys = self.keys(ref, io, at)
         m_in, m_out = stacked(".mlp", 0), stacked(".mlp", 1, lambda v: v.y if hasattr(v, "y") else v)
         u_p = u(getattr(torch, self.ctx.cfg.parallel.param_dtype, torch.float32))
@@ -187,14 +190,16 @@ class PrefixCheck(ForwardCheck):
         forward made (the qkv module's output), whose rows at `at` the reference's attention makes again itself. The
         rows in between are the training path's own, as each layer's input is: what the last positions' attention is
         held to is how it reads them (a window, a mask); the projection is held on the rows at `at`. An FP64 product
-        of the whole row (the attention's input, kept whole) only where a forward did not call the module."""
+        of the whole row (the attention's input, kept whole then) only for a block whose forward did not call it."""
         c = self.ctx.model_cfg
-        every, skip = range(c.n_layers), c.n_heads * c.head_dim
-        if all(f"block{i}.attn.qkv" in io for i in every):
-            kv = torch.cat([io[f"block{i}.attn.qkv"][1][..., skip:] for i in every]).to(F64)
-        else:
-            a_row = torch.cat([io[f"block{i}.attn"][0] for i in every]).to(F64)
-            kv = a_row @ ref.layer(tuple(every), "attn.qkv.weight")[:, skip:].mT
+        skip = c.n_heads * c.head_dim
+
+        def block(i: int) -> Tensor:
+            got = io.get(f"block{i}.attn.qkv")
+            if got is not None:
+                return got[1].to(F64)
+            return io[f"block{i}.attn"][0].to(F64) @ ref.layer(i, "attn.qkv.weight")[skip:].mT
+        kv = torch.cat([block(i) for i in range(c.n_layers)])
         k, v = rearrange(kv, "l t (h d) -> l t h d", d=c.head_dim).split([c.kv_heads, c.kv_heads], dim=2)
         return Keys(at, k, v)
 
