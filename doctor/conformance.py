@@ -6,8 +6,8 @@ against the tolerance its precision recipe allows, and declared the class its wa
 step the first failure in the registry's order (the state the step started from, its data, forward, gradient,
 update, system) is the one that broke first. A check that keeps failing step after step at the same place is
 one incident, at its onset; so are two checks of one family failing in turn at a place (a failure's `family`:
-the prefix check, every step between the reference steps, checks the forward check's layers on the step's own
-first and last positions).
+the prefix check, every step between the reference steps, checks the forward check's layers on the first and last
+positions of a row of the step's own batch).
 
 A check that runs on reference steps only (the FP64 reference's: every spec.every steps) finds a fault up to
 spec.every − 1 steps after it began. Where the check declares a per-step series of its places (its "series": the

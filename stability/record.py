@@ -25,8 +25,8 @@ Record versions (`version`; a record without one is version 1):
        ran (above 1: it failed), "fail" [{check, kind, class, layer, where, rank, err, tol, miss, fix, series}],
        "ref_err" {layer: relative error of the training path against the FP64 reference} on reference steps,
        "out_rms" {layer: RMS of its output over the step's batch} every step (the series that dates a failure of a
-       check that runs on reference steps only: its "series"), "prefix_err" {layer: ref_err's figure on the step's
-       first and last positions} on the steps between reference steps (the exact check's series);
+       check that runs on reference steps only: its "series"), "prefix_err" {layer: ref_err's figure on the first
+       and last positions of the prefix check's row} on the steps between reference steps (the exact check's series);
        time_s["spec.<check>"]: each check's host seconds this step, the monitor's own as "spec.monitor"
        (Σ = time_s["spec"]).
 """

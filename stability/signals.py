@@ -327,7 +327,7 @@ declare("ref_err", FORWARD, _spec_layers("ref_err"), scored=False, log=True, per
         doc="‖training path − FP64 reference‖ / ‖reference‖ per layer on the probe: the recipe's numerical error",
         fix="the named layer's rounding against its precision recipe")
 declare("prefix_err", FORWARD, _spec_layers("prefix_err"), scored=False, log=True, per_layer=True, recover=False,
-        role="spec", doc="‖training path − FP64 reference‖ / ‖reference‖ per layer on the step's first and last positions, "
+        role="spec", doc="‖training path − FP64 reference‖ / ‖reference‖ per layer on a row's first and last positions, "
                          "every step between the reference steps (the prefix check's): the series that dates a failure of the "
                          "exact check (doctor/conformance.py)",
         fix="the named layer's rounding against its precision recipe")

@@ -94,6 +94,8 @@ SUSTAINED = {"attn_x3_on": ("forward", "block1.attn", "scaled"),
              "attn_qk_bf16_on": ("exact", "block1.attn", "precision"),
              # block1's attention reads the last 8 positions only: no output among the first 8 changes
              "attn_window_on": ("forward", "block1.attn", "mismatch")}
+# from STEP on, on the second micro-batch's forward only: the probe's row (micro-batch 0's) never sees it
+ONE_MICRO_BATCH = {"mlp_x2_mb1_on": ("prefix", "block0.mlp", "scaled")}
 
 
 class Clock:
@@ -195,6 +197,15 @@ def plant(name: str, S: int) -> None:
                                                                      enable_gqa=attn1.n_kv_heads != attn1.n_heads)
                 return attn1.proj_out(y.transpose(1, 2).flatten(2))
             attn1.forward = ahead
+        if name == "mlp_x2_mb1_on":
+            calls: dict[int, int] = {}
+
+            def second(m, a_, out):
+                if not (torch.is_grad_enabled() and Clock.step >= S):
+                    return None
+                calls[Clock.step] = calls.get(Clock.step, 0) + 1
+                return out * 2.0 if calls[Clock.step] == 2 else None
+            self.blocks[0].mlp.register_forward_hook(second)
         if name == "norm_gain_off":
             self.blocks[0].mlp_norm.register_forward_hook(
                 lambda m, a_, out: torch.nn.functional.rms_norm(a_[0], m.normalized_shape, None, m.eps) if at() else None)

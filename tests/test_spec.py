@@ -15,7 +15,7 @@ from bench.speed.spec_overhead import by_check
 from helpers import ROOT, TINY, env
 
 sys.path.insert(0, str(Path(__file__).parent))
-from plant import BETWEEN, BUILT, FAULTS, FLAGGED, RESUME, SUSTAINED  # noqa: E402
+from plant import BETWEEN, BUILT, FAULTS, FLAGGED, ONE_MICRO_BATCH, RESUME, SUSTAINED  # noqa: E402
 
 S = 3
 PLANTED = [*TINY, f"train.steps={S + 1}", "spec.every=1", "checkpoint.every=0", "logging.plot=false"]
@@ -105,7 +105,7 @@ def test_a_step_that_fails_an_every_step_check_gets_its_reference_checks(tmp_pat
 @pytest.mark.parametrize("fault", list(SUSTAINED))
 def test_a_fault_between_reference_steps_is_found_or_dated_at_its_onset(tmp_path, fault):
     """The forward and gradient checks run on reference steps only (spec.every=5: steps 1, 5, 10, 15); a fault from
-    step 13 on. A layer's fault fails the prefix check at 13 (the forward's layers on the step's own first and last
+    step 13 on. A layer's fault fails the prefix check at 13 (the forward's layers on a row's first and last
     positions, every step between), whether or not it moves the layer's output RMS (q, k and v rounded to bf16 do
     not) or changes its first positions (a window), and the reference checks run there on demand: the forward check
     names and classes it at 13, the prefix check carries it at 14 and 16, and the doctor reads one incident, from 13. A gradient's fault fails the gradient check at 15, and
@@ -129,6 +129,25 @@ def test_a_fault_between_reference_steps_is_found_or_dated_at_its_onset(tmp_path
     assert (diag.fault_class, diag.step, diag.model_layer) == (failed[found]["class"], 13, where), diag.summary
     spec = [d for d in diag.incidents if d.judgement and d.judgement.evidence.get("check") in ("forward", "prefix", check)]
     assert len(spec) == 1, [d.summary for d in spec]
+
+
+@pytest.mark.parametrize("fault", list(ONE_MICRO_BATCH))
+def test_a_fault_that_spares_the_probes_row_is_met_by_the_prefix_row_in_turn(tmp_path, fault):
+    """block0's MLP output ×2 on the second micro-batch only, from step 13 on (spec.every=5). The reference checks'
+    probe (row 0 of micro-batch 0) never sees it, nor would a prefix on that row; the prefix's row takes the
+    micro-batches in turn (spec/checks/prefix.py row): at 13 it is micro-batch 1's, and the check fails there, at
+    the layer, classed from its own comparison. At 14 and 16 (micro-batch 0) and at the reference step 15 the layers
+    compute their math. The doctor's headline is the fault, at 13."""
+    from spec.checks.prefix import row
+    base = [o for o in PLANTED if not o.startswith(("spec.every=", "train.steps="))]
+    recs = plant(tmp_path, fault, base=[*base, "spec.every=5", "train.steps=16"], step=13)
+    failed = {r["step"]: first_failure(r) for r in recs if first_failure(r)}
+    check, where, kind = ONE_MICRO_BATCH[fault]
+    assert [row(t, 2, 4)[0] for t in (13, 14, 16)] == [1, 0, 0]
+    assert [(t, f["check"], f["where"], f["kind"]) for t, f in failed.items()] == [(13, check, where, kind)], failed
+    from doctor.rules import diagnose
+    _, diag, _ = diagnose(tmp_path / fault)
+    assert (diag.fault_class, diag.step, diag.model_layer) == (failed[13]["class"], 13, where), diag.summary
 
 
 @pytest.mark.parametrize("fault", SINGLE)

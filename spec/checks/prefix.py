@@ -1,5 +1,7 @@
 """prefix: every layer of the step's own forward computes its math — on the steps between the reference steps, on
-HEAD + TAIL positions of row 0 of micro-batch 0: its first (the first of the probe's, spec/probe.py) and its last.
+HEAD + TAIL positions of one row of the step's batch: its first and its last. The row moves with the step (`row`),
+over every micro-batch and every row of it, so a fault that spares some rows (one micro-batch's, a row's tokens) is
+met within a few steps, where a fixed row would never meet it.
 
 The forward check (spec/checks/forward.py) holds every layer to the FP64 reference on reference steps only, every
 spec.every steps: a fault that begins between two of them shows at the next one, up to spec.every − 1 steps late, and a
@@ -9,18 +11,20 @@ probe runs, and more: causal attention makes a prefix of a sequence a sequence o
 attention is position by position, so what each layer took and gave on a few positions is a probe run — without the
 probe's second forward. The last positions read every key of the row, which the probe's 32 do not reach: a fault in how
 far an attention reads (a window) shows there. Forward hooks keep those rows (a copy of HEAD + TAIL rows a layer, and of
-each attention's projection over the whole row, the keys and values its last positions read; the first call: not the
-recompute of activation checkpointing) and, before the update, the forward check's own comparisons — the same reference,
-tolerances and names — judge them: every layer is checked every step, the first failing step is the fault's, and the
-guard can refuse it. Each layer is fed what it took, so the blocks are independent here: the reference runs them as one
-group (rows), an op for all where the reference steps' wired layers run one a block.
+each attention's projection over the whole row, the keys and values its last positions read; the call of the row's
+micro-batch, counted by a pre-hook on the model, and its first: not the recompute of activation checkpointing) and,
+before the update, the forward check's own comparisons — the same reference, tolerances and names — judge them: every
+layer is checked every step, the first failing step is the fault's, and the guard can refuse it. Each layer is fed what
+it took, so the blocks are independent here: the reference runs them as one group (rows), an op for all where the
+reference steps' wired layers run one a block.
 
 What the probe adds and this leaves to the reference steps: the loss (the step's loss sums the whole batch), the
-gradient, the layer reruns that tell a rounding from another function, the exact FP64 reruns. A failure here is
-one the monitor follows with the reference checks at the same step (spec/monitor.py on_demand), which class it; the
-doctor reads this check as the forward check's `family`: a failure here and the forward check's at the same layer
-are one incident. Not under FSDP2 (the weights are shards: gathering them every step is the step's collectives
-again), nor under train.compile (a hook breaks the graph).
+gradient, the layer reruns that tell a rounding from another function, the exact FP64 reruns. A failure here is one the
+monitor follows with the reference checks at the same step (spec/monitor.py on_demand), which class it — or, where the
+probe's row does not show it (a fault that spares it), this check's own comparison (ForwardCheck.classify); the doctor
+reads this check as the forward check's `family`: a failure here and the forward check's at the same layer are one
+incident. Not under FSDP2 (the weights are shards: gathering them every step is the step's collectives again), nor under
+train.compile (a hook breaks the graph).
 """
 from __future__ import annotations
 
@@ -39,7 +43,7 @@ from spec.reference import F64, IGNORE, Keys, Reference, rms_norm
 from spec.tolerance import LAMBDA, u
 
 
-# the positions of row 0 checked: the first HEAD and the last TAIL. Every layer, head and expert's math on 8 tokens;
+# the positions of the row checked: the first HEAD and the last TAIL. Every layer, head and expert's math on 8 tokens;
 # RoPE's rotations by the smallest and the largest angles; the causal mask among the first, and each of the last
 # reading every key before it, so a fault in the attention's reach (a window, a mask that drops far keys) shows.
 # NOTE: 8 tokens, fewer than the probe's 32: every step, the FP64 matmuls (an MoE layer's every expert on every row,
@@ -54,8 +58,8 @@ class PrefixCheck(ForwardCheck):
     rank = 23  # after the forward check's own (20, on demand at the same step), which classes the layer's miss
     family = "forward"
     onset_series = None
-    doc = ("each layer's output on the step's own first and last positions against the FP64 reference, between "
-           "reference steps")
+    doc = ("each layer's output on the first and last positions of a row of the step's own batch (the rows in turn) "
+           "against the FP64 reference, between reference steps")
 
     @classmethod
     def applies(cls, ctx) -> bool:
@@ -68,26 +72,34 @@ class PrefixCheck(ForwardCheck):
         if self.ctx.reference_step(s.step):  # the forward check's step: its probe checks the same positions
             return
         self.taken, self._unread = Taken(), None
+        self.mb, self.row = row(s.step, len(s.micro), s.micro[0].tokens.shape[0])
+        self._call = -1  # the step's training forwards so far: the micro-batch the layers' calls belong to
         kept = {k: m for k, m in kept_layers(self.ctx.model).items() if k != "norm"}
         kept.update({f"block{i}.attn.qkv": b.attn.qkv for i, b in enumerate(self.ctx.model.blocks)})
-        self._hooks = [m.register_forward_hook(self._keep(key)) for key, m in kept.items()]
+        self._hooks = [self.ctx.model.register_forward_pre_hook(self._count)]
+        self._hooks += [m.register_forward_hook(self._keep(key)) for key, m in kept.items()]
+
+    def _count(self, module, args) -> None:
+        if torch.is_grad_enabled():
+            self._call += 1
 
     def _keep(self, key: str):
         def keep(module, args, out):
-            if key in self.taken.io or not args or not torch.is_grad_enabled():  # the first training call only
+            # micro-batch mb's training call, the first (not activation checkpointing's recompute in its backward)
+            if self._call != self.mb or key in self.taken.io or not args or not torch.is_grad_enabled():
                 return
             t0 = time.perf_counter()
             try:
-                at = self.at(args[0].shape[1], args[0].device)
+                at, j = self.at(args[0].shape[1], args[0].device), self.row
                 # a qkv projection: its keys and values (past q's columns) over the whole row, which the last positions
                 # read; an attention that did not call it: its input over the whole row instead (PrefixCheck.keys)
                 if key.endswith(".qkv"):
                     skip = self.ctx.model_cfg.n_heads * self.ctx.model_cfg.head_dim
-                    self.taken.io[key] = (None, out.detach()[:1, :, skip:].clone())
+                    self.taken.io[key] = (None, out.detach()[j:j + 1, :, skip:].clone())
                 elif key.endswith(".attn") and key + ".qkv" not in self.taken.io:
-                    self.taken.io[key] = (args[0].detach()[:1].clone(), _rows(out, at))
+                    self.taken.io[key] = (args[0].detach()[j:j + 1].clone(), _rows(out, at, j))
                 else:
-                    self.taken.io[key] = (_rows(args[0], at), _rows(out, at))
+                    self.taken.io[key] = (_rows(args[0], at, j), _rows(out, at, j))
             except (IndexError, TypeError, AttributeError) as e:  # the step's forward goes on: the check fails
                 self._unread = f"{key}: {type(e).__name__}: {e}"
             self.seconds += time.perf_counter() - t0  # the step's time_s.spec counts it (spec/monitor.py took)
@@ -104,11 +116,11 @@ class PrefixCheck(ForwardCheck):
         model, c = self.ctx.model, self.ctx.model_cfg
         if len([k for k in taken.io if not k.endswith(".qkv")]) != 1 + 3 * c.n_layers:  # a forward these hooks did
             return  # not see (a wrapper bypassing a module)
-        mb = s.micro[0]
+        mb, j = s.micro[self.mb], self.row
         ids, bias = routing(model, taken)
         w, stacks = self._weights()
         at = self.at(mb.tokens.shape[1], mb.tokens.device)
-        run = ProbeRun(mb.tokens[:1, at], mb.labels[:1, at], taken, {}, None, ids, w, bias)
+        run = ProbeRun(mb.tokens[j:j + 1, at], mb.labels[j:j + 1, at], taken, {}, None, ids, w, bias)
         names, err, tol, scale, self.places = self.rows(Reference(c, w, bias, stacks), run, at)
         self.measure(err, tol, where=names)
         # every layer's miss relative to its output, every step between the reference steps: the series that dates a
@@ -186,7 +198,7 @@ class PrefixCheck(ForwardCheck):
         return names, err, tol, scale, Places(place)
 
     def keys(self, ref: Reference, io: dict, at: Tensor) -> Keys:
-        """Every block's keys and values over row 0, (L, T, K, d) before QK-norm and RoPE: the projection the step's
+        """Every block's keys and values over the row, (L, T, K, d) before QK-norm and RoPE: the projection the step's
         forward made (the qkv module's output), whose rows at `at` the reference's attention makes again itself. The
         rows in between are the training path's own, as each layer's input is: what the last positions' attention is
         held to is how it reads them (a window, a mask); the projection is held on the rows at `at`. An FP64 product
@@ -236,14 +248,20 @@ class Places:
         return self.place(j)
 
 
-def _rows(x, at: Tensor):
-    """The checked rows, row 0 at positions `at`, of a layer's input or output (a block's (x, MoEOutput), an MoE
+def row(step: int, micro: int, rows: int) -> tuple[int, int]:
+    """(micro-batch, row) the prefix checks at `step`: the micro-batches in turn, and within them the rows in turn, so
+    every row of every micro-batch comes round once in micro·rows steps (16 in the default job)."""
+    return step % micro, (step // micro) % rows
+
+
+def _rows(x, at: Tensor, j: int):
+    """The checked rows, row j at positions `at`, of a layer's input or output (a block's (x, MoEOutput), an MoE
     layer's MoEOutput: its output and its tokens' experts), copied (an index is a gather): the step may write over its
     activations, and keeps no view of them alive."""
     if torch.is_tensor(x):
-        return x.detach()[:1, at]
-    if isinstance(x, tuple) and hasattr(x, "route_ids_Nk"):
-        return x._replace(y=_rows(x.y, at), route_ids_Nk=x.route_ids_Nk[at])  # (B·T, k): row 0's tokens first
+        return x.detach()[j:j + 1, at]
+    if isinstance(x, tuple) and hasattr(x, "route_ids_Nk"):  # (B·T, k): row by row, row j's tokens from j·T
+        return x._replace(y=_rows(x.y, at, j), route_ids_Nk=x.route_ids_Nk[at + j * x.y.shape[1]])
     if isinstance(x, tuple):
-        return tuple(_rows(v, at) for v in x)
+        return tuple(_rows(v, at, j) for v in x)
     return x
