@@ -39,19 +39,24 @@ from doctor.timeline import LAYERS, Deviation, Run
 
 
 def spec_incidents(run: Run) -> list[Diagnosis]:
-    """Every onset of a failed specification check, in execution order (segment, step)."""
+    """Every onset of a failed specification check, in execution order (segment, step). A failure that goes on with
+    one of the segment's incidents after steps that held is that incident again, not a new one: the same
+    specification broken the same way at the same place (a fault the prefix check meets on some rows only, and
+    misses on the others)."""
     out: list[Diagnosis] = []
     for k, seg in enumerate(run.segments):
         last: dict | None = None
+        seen: list[dict] = []  # the segment's failures so far, of every incident
         for i, rec in enumerate(seg):
             fails = (rec.get("spec") or {}).get("fail") or []
             if not fails:
                 last = None
                 continue
             f = fails[0]
-            if last is None or not same_incident(last, f):
+            if (last is None or not same_incident(last, f)) and not any(same_incident(g, f) for g in seen):
                 out.append(incident(rec, f, k, len(fails), onset(seg, i, f)))
             last = f
+            seen.append(f)
     return out
 
 

@@ -117,6 +117,27 @@ def test_a_loss_that_spikes_again_and_again_is_a_recipe_instability(tmp_path, re
         assert rep["class"] == "healthy" and got == [(70, "natural")], got
 
 
+def test_a_check_that_fails_again_at_its_place_after_steps_that_held_is_one_incident(tmp_path):
+    """The prefix check fails at block0.mlp (scaled) on some steps from 90 on and holds on the others (a fault that
+    spares some rows: the check's row takes them in turn): one fault, at 90, not one a stretch; a failure at another
+    place (block1.attn from 120) is an incident of its own."""
+    def fail(where, kind="scaled"):
+        return {"check": "prefix", "kind": kind, "class": "numerics.activation_outlier", "layer": "forward",
+                "where": where, "rank": 0, "err": 1.0, "tol": 1e-4, "miss": 1e4, "fix": "", "series": None,
+                "family": "forward"}
+
+    def tweak(t, r):
+        conforming(r)
+        if t >= 90 and t % 4 != 3:
+            r["spec"]["fail"] = [fail("block0.mlp")]
+        if t == 120:
+            r["spec"]["fail"] = [fail("block1.attn")]
+    rep = doctor(fake_run(tmp_path, n=140, tweak=tweak), plots=False)
+    faults = [(i["step"], i["model_layer"]) for i in rep["incidents"] if i["judgement"] == "fault"]
+    assert rep["earliest"]["step"] == 90 and faults == [(90, "block0.mlp"), (120, "block1.attn")], (rep["summary"],
+                                                                                                   faults)
+
+
 def test_a_fault_behind_a_natural_incident_is_the_headline(tmp_path):
     """A natural spike at the transition (70), then one layer's activation ×6 from step 85 on: the headline
     is the fault at 85, not the first incident; the natural one is listed with its reason."""
