@@ -54,7 +54,7 @@ def spec_incidents(run: Run) -> list[Diagnosis]:
                 continue
             f = fails[0]
             if (last is None or not same_incident(last, f)) and not any(same_incident(g, f) for g in seen):
-                out.append(incident(rec, f, k, len(fails), onset(seg, i, f)))
+                out.append(incident(rec, f, k, len(fails), earliest_onset(seg, i, fails)))
             last = f
             seen.append(f)
     return out
@@ -69,6 +69,18 @@ def same_incident(a: dict, b: dict) -> bool:
     if a["check"] == b["check"]:
         return a.get("kind") == b.get("kind")
     return (a.get("family") or a["check"]) == (b.get("family") or b["check"])
+
+
+def earliest_onset(seg: list[dict], i: int, fails: list[dict]) -> tuple[dict, int, dict] | None:
+    """The onset of the step's first failure, from its own series or from that of a failure beside it at the same
+    place, whichever dates it earlier (each check fails only for a fault, so each series that stands off its course
+    shows the fault at that place already acting): (the onset's record, the step its check last held, the failure
+    whose series dated it); None: dated at its own step. A rounding of a layer's values (bf16) can fail the forward
+    check, whose series (the output RMS) it leaves in place, beside the exact check, whose series (the prefix check's
+    miss between the reference steps) it moves by orders of magnitude."""
+    place = fails[0].get("where")
+    dated = [(*d, g) for g in fails if g.get("where") == place and (d := onset(seg, i, g)) is not None]
+    return min(dated, key=lambda d: d[0]["step"]) if dated else None
 
 
 def onset(seg: list[dict], i: int, f: dict) -> tuple[dict, int] | None:
@@ -148,14 +160,16 @@ def _value(rec: dict, series: str, where: str):
     return spec.get(where) if isinstance(spec, dict) else rec.get(series)
 
 
-def incident(rec: dict, f: dict, seg_index: int, n_failed: int, dated: tuple[dict, int] | None = None) -> Diagnosis:
-    """The failure `f` of the record `rec`, at its onset's record when `dated` (onset()) found one."""
+def incident(rec: dict, f: dict, seg_index: int, n_failed: int,
+             dated: tuple[dict, int, dict] | None = None) -> Diagnosis:
+    """The failure `f` of the record `rec`, at its onset's record when `dated` (earliest_onset()) found one."""
     found, cls, layer = rec["step"], f["class"], f["layer"]
     where = f.get("where")
     start = dated[0] if dated is not None else rec
     t = start["step"]
-    when = (f"from step {t} (check {f['check']} held at step {dated[1]}, its last run before step {found}, where it "
-            f"failed; {where}'s {f.get('series')} jumped at step {t})" if dated is not None else f"at step {t}")
+    by = dated[2] if dated is not None else f
+    when = (f"from step {t} (check {by['check']} held at step {dated[1]}, its last run before step {found}, where it "
+            f"failed; {where}'s {by.get('series')} jumped at step {t})" if dated is not None else f"at step {t}")
     miss = f["miss"] if isinstance(f["miss"], (int, float)) else float("inf")
     rank = "0 (single process)" if rec.get("world", 1) <= 1 else f"rank {f.get('rank')} (world {rec.get('world')})"
     dev = Deviation(f"spec.{f['check']}", layer, LAYERS.index(layer), t, miss, 1.0, math.inf, where, kind="spec")
@@ -175,8 +189,8 @@ def incident(rec: dict, f: dict, seg_index: int, n_failed: int, dated: tuple[dic
     diag.tree = [("specification", f"check {f['check']} failed at step {found} ({where}): {_fmt(miss)}× its "
                                    f"tolerance")]
     if dated is not None:
-        diag.tree.append(("onset", f"{where}'s {f.get('series')} shifted at step {t}, after the check held at "
-                                   f"step {dated[1]}"))
+        diag.tree.append(("onset", f"{where}'s {by.get('series')} shifted at step {t}, after check {by['check']} held "
+                                   f"at step {dated[1]}"))
     # the checks that held at this step are the hypotheses the record rejects, each with how close it came
     held = {c: m for c, m in ((rec.get("spec") or {}).get("miss") or {}).items()
             if isinstance(m, (int, float)) and m <= 1}

@@ -104,3 +104,30 @@ def test_a_shift_of_three_times_the_noise_is_dated_near_its_step():
     near = [(got := onset(r, len(r) - 1, r[-1]["spec"]["fail"][0])) is not None and abs(got[0]["step"] - s) <= 1
             for s in range(31, FOUND) for r in (records(s, size=0.15, noise=0.05, seed=k) for k in range(10))]
     assert sum(near) >= 2 / 3 * len(near), sum(near)
+
+
+def test_a_failure_beside_the_first_at_its_place_dates_it_when_the_first_series_cannot():
+    """A rounding inside block0.mlp from 34: the forward check fails at 40 first, but its series (the output RMS)
+    keeps its course; the exact check fails beside it at the same place, and its series (the prefix check's miss on
+    the steps between) leaves FP32's level at 34: the incident is dated at 34, by the exact check. A failure at
+    another place beside it dates nothing."""
+    from doctor.conformance import earliest_onset
+
+    def with_exact(where: str) -> list[dict]:
+        recs = records(None)
+        for r in recs:
+            t = r["step"]
+            if t % EVERY:
+                r["spec"]["prefix_err"] = {where: 3e-4 if t >= 34 else 2e-7 * (1 + 0.1 * math.sin(t))}
+            else:
+                r["spec"]["miss"]["exact"] = 5e8 if t == FOUND else 0.01
+        recs[-1]["spec"]["fail"].append({"check": "exact", "where": where, "series": "prefix_err",
+                                         "kind": "precision"})
+        return recs
+    recs = with_exact("block0.mlp")
+    fails = recs[-1]["spec"]["fail"]
+    assert onset(recs, len(recs) - 1, fails[0]) is None  # the forward check's own series: no date
+    got = earliest_onset(recs, len(recs) - 1, fails)
+    assert got is not None and (got[0]["step"], got[1], got[2]["check"]) == (34, 30, "exact"), got
+    other = with_exact("block1.mlp")
+    assert earliest_onset(other, len(other) - 1, other[-1]["spec"]["fail"]) is None
