@@ -222,6 +222,15 @@ def patch(name: str) -> None:
             self.blocks[2].attn.qkv.weight.register_post_accumulate_grad_hook(noise)
         if name == "emb_output_scaled":
             self.tok_emb.register_forward_hook(scale(self.cfg.d_model ** 0.5, lambda t: t >= S))
+        if name == "mlp_x2_rows_sustained":
+            def rows(mod, args, out):
+                if torch.is_grad_enabled() and Clock.step >= S:
+                    y = out if torch.is_tensor(out) else out.y  # (B, T, D): a dense MLP's, or an MoE layer's y
+                    f = torch.full((y.shape[0], 1, 1), 2.0, dtype=y.dtype, device=y.device)
+                    f[0] = 1.0
+                    return y * f if torch.is_tensor(out) else out._replace(y=y * f)
+                return None
+            self.blocks[0].mlp.register_forward_hook(rows)
         if name == "act_x2_attn1_sustained":
             self.blocks[1].attn.register_forward_hook(scale(2.0, lambda t: t >= S))
         if name == "attn1_bf16_sustained":

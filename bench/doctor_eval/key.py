@@ -139,6 +139,8 @@ FAULTS = [
           what="block1's attention output ×0.98 from S on (a forward hook: a scaling the model does not have)"),
     Fault("emb_dropout_sustained", "numerics.mismatch", "forward", "forward",
           what="dropout p = 0.1 on the token embedding's output in every training forward from S on (the config has none)"),
+    Fault("mlp_x2_rows_sustained", "numerics.activation_outlier", "forward", "forward",
+          what="block0.mlp output ×2 on every row but the first of each micro-batch from S on (the probe's row spared)"),
     # backward / update
     Fault("grad_x50_layer", "optim.gradient_spike", "backward/update", "update", what="block1.attn gradients ×50, one step"),
     Fault("grad_x3_sustained", "optim.gradient_spike", "backward/update", "update", what="block0.attn gradients ×3 from S on"),
