@@ -45,23 +45,20 @@ def spec_incidents(run: Run) -> list[Diagnosis]:
     misses on the others)."""
     out: list[Diagnosis] = []
     for k, seg in enumerate(run.segments):
-        last: dict | None = None
         seen: list[dict] = []  # the segment's failures so far, of every incident
         for i, rec in enumerate(seg):
             fails = (rec.get("spec") or {}).get("fail") or []
             if not fails:
-                last = None
                 continue
             f = fails[0]
-            if (last is None or not same_incident(last, f)) and not any(same_incident(g, f) for g in seen):
+            if not any(same_incident(g, f) for g in seen):
                 out.append(incident(rec, f, k, len(fails), earliest_onset(seg, i, fails)))
-            last = f
             seen.append(f)
     return out
 
 
 def same_incident(a: dict, b: dict) -> bool:
-    """Whether failure b, the step after failure a, goes on with a's incident: the same check failing the same way at
+    """Whether failure b, at a step after failure a, goes on with a's incident: the same check failing the same way at
     the same place, or a check of its family at that place (spec/checks/prefix.py checks the forward check's layers
     on the steps between: how the layer missed is the forward check's to class, on its own steps)."""
     if a.get("where") != b.get("where"):
