@@ -31,7 +31,7 @@ import torch.distributed as tdist
 
 from spec.check import AFTER, BEFORE, REFERENCE, SpecContext, on_device, pack
 from spec.checks import registry
-from spec.probe import run_probe
+from spec.probe import row, run_probe
 from stability.callbacks import Callback, StepState
 
 DEMAND = "demand"  # the reference checks run on a step the guard flagged that was not a reference step
@@ -72,9 +72,14 @@ class Conformance(Callback):
             return None
         if self._probe is None or self._probe[0] != s.step:
             c, scaler = self.ctx, self.ctx.scaler
+            # NOTE: its row: on demand, the prefix check's of the step (the row a failure was found on); on the
+            # reference steps, in turn by their own count, every row of the batch within micro·rows of them (by the
+            # step itself, multiples of `every` would keep to one micro-batch wherever micro divides it)
+            turn = s.step if self._demand == s.step else s.step // self.every
+            at = row(turn, len(s.micro), s.micro[0].tokens.shape[0])
             self._probe = (s.step, run_probe(c.model, s.micro, s.routes, float(c.cfg.train.z_loss), c.recipe.autocast,
                                              float(scaler.scale) if scaler is not None else None,
-                                             want_grads=not c.sharded))
+                                             want_grads=not c.sharded, at=at))
         return self._probe[1]
 
     def _at(self, point: str, s: StepState, checks=None) -> None:
@@ -138,7 +143,7 @@ class Conformance(Callback):
     def on_demand(self, s: StepState, host) -> list[dict]:
         """A step that was not a reference step, which the guard flagged (a statistic left its band) or on which a
         check failed where the step before failed none: its reference checks run now, after its read — the probe
-        re-executes the training path on the step's own first row, with the weights the update left, as on any
+        re-executes the training path on the row of the step the prefix check read, with the weights the update left, as on any
         reference step — and their results join the step's record through a host read of their own (such a step's
         only). So an incident the doctor judges natural is one whose step computed what its specification says, not
         one no reference check looked at (a rerun of the suspect step, as Megatron-core's rerun state machine does,

@@ -1,8 +1,8 @@
 """The probe: one sequence of the step's batch run through the training path and through the FP64 reference.
 
-On a reference step, after the update (spec/checks/forward.py reads it from after_update): the first row of the
-step's first micro-batch goes through the bare model — the training path's own modules, hooks and kernels,
-under the recipe's autocast, the way the step ran them — with forward hooks that keep what each layer took and
+On a reference step, after the update (spec/checks/forward.py reads it from after_update): the first positions of one
+row of the step's batch (`row`: the rows of every micro-batch in turn) go through the bare model — the training
+path's own modules, hooks and kernels, under the recipe's autocast, the way the step ran them — with forward hooks that keep what each layer took and
 gave, and its objective is differentiated by autograd (torch.autograd.grad: nothing reaches .grad). The same
 row then goes through spec/reference.py in float64, from the same weights and with the same expert ids.
 
@@ -81,15 +81,23 @@ def routing(model, taken: Taken) -> tuple[dict[int, Tensor], dict[int, Tensor]]:
     return ids, {i: m.bias_E.detach().to(F64) for i, m in model.moe_layers()}
 
 
-def run_probe(model, micro, routes, z_coef: float, autocast, loss_scale: float | None, want_grads: bool) -> ProbeRun:
-    """The training path on the first PROBE_TOKENS positions of row 0 of micro-batch 0 (causal: a prefix is a
+def row(turn: int, micro: int, rows: int) -> tuple[int, int]:
+    """(micro-batch, row) of the `turn`-th check of a row: the micro-batches in turn, and within them the rows in turn,
+    so every row of every micro-batch comes round once in micro·rows turns (16 in the default job). The prefix check's
+    turn is its step; the probe's, its reference step's count (spec/monitor.py)."""
+    return turn % micro, (turn // micro) % rows
+
+
+def run_probe(model, micro, routes, z_coef: float, autocast, loss_scale: float | None, want_grads: bool,
+              at: tuple[int, int] = (0, 0)) -> ProbeRun:
+    """The training path on the first PROBE_TOKENS positions of row at[1] of micro-batch at[0] (causal: a prefix is a
     sequence of its own), with its layers' inputs and outputs kept."""
-    mb = micro[0]
-    tokens, labels = mb.tokens[:1, :PROBE_TOKENS], mb.labels[:1, :PROBE_TOKENS]
+    j, r = at
+    tokens, labels = micro[j].tokens[r:r + 1, :PROBE_TOKENS], micro[j].labels[r:r + 1, :PROBE_TOKENS]
     taken = Taken()
     hooks = [m.register_forward_hook(taken.hook(key), with_kwargs=True) for key, m in kept_layers(model).items()]
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    probe_routes = None if routes is None else {l: r[:1, :PROBE_TOKENS] for l, r in routes[0].items()}
+    probe_routes = None if routes is None else {l: x[r:r + 1, :PROBE_TOKENS] for l, x in routes[j].items()}
     try:
         with torch.enable_grad(), (autocast() if autocast is not None else contextlib.nullcontext()):
             out = model(tokens, labels, routes=probe_routes)

@@ -96,10 +96,14 @@ SUSTAINED = {"attn_x3_on": ("forward", "block1.attn", "scaled"),
              "attn_window_on": ("forward", "block1.attn", "mismatch")}
 # from STEP on, on the second micro-batch's forward only: the probe's row (micro-batch 0's) never sees it
 ONE_MICRO_BATCH = {"mlp_x2_mb1_on": ("prefix", "block0.mlp", "scaled")}
+# block0's MLP ×2 from STEP on, on every sequence but the one row 0 of micro-batch 0 holds (by its content: a probe of
+# that sequence's first positions is spared too, a probe of another row's is not)
+SPARES_ROW0 = "mlp_x2_spare_row0_on"
 
 
 class Clock:
     step = 0  # the train batches served so far: the step being run
+    row0 = None  # that batch's first row's tokens
 
 
 def plant(name: str, S: int) -> None:
@@ -125,6 +129,8 @@ def plant(name: str, S: int) -> None:
                 moe.cfg = (replace(moe.cfg, balance_coef=100 * moe.cfg.balance_coef) if name == "aux_coef"
                            else replace(moe.cfg, router_z_coef=10 * moe.cfg.router_z_coef))
         batch = orig_next(self)
+        if self.split == "train":
+            Clock.row0 = batch.tokens[0].clone()
         if self.split != "train" or Clock.step != S:
             return batch
         if name == "label_shift":
@@ -206,6 +212,18 @@ def plant(name: str, S: int) -> None:
                 calls[Clock.step] = calls.get(Clock.step, 0) + 1
                 return out * 2.0 if calls[Clock.step] == 2 else None
             self.blocks[0].mlp.register_forward_hook(second)
+        if name == SPARES_ROW0:
+            seen: list = []
+            self.register_forward_pre_hook(lambda m, a_: seen.__setitem__(slice(None), [a_[0]]))
+
+            def others(m, a_, out):
+                if not (torch.is_grad_enabled() and Clock.step >= S):
+                    return None
+                tokens = seen[0]
+                n = min(tokens.shape[1], 32)  # the probe's positions: the same sequence as far as it reads
+                hit = (tokens[:, :n] != Clock.row0[:n]).any(-1).to(out.dtype)
+                return out * (1.0 + hit[:, None, None])
+            self.blocks[0].mlp.register_forward_hook(others)
         if name == "norm_gain_off":
             self.blocks[0].mlp_norm.register_forward_hook(
                 lambda m, a_, out: torch.nn.functional.rms_norm(a_[0], m.normalized_shape, None, m.eps) if at() else None)

@@ -15,7 +15,7 @@ from bench.speed.spec_overhead import by_check
 from helpers import ROOT, TINY, env
 
 sys.path.insert(0, str(Path(__file__).parent))
-from plant import BETWEEN, BUILT, FAULTS, FLAGGED, ONE_MICRO_BATCH, RESUME, SUSTAINED  # noqa: E402
+from plant import BETWEEN, BUILT, FAULTS, FLAGGED, ONE_MICRO_BATCH, RESUME, SPARES_ROW0, SUSTAINED  # noqa: E402
 
 S = 3
 PLANTED = [*TINY, f"train.steps={S + 1}", "spec.every=1", "checkpoint.every=0", "logging.plot=false"]
@@ -138,7 +138,7 @@ def test_a_fault_that_spares_the_probes_row_is_met_by_the_prefix_row_in_turn(tmp
     micro-batches in turn (spec/checks/prefix.py row): at 13 it is micro-batch 1's, and the check fails there, at
     the layer, classed from its own comparison. At 14 and 16 (micro-batch 0) and at the reference step 15 the layers
     compute their math. The doctor's headline is the fault, at 13."""
-    from spec.checks.prefix import row
+    from spec.probe import row
     base = [o for o in PLANTED if not o.startswith(("spec.every=", "train.steps="))]
     recs = plant(tmp_path, fault, base=[*base, "spec.every=5", "train.steps=16"], step=13)
     failed = {r["step"]: first_failure(r) for r in recs if first_failure(r)}
@@ -148,6 +148,24 @@ def test_a_fault_that_spares_the_probes_row_is_met_by_the_prefix_row_in_turn(tmp
     from doctor.rules import diagnose
     _, diag, _ = diagnose(tmp_path / fault)
     assert (diag.fault_class, diag.step, diag.model_layer) == (failed[13]["class"], 13, where), diag.summary
+
+
+def test_the_probe_reads_the_row_the_prefix_failed_on_and_the_rows_in_turn(tmp_path):
+    """block0's MLP ×2 from step 13 on every sequence but the batch's first row (spec.every=5, micro-batches of 4
+    rows). The prefix's row at 13 is micro-batch 1's row 2: it fails, and the probe run on demand at 13 takes that
+    row, so the forward check classes the layer's miss there from the probe (rank 20, before the prefix's 23). The
+    reference step 15 is the reference steps' fourth: micro-batch 1's row 1, and the forward check fails there too. At
+    16 the prefix's row is micro-batch 0's row 0, the spared one: nothing fails. A probe fixed on the first row sees
+    nothing at 13 or 15."""
+    from spec.probe import row
+    base = [o for o in PLANTED if not o.startswith(("spec.every=", "train.steps="))]
+    recs = plant(tmp_path, SPARES_ROW0, base=[*base, "spec.every=5", "train.steps=16"], step=13)
+    failed = {r["step"]: first_failure(r) for r in recs if first_failure(r)}
+    assert [row(13, 2, 4), row(15 // 5, 2, 4), row(16, 2, 4)] == [(1, 2), (1, 1), (0, 0)]
+    assert sorted(failed) == [13, 14, 15], failed
+    for t in (13, 15):
+        assert (failed[t]["check"], failed[t]["where"], failed[t]["kind"]) == ("forward", "block0.mlp", "scaled"), failed
+    assert failed[14]["check"] == "prefix", failed
 
 
 @pytest.mark.parametrize("fault", SINGLE)

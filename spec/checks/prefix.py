@@ -20,11 +20,11 @@ reference steps' wired layers run one a block.
 
 What the probe adds and this leaves to the reference steps: the loss (the step's loss sums the whole batch), the
 gradient, the layer reruns that tell a rounding from another function, the exact FP64 reruns. A failure here is one the
-monitor follows with the reference checks at the same step (spec/monitor.py on_demand), which class it — or, where the
-probe's row does not show it (a fault that spares it), this check's own comparison (ForwardCheck.classify); the doctor
-reads this check as the forward check's `family`: a failure here and the forward check's at the same layer are one
-incident. Not under FSDP2 (the weights are shards: gathering them every step is the step's collectives again), nor under
-train.compile (a hook breaks the graph).
+monitor follows with the reference checks at the same step, on the same row (spec/monitor.py on_demand), which class
+it — or, where the probe's positions do not show it (past its first 32: a window), this check's own comparison
+(ForwardCheck.classify); the doctor reads this check as the forward check's `family`: a failure here and the forward
+check's at the same layer are one incident. Not under FSDP2 (the weights are shards: gathering them every step is the
+step's collectives again), nor under train.compile (a hook breaks the graph).
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ from torch import Tensor
 from spec.check import BEFORE, STEP
 from spec.checks.forward import ForwardCheck, logit_bound
 from spec.checks.state import module_state
-from spec.probe import ProbeRun, Taken, kept_layers, routing
+from spec.probe import ProbeRun, Taken, kept_layers, routing, row
 from spec.reference import F64, IGNORE, Keys, Reference, rms_norm
 from spec.tolerance import LAMBDA, u
 
@@ -246,12 +246,6 @@ class Places:
 
     def __getitem__(self, j: int) -> tuple:
         return self.place(j)
-
-
-def row(step: int, micro: int, rows: int) -> tuple[int, int]:
-    """(micro-batch, row) the prefix checks at `step`: the micro-batches in turn, and within them the rows in turn, so
-    every row of every micro-batch comes round once in micro·rows steps (16 in the default job)."""
-    return step % micro, (step // micro) % rows
 
 
 def _rows(x, at: Tensor, j: int):
