@@ -97,7 +97,7 @@ class Verifier:
         out.mkdir(parents=True)
         if seed_records:
             (out / "metrics.jsonl").write_text("".join(json.dumps(r, allow_nan=True) + "\n" for r in seed_records))
-        argv = [*without(self.argv, RUN_CONTROL), f"hydra.run.dir={out}", *QUIET, *overrides]
+        argv = [*without(self.argv, RUN_CONTROL), *self.threads(), f"hydra.run.dir={out}", *QUIET, *overrides]
         cmd = [*self.launcher, "train.py", *argv]
         shown = " ".join(cmd[1:] if cmd[0] == sys.executable else cmd)
         used = sum(x.steps for x in self.launches)
@@ -112,6 +112,14 @@ class Verifier:
             last = (r.stderr.strip() or r.stdout.strip()).splitlines()[-1:] or ["no output"]
             raise VerifyError(f"the {name} run failed ({r.returncode}): {last[0]} (see {out / 'train.log'})")
         return out
+
+    def threads(self) -> list[str]:
+        """The run's intra-op thread count, where its command line did not set it: the rebuild is compared with the
+        run bit for bit, and a CPU matmul's rounding can depend on the count (a run trained under OMP_NUM_THREADS=1,
+        verified from a shell without it, would depart at its first step)."""
+        n = self.env.get("threads")
+        given = any(a.lstrip("+").startswith("threads=") for a in self.argv)
+        return [] if n is None or given else [f"threads={int(n)}"]
 
     # ---- the protocol ------------------------------------------------------------------------------------
     def verify(self) -> dict:

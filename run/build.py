@@ -179,7 +179,10 @@ def write_header(cfg, typed, dist: Dist, run_dir: Path, dataset, model, model_cf
     run_dir.mkdir(parents=True, exist_ok=True)
     # NOTE: atomic: a resume rewrites these, and a full disk must not leave the run a truncated config.yaml
     write_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
-    env = {**versions(), "world": dist.world, "device": str(dist.device), "argv": sys.argv[1:]}
+    # threads: the intra-op count in force (the config's, or torch's default from OMP_NUM_THREADS and the cores): a
+    # CPU matmul's rounding can depend on it, so a rebuild that reproduces the run bit for bit runs with it
+    env = {**versions(), "world": dist.world, "device": str(dist.device), "threads": torch.get_num_threads(),
+           "argv": sys.argv[1:]}
     write_atomic(run_dir / "environment.json", json.dumps(env, indent=1) + "\n")  # for the doctor's report
     print(f"run dir {run_dir} | {dist.world} process(es) on {dist.device} | data {dataset.fingerprint[:12]}")
     print(dataset.describe())

@@ -143,3 +143,22 @@ def test_a_failed_check_is_the_fixs_oracle():
     assert spec_again(target, [other], 80, 89) is None  # another check is not this one's oracle
     target.anomaly = Deviation("loss", "forward", 0, 80, 3.0, 1.0, 9.0)
     assert spec_again(target, recs, 80, 89) is None  # not a check's failure: the doctor's own judgement decides
+
+
+def test_the_rebuild_runs_at_the_runs_thread_count(tmp_path):
+    """A CPU matmul's rounding can depend on the intra-op thread count, and the rebuild is compared with the run bit for
+    bit: the run records the count in force (environment.json; here torch's default under the tests' OMP_NUM_THREADS=1,
+    the config leaving it null) and verify's runs take it — unless the run's own command line set it."""
+    from doctor.verify import Verifier
+    from helpers import SMALL, run_train
+    run_dir = tmp_path / "run"
+    r = run_train(run_dir, *[o for o in SMALL if not o.startswith("threads=")], "train.steps=2", "checkpoint.every=0",
+                  "spec.enabled=false")
+    assert r.returncode == 0, r.stderr[-2000:]
+    env = json.loads((run_dir / "environment.json").read_text())
+    assert env["threads"] == 1
+    v = Verifier(run_dir)
+    v.argv, v.env = env["argv"], env
+    assert v.threads() == ["threads=1"]
+    v.argv = [*env["argv"], "threads=2"]
+    assert v.threads() == []
