@@ -88,6 +88,20 @@ def row(turn: int, micro: int, rows: int) -> tuple[int, int]:
     return turn % micro, (turn // micro) % rows
 
 
+class Calls:
+    """The step's training forwards of `model` so far, counted by a pre-hook (`hook`, for the caller to remove): the
+    micro-batch a layer's call belongs to, `n` (−1 before the first). Activation checkpointing's recompute calls the
+    layers again, not the model: it counts nothing."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.n = -1
+        self.hook = model.register_forward_pre_hook(self._count)
+
+    def _count(self, module, args) -> None:
+        if torch.is_grad_enabled():
+            self.n += 1
+
+
 def run_probe(model, micro, routes, z_coef: float, autocast, loss_scale: float | None, want_grads: bool,
               at: tuple[int, int] = (0, 0)) -> ProbeRun:
     """The training path on the first PROBE_TOKENS positions of row at[1] of micro-batch at[0] (causal: a prefix is a

@@ -95,7 +95,10 @@ SUSTAINED = {"attn_x3_on": ("forward", "block1.attn", "scaled"),
              # block1's attention reads the last 8 positions only: no output among the first 8 changes
              "attn_window_on": ("forward", "block1.attn", "mismatch")}
 # from STEP on, on the second micro-batch's forward only: the probe's row (micro-batch 0's) never sees it
-ONE_MICRO_BATCH = {"mlp_x2_mb1_on": ("prefix", "block0.mlp", "scaled")}
+# block0's MLP on the second micro-batch only, from STEP on: -> (check, place, kind, the steps it fails of 13..16 at
+# spec.every=5: the prefix's micro-batch is t mod 2, off the reference steps; the precision check's t mod 2 every step)
+ONE_MICRO_BATCH = {"mlp_x2_mb1_on": ("prefix", "block0.mlp", "scaled", [13]),
+                   "mlp_bf16_mb1_on": ("precision", "block0.mlp", "coarse", [13, 15])}
 # block0's MLP ×2 from STEP on, on every sequence but the one row 0 of micro-batch 0 holds (by its content: a probe of
 # that sequence's first positions is spared too, a probe of another row's is not)
 SPARES_ROW0 = "mlp_x2_spare_row0_on"
@@ -203,14 +206,16 @@ def plant(name: str, S: int) -> None:
                                                                      enable_gqa=attn1.n_kv_heads != attn1.n_heads)
                 return attn1.proj_out(y.transpose(1, 2).flatten(2))
             attn1.forward = ahead
-        if name == "mlp_x2_mb1_on":
+        if name in ("mlp_x2_mb1_on", "mlp_bf16_mb1_on"):  # the step's second forward: its second micro-batch's
             calls: dict[int, int] = {}
 
             def second(m, a_, out):
                 if not (torch.is_grad_enabled() and Clock.step >= S):
                     return None
                 calls[Clock.step] = calls.get(Clock.step, 0) + 1
-                return out * 2.0 if calls[Clock.step] == 2 else None
+                if calls[Clock.step] != 2:
+                    return None
+                return out * 2.0 if name == "mlp_x2_mb1_on" else out.bfloat16().to(out.dtype)
             self.blocks[0].mlp.register_forward_hook(second)
         if name == SPARES_ROW0:
             seen: list = []

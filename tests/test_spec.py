@@ -132,19 +132,21 @@ def test_a_fault_between_reference_steps_is_found_or_dated_at_its_onset(tmp_path
 
 
 @pytest.mark.parametrize("fault", list(ONE_MICRO_BATCH))
-def test_a_fault_that_spares_the_probes_row_is_met_by_the_prefix_row_in_turn(tmp_path, fault):
-    """block0's MLP output ×2 on the second micro-batch only, from step 13 on (spec.every=5). The reference checks'
-    probe (row 0 of micro-batch 0) never sees it, nor would a prefix on that row; the prefix's row takes the
-    micro-batches in turn (spec/checks/prefix.py row): at 13 it is micro-batch 1's, and the check fails there, at
-    the layer, classed from its own comparison. At 14 and 16 (micro-batch 0) and at the reference step 15 the layers
-    compute their math. The doctor's headline is the fault, at 13."""
+def test_a_fault_on_one_micro_batch_is_met_by_the_checks_that_take_them_in_turn(tmp_path, fault):
+    """block0's MLP output ×2, or rounded to bf16, on the second micro-batch only, from step 13 on (spec.every=5). The
+    reference checks' probe is a forward of its own, which never sees it, nor would a check of the first micro-batch;
+    the prefix's row takes the micro-batches in turn (spec/probe.py row): at 13 it is micro-batch 1's, and the check
+    fails there, at the layer, classed from its own comparison; the precision check samples micro-batch t mod 2, and
+    fails at 13 and 15 on the rounding. At 14 and 16 (micro-batch 0) the layers compute their math. The doctor's
+    headline is the fault, at 13."""
     from spec.probe import row
     base = [o for o in PLANTED if not o.startswith(("spec.every=", "train.steps="))]
     recs = plant(tmp_path, fault, base=[*base, "spec.every=5", "train.steps=16"], step=13)
     failed = {r["step"]: first_failure(r) for r in recs if first_failure(r)}
-    check, where, kind = ONE_MICRO_BATCH[fault]
+    check, where, kind, steps = ONE_MICRO_BATCH[fault]
     assert [row(t, 2, 4)[0] for t in (13, 14, 16)] == [1, 0, 0]
-    assert [(t, f["check"], f["where"], f["kind"]) for t, f in failed.items()] == [(13, check, where, kind)], failed
+    assert [(t, f["check"], f["where"], f["kind"]) for t, f in failed.items()] == [(t, check, where, kind)
+                                                                                   for t in steps], failed
     from doctor.rules import diagnose
     _, diag, _ = diagnose(tmp_path / fault)
     assert (diag.fault_class, diag.step, diag.model_layer) == (failed[13]["class"], 13, where), diag.summary

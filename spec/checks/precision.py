@@ -11,11 +11,12 @@ A normal number (not zero, subnormal or non-finite: loss_grad's) that the dtype'
 low b bits zero by chance, 2^−b, and more often where its terms cancelled (a sum many times smaller than its terms
 keeps their grid: Sterbenz), which no bound from the format alone covers. So the check assumes only that a layer's
 own arithmetic leaves fewer than a quarter of its outputs on the coarser grid (P_OWN), where a cast leaves all of
-them. It takes a strided sample of each layer's output on the step's first micro-batch (kept by a forward hook) and
-fails a layer when more than half of its sampled normal numbers have those bits zero. Out of n of them that happens
-under the recipe with probability at most exp(−n·KL(½‖¼)) (Chernoff), so a layer is judged only when that is at
-most exp(−λ²/2), the failure probability of every other tolerance here (spec/tolerance.py): from MIN_COUNT = 348
-sampled numbers, which the stride leaves wherever the output has twice as many elements. A layer whose sample is
+them. It takes a strided sample of each layer's output on one micro-batch of the step, the micro-batches in turn
+(step t: t mod M, as the prefix check's row; kept by a forward hook), and fails a layer when more than half of its
+sampled normal numbers have those bits zero. Out of n of them that happens under the recipe with probability at
+most exp(−n·KL(½‖¼)) (Chernoff), so a layer is judged only when that is at most exp(−λ²/2), the failure
+probability of every other tolerance here (spec/tolerance.py): from MIN_COUNT = 348 sampled numbers, which the
+stride leaves wherever the output has twice as many elements. A layer whose sample is
 all zero (an output projection at its zero init) is not judged.
 
 The reference forward check names such a layer too (numerics.precision), on reference steps only; this one every
@@ -33,6 +34,7 @@ from torch import Tensor
 
 from spec.check import BEFORE, FORWARD, STEP, Check, Kind
 from spec.checks.final_norm import _tensor, output_layers
+from spec.probe import Calls
 from spec.tolerance import LAMBDA
 
 STORED = {torch.float32: 23, torch.float16: 10, torch.bfloat16: 7}  # significand bits stored, the implicit one not
@@ -81,7 +83,7 @@ def on_coarser_grid(values: torch.Tensor, dtype: torch.dtype) -> bool:
 class PrecisionCheck(Check):
     name, layer, cadence, phase = "precision", FORWARD, STEP, BEFORE
     rank = 22
-    doc = "each layer's output on the first micro-batch uses its dtype's whole significand (no cast down and up)"
+    doc = "each layer's output on a micro-batch (in turn) uses its dtype's whole significand (no cast down and up)"
     kinds = {"coarse": Kind("numerics.precision", "the named layer's output is rounded coarser than its dtype: a "
                                                   "cast down and back (a hook, a kernel in a lower precision)")}
 
@@ -92,7 +94,8 @@ class PrecisionCheck(Check):
 
     def before_forward(self, s) -> None:
         self.samples: dict[str, Tensor] = {}
-        self._hooks = [m.register_forward_hook(self._keep(name)) for name, m in self.layers()]
+        self.mb, self.calls = s.step % len(s.micro), Calls(self.ctx.model)
+        self._hooks = [self.calls.hook, *(m.register_forward_hook(self._keep(name)) for name, m in self.layers())]
 
     def layers(self) -> list[tuple[str, torch.nn.Module]]:
         """Every output the every-step checks read, and the head's logits: a cast there (the loss computed from
@@ -101,7 +104,8 @@ class PrecisionCheck(Check):
 
     def _keep(self, name: str):
         def keep(module, args, out):
-            if name in self.samples:  # the first micro-batch's (a recomputed layer runs again in the backward)
+            # micro-batch mb's call, the first (a recomputed layer runs again in the backward)
+            if self.calls.n != self.mb or name in self.samples:
                 return
             t0 = time.perf_counter()
             y = _tensor(out).detach()

@@ -38,7 +38,7 @@ from torch import Tensor
 from spec.check import BEFORE, STEP
 from spec.checks.forward import ForwardCheck, logit_bound
 from spec.checks.state import module_state
-from spec.probe import ProbeRun, Taken, kept_layers, routing, row
+from spec.probe import Calls, ProbeRun, Taken, kept_layers, routing, row
 from spec.reference import F64, IGNORE, Keys, Reference, rms_norm
 from spec.tolerance import LAMBDA, u
 
@@ -73,20 +73,16 @@ class PrefixCheck(ForwardCheck):
             return
         self.taken, self._unread = Taken(), None
         self.mb, self.row = row(s.step, len(s.micro), s.micro[0].tokens.shape[0])
-        self._call = -1  # the step's training forwards so far: the micro-batch the layers' calls belong to
         kept = {k: m for k, m in kept_layers(self.ctx.model).items() if k != "norm"}
         kept.update({f"block{i}.attn.qkv": b.attn.qkv for i, b in enumerate(self.ctx.model.blocks)})
-        self._hooks = [self.ctx.model.register_forward_pre_hook(self._count)]
+        self.calls = Calls(self.ctx.model)
+        self._hooks = [self.calls.hook]
         self._hooks += [m.register_forward_hook(self._keep(key)) for key, m in kept.items()]
-
-    def _count(self, module, args) -> None:
-        if torch.is_grad_enabled():
-            self._call += 1
 
     def _keep(self, key: str):
         def keep(module, args, out):
             # micro-batch mb's training call, the first (not activation checkpointing's recompute in its backward)
-            if self._call != self.mb or key in self.taken.io or not args or not torch.is_grad_enabled():
+            if self.calls.n != self.mb or key in self.taken.io or not args or not torch.is_grad_enabled():
                 return
             t0 = time.perf_counter()
             try:
