@@ -94,7 +94,6 @@ SUSTAINED = {"attn_x3_on": ("forward", "block1.attn", "scaled"),
              "attn_qk_bf16_on": ("exact", "block1.attn", "precision"),
              # block1's attention reads the last 8 positions only: no output among the first 8 changes
              "attn_window_on": ("forward", "block1.attn", "mismatch")}
-# from STEP on, on the second micro-batch's forward only: the probe's row (micro-batch 0's) never sees it
 # block0's MLP on the second micro-batch only, from STEP on: -> (check, place, kind, the steps it fails of 13..16 at
 # spec.every=5: the prefix's micro-batch is t mod 2, off the reference steps; the precision check's t mod 2 every step)
 ONE_MICRO_BATCH = {"mlp_x2_mb1_on": ("prefix", "block0.mlp", "scaled", [13]),
@@ -217,6 +216,18 @@ def plant(name: str, S: int) -> None:
                     return None
                 return out * 2.0 if name == "mlp_x2_mb1_on" else out.bfloat16().to(out.dtype)
             self.blocks[0].mlp.register_forward_hook(second)
+        if name == "norm_inline":  # from STEP on: the final norm computed inline with ε 0.05, never by the module's call
+            trunk, norm = self._trunk, self.norm
+
+            def inline(*a_, **k_):
+                if not (torch.is_grad_enabled() and Clock.step >= S):
+                    return trunk(*a_, **k_)
+                self.__dict__["norm"] = lambda x: torch.nn.functional.rms_norm(x, (x.shape[-1],), norm.weight, 0.05)
+                try:
+                    return trunk(*a_, **k_)
+                finally:
+                    del self.__dict__["norm"]
+            self._trunk = inline
         if name == SPARES_ROW0:
             seen: list = []
             self.register_forward_pre_hook(lambda m, a_: seen.__setitem__(slice(None), [a_[0]]))

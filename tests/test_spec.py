@@ -131,6 +131,19 @@ def test_a_fault_between_reference_steps_is_found_or_dated_at_its_onset(tmp_path
     assert len(spec) == 1, [d.summary for d in spec]
 
 
+def test_a_final_norm_computed_outside_its_module_fails_at_its_step(tmp_path):
+    """From step 3 the forward computes the final norm inline with another ε (a fused path: no call of the module, so
+    no hook reads it), spec.every=5. The loss_grad check cannot rebuild the gain's gradient without the norm's input:
+    it fails at 3 (kind bypassed, at the norm), where it used to skip the step, and the reference checks run there on
+    demand; nothing fails at 2. Without it nothing failed before the reference step 5."""
+    base = [o for o in PLANTED if not o.startswith("spec.every=")]
+    recs = plant(tmp_path, "norm_inline", base=[*base, "spec.every=5"])
+    fails = recs[S - 1]["spec"]["fail"]
+    assert ("loss_grad", "norm", "bypassed") in [(f["check"], f["where"], f["kind"]) for f in fails], fails
+    assert fails[0]["class"] == "numerics.mismatch", fails
+    assert not recs[S - 2]["spec"]["fail"]
+
+
 @pytest.mark.parametrize("fault", list(ONE_MICRO_BATCH))
 def test_a_fault_on_one_micro_batch_is_met_by_the_checks_that_take_them_in_turn(tmp_path, fault):
     """block0's MLP output ×2, or rounded to bf16, on the second micro-batch only, from step 13 on (spec.every=5). The
