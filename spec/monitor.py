@@ -143,13 +143,12 @@ class Conformance(Callback):
     def on_demand(self, s: StepState, host) -> list[dict]:
         """A step that was not a reference step, which the guard flagged (a statistic left its band) or on which a
         check failed where the step before failed none: its reference checks run now, after its read — the probe
-        re-executes the training path on the row of the step the prefix check read, with the weights the update left, as on any
-        reference step — and their results join the step's record through a host read of their own (such a step's
-        only). So an incident the doctor judges natural is one whose step computed what its specification says, not
-        one no reference check looked at (a rerun of the suspect step, as Megatron-core's rerun state machine does,
-        here by the checks); and a fault an every-step check sees by its consequence (a norm's gain ignored: the
-        gain gets no gradient) is named by the layer that computed otherwise, at its first step. Returns the
-        failures. NOTE: a failure's first step only: a fault that fails every step is probed once, not every step."""
+        re-executes the training path on the row the prefix check read at the step, with the weights the update left,
+        as on any reference step — and their results join the step's record through a host read of their own (such a
+        step's only). So an incident the doctor judges natural is one whose step computed what its specification says,
+        not one no reference check looked at (a rerun of the suspect step, as Megatron-core's rerun state machine does,
+        here by the checks); and a fault an every-step check sees by its consequence (a norm's gain ignored: the gain
+        gets no gradient) is named by the layer that computed otherwise, at its first step. Returns the failures. NOTE: a failure's first step only: a fault that fails every step is probed once, not every step."""
         # NOTE: every rank decides alike (the guard judges the reduced numbers, the failures are every rank's), as the
         # probe's and the pack's collectives need
         failed, failing = bool(s.spec.get("fail")), self._failing == s.step - 1

@@ -2,9 +2,10 @@
 
 On a reference step, after the update (spec/checks/forward.py reads it from after_update): the first positions of one
 row of the step's batch (`row`: the rows of every micro-batch in turn) go through the bare model — the training
-path's own modules, hooks and kernels, under the recipe's autocast, the way the step ran them — with forward hooks that keep what each layer took and
-gave, and its objective is differentiated by autograd (torch.autograd.grad: nothing reaches .grad). The same
-row then goes through spec/reference.py in float64, from the same weights and with the same expert ids.
+path's own modules, hooks and kernels, under the recipe's autocast, the way the step ran them — with forward hooks
+that keep what each layer took and gave, and its objective is differentiated by autograd (torch.autograd.grad:
+nothing reaches .grad). The same positions then go through spec/reference.py in float64, from the same weights and
+with the same expert ids.
 
 NOTE: after the update, not before: the probe is a forward of its own, and telemetry counts every forward of
 the step while its hooks are on (until after_update); a one-shot drill hook is also spent by the step's own

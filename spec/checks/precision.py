@@ -16,8 +16,8 @@ them. It takes a strided sample of each layer's output on one micro-batch of the
 sampled normal numbers have those bits zero. Out of n of them that happens under the recipe with probability at
 most exp(−n·KL(½‖¼)) (Chernoff), so a layer is judged only when that is at most exp(−λ²/2), the failure
 probability of every other tolerance here (spec/tolerance.py): from MIN_COUNT = 348 sampled numbers, which the
-stride leaves wherever the output has twice as many elements. A layer whose sample is
-all zero (an output projection at its zero init) is not judged.
+stride leaves wherever the output has twice as many elements. A layer whose sample is all zero (an output projection
+at its zero init) is not judged.
 
 The reference forward check names such a layer too (numerics.precision), on reference steps only; this one every
 step, from the bits alone, and before the update: the guard can refuse the step. A precision lost inside a layer
