@@ -228,6 +228,19 @@ def plant(name: str, S: int) -> None:
                 finally:
                     del self.__dict__["norm"]
             self._trunk = inline
+        if name == "mlp_inline_on":  # from STEP on: block0's MLP ×1.5, computed outside its module (no call, no hook)
+            block0, mlp0 = self.blocks[0], self.blocks[0].mlp
+            forward0 = block0._forward
+
+            def outside(*a_, **k_):
+                if not (torch.is_grad_enabled() and Clock.step >= S):
+                    return forward0(*a_, **k_)
+                block0.__dict__["mlp"] = lambda h: 1.5 * mlp0.forward(h)
+                try:
+                    return forward0(*a_, **k_)
+                finally:
+                    del block0.__dict__["mlp"]
+            block0._forward = outside
         if name == SPARES_ROW0:
             seen: list = []
             self.register_forward_pre_hook(lambda m, a_: seen.__setitem__(slice(None), [a_[0]]))

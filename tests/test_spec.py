@@ -131,15 +131,21 @@ def test_a_fault_between_reference_steps_is_found_or_dated_at_its_onset(tmp_path
     assert len(spec) == 1, [d.summary for d in spec]
 
 
-def test_a_final_norm_computed_outside_its_module_fails_at_its_step(tmp_path):
-    """From step 3 the forward computes the final norm inline with another ε (a fused path: no call of the module, so
-    no hook reads it), spec.every=5. The loss_grad check cannot rebuild the gain's gradient without the norm's input:
-    it fails at 3 (kind bypassed, at the norm), where it used to skip the step, and the reference checks run there on
-    demand; nothing fails at 2. Without it nothing failed before the reference step 5."""
+@pytest.mark.parametrize("fault", ["norm_inline", "mlp_inline_on"])
+def test_a_layer_computed_outside_its_module_fails_at_its_step(tmp_path, fault):
+    """From step 3 the forward computes a layer otherwise, outside its module (a fused path: no call of the module, so
+    no hook reads it), spec.every=5: the final norm with another ε, or block0's MLP ×1.5. The loss_grad check cannot
+    rebuild the gain's gradient without the norm's input, nor the prefix check hold a layer it never saw: each fails at
+    3 (the norm: loss_grad, kind bypassed; the MLP: prefix, naming it), where both used to skip the step, and the
+    reference checks run there on demand; nothing fails at 2. Before, nothing failed until the reference step 5."""
     base = [o for o in PLANTED if not o.startswith("spec.every=")]
-    recs = plant(tmp_path, "norm_inline", base=[*base, "spec.every=5"])
+    recs = plant(tmp_path, fault, base=[*base, "spec.every=5"])
     fails = recs[S - 1]["spec"]["fail"]
-    assert ("loss_grad", "norm", "bypassed") in [(f["check"], f["where"], f["kind"]) for f in fails], fails
+    got = [(f["check"], f["where"], f["kind"]) for f in fails]
+    if fault == "norm_inline":
+        assert ("loss_grad", "norm", "bypassed") in got, fails
+    else:
+        assert any(c == "prefix" and "block0.mlp" in w for c, w, _ in got), fails
     assert fails[0]["class"] == "numerics.mismatch", fails
     assert not recs[S - 2]["spec"]["fail"]
 
