@@ -85,7 +85,9 @@ MODEL_BUILDS = {
 FLAGGED = {"flagged": None, "attn_x3_flagged": ("forward", "block1.attn", "scaled")}
 # at STEP, between reference steps (spec.every=5): a check that runs every step fails there (tests/test_spec.py)
 BETWEEN = {"route_flip": FAULTS["route_flip"], "mlp_bf16": ("precision", "block0.mlp", "coarse"),
-           "logits_bf16": ("precision", "head", "coarse")}
+           "logits_bf16": ("precision", "head", "coarse"),
+           # a token mid-row changed inside the forward: past the prefix's first and last positions, in its embedding's
+           "token_mid": ("prefix", "emb", "mismatch")}
 # from STEP on, for a check that runs every few steps: tests/test_spec.py dates it
 SUSTAINED = {"attn_x3_on": ("forward", "block1.attn", "scaled"),
              "attn_bf16_on": ("forward", "block1.attn", "precision"),  # q, k, v in bf16: the output RMS as it was
@@ -216,6 +218,14 @@ def plant(name: str, S: int) -> None:
                     return None
                 return out * 2.0 if name == "mlp_x2_mb1_on" else out.bfloat16().to(out.dtype)
             self.blocks[0].mlp.register_forward_hook(second)
+        if name == "token_mid":  # at STEP: every row's middle token, as the embedding reads it, the next id
+            def other(m, a_):
+                if not at():
+                    return None
+                tokens, mid = a_[0].clone(), a_[0].shape[1] // 2
+                tokens[:, mid] = (tokens[:, mid] + 1) % m.num_embeddings
+                return (tokens,)
+            self.tok_emb.register_forward_pre_hook(other)
         if name == "norm_inline":  # from STEP on: the final norm computed inline with ε 0.05, never by the module's call
             trunk, norm = self._trunk, self.norm
 

@@ -60,10 +60,12 @@ def planted(tmp_path_factory) -> dict:
 
 @pytest.mark.parametrize("fault", list(BETWEEN))
 def test_a_check_that_reads_the_steps_own_forward_fails_between_reference_steps(tmp_path, fault):
-    """The route and precision checks read the step's own forward, every step: a top-k flipped at step 3, or a layer's
-    output rounded to bf16 there, fails its check at 3 with spec.every=5 (whose reference steps are 1 and 5), before
-    the update; the step before held it. The reference checks then run on that step too (on demand), and whatever
-    they name first is of the same class (the forward check's precision, at the same layer)."""
+    """The route, precision and prefix checks read the step's own forward, every step: a top-k flipped at step 3, a
+    layer's output rounded to bf16 there, or a token mid-row changed as the embedding reads it (past the prefix's
+    positions: its embedding's output is held over the whole row), fails its check at 3 with spec.every=5 (whose
+    reference steps are 1 and 5), before the update; the step before held it. The reference checks then run on that
+    step too (on demand), and whatever they name first is of the same class (the forward check's precision, at the
+    same layer)."""
     base = [o for o in PLANTED if not o.startswith("spec.every=")]
     recs = plant(tmp_path, fault, base=[*base, "spec.every=5"])
     check, where, kind = BETWEEN[fault]

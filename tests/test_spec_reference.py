@@ -102,7 +102,7 @@ def test_the_prefix_check_runs_the_blocks_as_one_group_with_the_forward_checks_f
     prefix = PrefixCheck(ctx)
     w, stacks = prefix._weights()
     groups = set(stacks)
-    names, err, tol, _, places = prefix.rows(Reference(cfg, w, run.bias, stacks), run, torch.arange(16))
+    names, err, tol, _, places = prefix.rows(Reference(cfg, w, run.bias, stacks), run, torch.arange(16), run.tokens)
     assert set(stacks) == groups  # every group read from the copy's own stacks: none stacked again
     wired = list(ForwardCheck(ctx).layers(Reference(cfg, weights_f64(model), run.bias), run))[:-1]  # not the loss
     assert names == [r[0] for r in wired]

@@ -1,7 +1,7 @@
 """prefix: every layer of the step's own forward computes its math — on the steps between the reference steps, on
-HEAD + TAIL positions of one row of the step's batch: its first and its last. The row moves with the step (`row`),
-over every micro-batch and every row of it, so a fault that spares some rows (one micro-batch's, a row's tokens) is
-met within a few steps, where a fixed row would never meet it.
+HEAD + TAIL positions of one row of the step's batch: its first and its last (the embedding's output, a lookup, over
+the whole row). The row moves with the step (`row`), over every micro-batch and every row of it, so a fault that spares
+some rows (one micro-batch's, a row's tokens) is met within a few steps, where a fixed row would never meet it.
 
 The forward check (spec/checks/forward.py) holds every layer to the FP64 reference on reference steps only, every
 spec.every steps: a fault that begins between two of them shows at the next one, up to spec.every − 1 steps late, and a
@@ -94,6 +94,8 @@ class PrefixCheck(ForwardCheck):
                     self.taken.io[key] = (None, out.detach()[j:j + 1, :, skip:].clone())
                 elif key.endswith(".attn") and key + ".qkv" not in self.taken.io:
                     self.taken.io[key] = (args[0].detach()[j:j + 1].clone(), _rows(out, at, j))
+                elif key == "emb":  # a lookup: the whole row, held to the specification's tokens (PrefixCheck.rows)
+                    self.taken.io[key] = (None, out.detach()[j:j + 1].clone())
                 else:
                     self.taken.io[key] = (_rows(args[0], at, j), _rows(out, at, j))
             except (IndexError, TypeError, AttributeError) as e:  # the step's forward goes on: the check fails
@@ -120,7 +122,7 @@ class PrefixCheck(ForwardCheck):
         w, stacks = self._weights()
         at = self.at(mb.tokens.shape[1], mb.tokens.device)
         run = ProbeRun(mb.tokens[j:j + 1, at], mb.labels[j:j + 1, at], taken, {}, None, ids, w, bias)
-        names, err, tol, scale, self.places = self.rows(Reference(c, w, bias, stacks), run, at)
+        names, err, tol, scale, self.places = self.rows(Reference(c, w, bias, stacks), run, at, mb.tokens[j:j + 1])
         self.measure(err, tol, where=names)
         # every layer's miss relative to its output, every step between the reference steps: the series that dates a
         # failure of the exact check (a rounding inside a module that stays within the recipe's bound, which no
@@ -135,13 +137,17 @@ class PrefixCheck(ForwardCheck):
         return self._at[1]
 
     @torch.no_grad()
-    def rows(self, ref: Reference, run: ProbeRun, at: Tensor) -> tuple[list[str], Tensor, Tensor, Tensor, "Places"]:
+    def rows(self, ref: Reference, run: ProbeRun, at: Tensor,
+             tokens: Tensor) -> tuple[list[str], Tensor, Tensor, Tensor, "Places"]:
         """The forward check's layers (its names, misses, tolerances and scales, spec/checks/forward.py) on the kept rows,
         every block at once: each is fed its own input here (no gradient wires them), so the blocks' attentions are
         one group of the reference (row i of the group, block i on its input: spec/reference.py Reference.layer),
         and so are the dense MLPs, the norms and the comparisons — an op a group where the forward check's layers
         run one a block. The MoE layers run one by one (their cost is their experts' FLOPs, not their ops'). The
-        rows are at positions `at` of the sequence (an attention's input kept whole: PrefixCheck.keys)."""
+        rows are at positions `at` of the sequence (an attention's input kept whole: PrefixCheck.keys); the embedding's
+        output is held to `tokens`, the row's whole sequence as the specification gives it (the data check's): a
+        lookup is exact wherever it is right, so every position is checked for the cost of a gather — a token or an
+        embedding row changed inside the forward shows wherever in the row it lies."""
         c, io = self.ctx.model_cfg, run.taken.io
         every = tuple(range(c.n_layers))
         dense = tuple(i for i in every if not ref.is_moe(i))
@@ -153,7 +159,7 @@ class PrefixCheck(ForwardCheck):
         keys = self.keys(ref, io, at)
         m_in, m_out = stacked(".mlp", 0), stacked(".mlp", 1, lambda v: v.y if hasattr(v, "y") else v)
         u_p = u(getattr(torch, self.ctx.cfg.parallel.param_dtype, torch.float32))
-        emb = self.compare(io["emb"][1].to(F64), ref.embed(run.tokens), torch.full((), LAMBDA * u_p, dtype=F64))
+        emb = self.compare(io["emb"][1].to(F64), ref.embed(tokens), torch.full((), LAMBDA * u_p, dtype=F64))
 
         qk = {}
         attn = ref.attention(every, a_in, keep=qk, keys=keys)
