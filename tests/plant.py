@@ -86,8 +86,8 @@ FLAGGED = {"flagged": None, "attn_x3_flagged": ("forward", "block1.attn", "scale
 # at STEP, between reference steps (spec.every=5): a check that runs every step fails there (tests/test_spec.py)
 BETWEEN = {"route_flip": FAULTS["route_flip"], "mlp_bf16": ("precision", "block0.mlp", "coarse"),
            "logits_bf16": ("precision", "head", "coarse"),
-           # a token mid-row changed inside the forward: past the prefix's first and last positions, seen in its embedding's
-           # output, which it holds over the whole row
+           # a token mid-row changed inside the forward: past the prefix's first and last positions, seen in its
+           # embedding's output, which it holds over the whole row
            "token_mid": ("prefix", "emb", "mismatch")}
 # from STEP on, for a check that runs every few steps: tests/test_spec.py dates it
 SUSTAINED = {"attn_x3_on": ("forward", "block1.attn", "scaled"),
