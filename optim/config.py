@@ -103,16 +103,17 @@ class MuonConfig:
     nesterov: bool = True      # U = G + mu*M (false: U = M)
     ns_steps: int = 5          # Newton-Schulz quintic iterations
     rms_scale: float = 0.2     # update = rms_scale * sqrt(max(m, n)) * NS5(U): RMS ~ rms_scale, like AdamW's
-    # NS5's matmuls in float32, or bfloat16 as Jordan's reference runs them (faster on a CPU with AMX or
-    # AVX512-BF16; the orthogonal factor only needs its singular values near 1, not float32 digits)
-    ns_dtype: str = "float32"   # float32 | bfloat16
+    # NS5's matmuls in float32, or bfloat16 as Jordan's reference runs them (the orthogonal factor only needs its
+    # singular values near 1, not float32 digits); auto: bfloat16 where the device multiplies it natively, float32
+    # where it would be emulated, slower than float32 (optim/muon.py ns_dtype_for)
+    ns_dtype: str = "float32"   # float32 | bfloat16 | auto
     adamw: list[str] = field(default_factory=list)  # fnmatch patterns of extra parameters left to AdamW
 
     def __post_init__(self) -> None:
         check(0 <= self.momentum < 1, "optim.muon.momentum", self.momentum, "must be in [0, 1)")
         check(self.ns_steps >= 1, "optim.muon.ns_steps", self.ns_steps, "must be an integer >= 1")
         check(self.rms_scale > 0, "optim.muon.rms_scale", self.rms_scale, "must be > 0")
-        choice("optim.muon.ns_dtype", self.ns_dtype, ("float32", "bfloat16"))
+        choice("optim.muon.ns_dtype", self.ns_dtype, ("float32", "bfloat16", "auto"))
 
 
 @dataclass

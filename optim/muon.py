@@ -36,8 +36,20 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from precision.units import native_bf16
+
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
 NS_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def ns_dtype_for(setting: str, device: torch.device | str) -> tuple[str, str]:
+    """optim.muon.ns_dtype on `device` (auto resolved), and why, one clause. bfloat16 saves only time, and only where
+    the device multiplies it natively: elsewhere its emulated matmuls make NS5 slower than in float32, and NS5 is
+    most of a Muon step on a small model."""
+    if setting != "auto":
+        return setting, f"optim.muon.ns_dtype={setting}"
+    native, fact = native_bf16(device)
+    return ("bfloat16" if native else "float32"), f"auto: {fact}"
 
 
 def newton_schulz5(G: Tensor, steps: int = 5, eps: float = 1e-7, dtype: torch.dtype = torch.float32) -> Tensor:
