@@ -11,7 +11,7 @@ import torch.nn as nn
 
 from optim.config import OptimConfig
 from optim.groups import build_param_groups
-from optim.muon import Muon, fused_row_splits, split_groups
+from optim.muon import Muon, fused_row_splits, ns_dtype_for, split_groups
 from run.config_errors import typed
 
 
@@ -48,7 +48,8 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> tuple[torch.optim.Opt
         groups, table = split_groups(model, groups, table, list(mc.adamw))
         opt = Muon(groups, lr=float(cfg.lr), betas=betas, eps=eps, weight_decay=float(cfg.weight_decay),
                    row_splits=fused_row_splits(model), momentum=float(mc.momentum), nesterov=bool(mc.nesterov),
-                   ns_steps=int(mc.ns_steps), rms_scale=float(mc.rms_scale), ns_dtype=str(mc.ns_dtype))
+                   ns_steps=int(mc.ns_steps), rms_scale=float(mc.rms_scale),
+                   ns_dtype=ns_dtype_for(str(mc.ns_dtype), params[0].device)[0])
         return opt, table
     table = [{**row, "optimizer": "adamw"} for row in table]
     fused = _fused_supported(params)

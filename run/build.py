@@ -124,9 +124,6 @@ def build_run(cfg: DictConfig, dist: Dist) -> Run:
     compile_ = decide(typed.train.compile, dist.device, typed.train.steps)
     if compile_.on:  # fuses the elementwise ops between matmuls (norms, RoPE, SwiGLU, loss)
         wrapped = compile_model(wrapped, announce=dist.is_main)
-    # NOTE: resolved in the typed config, before the optimizer and the checks read it; config.yaml keeps the setting
-    ns = typed.optim.muon
-    ns.ns_dtype, ns_why = ns_dtype_for(ns.ns_dtype, dist.device)
     optimizer, group_table = build_optimizer(model, typed.optim)
     scheduler = build_scheduler(optimizer, typed.optim.schedule, typed.train.steps)
     scaler = recipe.make_scaler()  # None unless fp16
@@ -163,8 +160,8 @@ def build_run(cfg: DictConfig, dist: Dist) -> Run:
     if dist.is_main:
         write_header(cfg, typed, dist, run_dir, dataset, model, model_cfg, group_table, recipe)
         print(compile_.line())
-        if typed.optim.name == "muon":
-            print(f"optim.muon.ns_dtype: {ns.ns_dtype} ({ns_why})")
+        if typed.optim.name == "muon":  # the optimizer and the optimizer check resolve it alike (optim/muon.py)
+            print("optim.muon.ns_dtype: {} ({})".format(*ns_dtype_for(typed.optim.muon.ns_dtype, dist.device)))
     sinks = build_sinks(typed.logging, run_dir, typed.train.steps, floor, typed.run_name, config) if dist.is_main else []
     guard.ckpt = ckpt
     if spec is not None:  # a rollback's restored state and its data policy are the plan the checks go on from

@@ -7,6 +7,9 @@ import torch
 
 import precision.units as units
 from bench.config import compose_config
+from model import ModelConfig, Transformer
+from optim import build_optimizer
+from optim.config import MuonConfig, OptimConfig
 from optim.muon import ns_dtype_for
 from precision.units import native_bf16
 from helpers import SMALL, run_train
@@ -40,6 +43,15 @@ def test_an_explicit_dtype_wins(monkeypatch):
 
 def test_the_speedrun_leaves_it_to_the_device():
     assert compose_config(["+experiment=speedrun", "data.path=x.txt"]).optim.muon.ns_dtype == "auto"
+
+
+def test_the_optimizer_resolves_it_wherever_it_is_built(monkeypatch):
+    """build_optimizer is what the benches build too (bench/config.py): auto never reaches NS5 unresolved."""
+    model = Transformer(ModelConfig(vocab_size=16, seq_len=8, d_model=32, n_layers=1, n_heads=2))
+    for flags, want in (({"avx512_bf16"}, "bfloat16"), (set(), "float32")):
+        monkeypatch.setattr(units, "cpu_flags", lambda: frozenset(flags))
+        opt, _ = build_optimizer(model, OptimConfig(name="muon", muon=MuonConfig(ns_dtype="auto")))
+        assert {g["ns_dtype"] for g in opt.param_groups} == {want}
 
 
 def test_a_run_uses_what_auto_resolved_to(tmp_path):

@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from optim.groups import group_of
+from optim.muon import ns_dtype_for
 from spec.check import AFTER, STEP, SYSTEM, UPDATE, Check, Kind, on_device
 from spec.checks.precision import on_coarser_grid
 from spec.muon_ref import orthogonalised, row_parts
@@ -178,7 +179,8 @@ class OptimizerCheck(Check):
         if self.w_before is None:
             return
         mc = self.ctx.cfg.optim.muon
-        u_ns = u(getattr(torch, mc.ns_dtype))
+        dtype, _ = ns_dtype_for(mc.ns_dtype, self.params[0][1].device)  # the step's own: auto resolved as Muon's
+        u_ns = u(getattr(torch, dtype))
         self.ortho = {}
         for n, p, _, _, kind in self.params:
             st = self.ctx.optimizer.state.get(p, {})
