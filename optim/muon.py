@@ -136,10 +136,14 @@ class Muon(torch.optim.Optimizer):
                  weight_decay: float = 0.0, row_splits: dict[int, list[int]] | None = None,
                  ns_dtype: str = "float32"):
         defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps, rms_scale=rms_scale,
-                        betas=betas, eps=eps, weight_decay=weight_decay, optimizer="adamw", ns_dtype=ns_dtype)
+                        betas=betas, eps=eps, weight_decay=weight_decay, optimizer="adamw")
         super().__init__(groups, defaults)
         # NOTE: keyed by the parameter's identity, not saved: derived from the model, like the groups.
         self.row_splits = row_splits or {}
+        # NOTE: not a group's hyperparameter, so not saved: a speed choice of the machine the step runs on
+        # (optim.muon.ns_dtype=auto, ns_dtype_for), made again by a resume on another one, where a checkpoint's
+        # would carry an emulated bfloat16 over
+        self.ns_dtype = NS_DTYPES[ns_dtype]
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -156,7 +160,7 @@ class Muon(torch.optim.Optimizer):
 
     def _muon(self, group: dict) -> None:
         lr, wd, mu = group["lr"], group["weight_decay"], group["momentum"]
-        steps, scale, dtype = group["ns_steps"], group["rms_scale"], NS_DTYPES[group.get("ns_dtype", "float32")]
+        steps, scale, dtype = group["ns_steps"], group["rms_scale"], self.ns_dtype
         params = [p for p in group["params"] if p.grad is not None]
         for p in params:
             if "momentum_buffer" not in self.state[p]:

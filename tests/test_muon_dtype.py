@@ -51,7 +51,20 @@ def test_the_optimizer_resolves_it_wherever_it_is_built(monkeypatch):
     for flags, want in (({"avx512_bf16"}, "bfloat16"), (set(), "float32")):
         monkeypatch.setattr(units, "cpu_flags", lambda: frozenset(flags))
         opt, _ = build_optimizer(model, OptimConfig(name="muon", muon=MuonConfig(ns_dtype="auto")))
-        assert {g["ns_dtype"] for g in opt.param_groups} == {want}
+        assert opt.ns_dtype == getattr(torch, want)
+
+
+def test_a_resume_keeps_this_machines_choice():
+    """The dtype is not in the optimizer's state: a checkpoint written where bfloat16 was native, resumed where it is
+    emulated, runs float32 there (and the optimizer check, which resolves it alike, bounds that)."""
+    model = Transformer(ModelConfig(vocab_size=16, seq_len=8, d_model=32, n_layers=1, n_heads=2))
+    there, _ = build_optimizer(model, OptimConfig(name="muon", muon=MuonConfig(ns_dtype="bfloat16")))
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    there.step()
+    here, _ = build_optimizer(model, OptimConfig(name="muon", muon=MuonConfig(ns_dtype="float32")))
+    here.load_state_dict(there.state_dict())
+    assert here.ns_dtype == torch.float32 and "ns_dtype" not in here.state_dict()["param_groups"][0]
 
 
 def test_a_run_uses_what_auto_resolved_to(tmp_path):
