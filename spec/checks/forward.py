@@ -160,10 +160,12 @@ class ForwardCheck(Check):
         c, u_in = self.ctx.model_cfg, self.u_in()
         return LAMBDA * (stage(c.d_model, u_in) + stage(c.ffn_hidden, u_in) + EW)
 
-    def moe_tolerance(self, ref: Reference, i: int, x: Tensor) -> Tensor:
-        """MoE layer i's relative tolerance on its input rows x (FP64): the router's logits set its softmax's."""
+    def moe_tolerance(self, ref: Reference, i: int, x: Tensor, logits: Tensor | None = None) -> Tensor:
+        """MoE layer i's relative tolerance on its input rows x (FP64): the router's logits set its softmax's (given:
+        the reference's own on x, MoEParts.logits)."""
         c, u_in = self.ctx.model_cfg, self.u_in()
-        router_max = (x @ ref.p(f"blocks.{i}.mlp.router.weight").T).abs().max()
+        logits = x @ ref.p(f"blocks.{i}.mlp.router.weight").T if logits is None else logits
+        router_max = logits.detach().abs().max()
         return LAMBDA * (stage(c.d_model, U32) * (1 + router_max) + stage(c.d_model, u_in)
                          + stage(c.moe.expert_hidden, u_in) + EW)
 

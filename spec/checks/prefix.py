@@ -172,7 +172,7 @@ class PrefixCheck(ForwardCheck):
         for i in every:
             if i not in dense:
                 moe[i] = ref.moe(i, m_in[i], run.ids.get(i), valid, aux=False)
-                mlp[i], rel_mlp[i] = moe[i].y, self.moe_tolerance(ref, i, m_in[i])
+                mlp[i], rel_mlp[i] = moe[i].y, self.moe_tolerance(ref, i, m_in[i], moe[i].logits)
         n1 = rms_norm(x_in, ref.gain(every, "attn_norm.weight", x_in), c.norm_eps)
         n2 = rms_norm(x_out - m_out, ref.gain(every, "mlp_norm.weight", x_out), c.norm_eps)
 
