@@ -161,7 +161,8 @@ def build_run(cfg: DictConfig, dist: Dist) -> Run:
         write_header(cfg, typed, dist, run_dir, dataset, model, model_cfg, group_table, recipe)
         print(compile_.line())
         if typed.optim.name == "muon":  # the optimizer and the optimizer check resolve it alike (optim/muon.py)
-            print("optim.muon.ns_dtype: {} ({})".format(*ns_dtype_for(typed.optim.muon.ns_dtype, dist.device)))
+            dtype, why = ns_dtype_for(typed.optim.muon.ns_dtype, dist.device)
+            print(f"optim.muon.ns_dtype: {dtype} ({why})")
     sinks = build_sinks(typed.logging, run_dir, typed.train.steps, floor, typed.run_name, config) if dist.is_main else []
     guard.ckpt = ckpt
     if spec is not None:  # a rollback's restored state and its data policy are the plan the checks go on from

@@ -148,7 +148,8 @@ class Conformance(Callback):
         step's only). So an incident the doctor judges natural is one whose step computed what its specification says,
         not one no reference check looked at (a rerun of the suspect step, as Megatron-core's rerun state machine does,
         here by the checks); and a fault an every-step check sees by its consequence (a norm's gain ignored: the gain
-        gets no gradient) is named by the layer that computed otherwise, at its first step. Returns the failures. NOTE: a failure's first step only: a fault that fails every step is probed once, not every step."""
+        gets no gradient) is named by the layer that computed otherwise, at its first step. Returns the failures.
+        NOTE: a failure's first step only: a fault that fails every step is probed once, not every step."""
         # NOTE: every rank decides alike (the guard judges the reduced numbers, the failures are every rank's), as the
         # probe's and the pack's collectives need
         failed, failing = bool(s.spec.get("fail")), self._failing == s.step - 1
