@@ -5,6 +5,11 @@ import pytest
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
+if "PYTEST_XDIST_WORKER" in os.environ:
+    # NOTE: a worker a core (pyproject.toml's -n auto): a second intra-op thread in each would only wait for a core
+    # the other worker holds (the one_thread fixture below). Set before torch is imported, so the runs the tests
+    # launch inherit it as well (tests/helpers.py env() sets the same).
+    os.environ["OMP_NUM_THREADS"] = "1"
 
 
 def pytest_collection_modifyitems(config, items):

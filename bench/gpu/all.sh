@@ -69,7 +69,7 @@ if [[ $DRY == 1 ]]; then
   part quant_fused 300 "$PY" -m bench.speed.quant_fused --device cpu --quick --json "$RES/quant_fused.json" \
     --out "$RES/quant_fused.md"
   part spec 300 "$PY" -m bench.gpu.spec_clean --dry-run --only fp32 --json "$RES/gpu_spec.json" --out "$RES/gpu_spec.md"
-  part gpu_tests 300 "$PY" -m pytest -q -m gpu tests/test_precision_recipes.py tests/test_precision_quant.py
+  part gpu_tests 300 "$PY" -m pytest -q -n 0 -m gpu tests/test_precision_recipes.py tests/test_precision_quant.py
 else
   # The caps (the table's included) sum to 620 s: the 11 minutes less the CUDA check and the device line
   # before the first part (an import of torch each), with margin. What was cut, and why:
@@ -93,7 +93,8 @@ else
     --out "$RES/quant_fused.md"
   # 9 launches of train.py, 24 steps each, a reference step every 2 (one with a cold compile)
   part spec 180 "$PY" -m bench.gpu.spec_clean --steps 24 --json "$RES/gpu_spec.json" --out "$RES/gpu_spec.md"
-  part gpu_tests 45 "$PY" -m pytest -q -m gpu tests/
+  # -n 0: in one process, as the timed parts run: one GPU, not a worker per CPU core contending for it
+  part gpu_tests 45 "$PY" -m pytest -q -n 0 -m gpu tests/
 fi
 part table 15 "$PY" -m bench.gpu.table "$RES" --out "$RES/gpu_table.md" $([[ $DRY == 1 ]] && echo --dry-run)
 
